@@ -1,0 +1,420 @@
+"""Typed configuration: the model, the device mesh and the training run.
+
+Two on-disk forms load to the same objects:
+
+* **modern JSON** — sections ``{"model": {...}, "mesh": {...}, "train": {...}}`` whose keys are
+  the dataclass field names below;
+* **legacy mesh-transformer-jax JSON** — one flat dict (``layers``, ``d_model``, ``pe_rotary_dims``,
+  ``cores_per_replica`` …), recognised by its ``layers``/``d_model`` keys at the top level.
+
+Every problem is reported as a :class:`ConfigError` that names the offending field and says how
+to fix it; unknown keys are rejected by name rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+MESH_AXES = ("data", "fsdp", "model")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or inconsistent."""
+
+
+def _suggest(name: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a GPT-J model."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    rotary_dim: int
+    vocab_size: int
+    max_len: int = 2048
+    d_ff: int | None = None  # None: 4 * d_model, as GPT-J
+    layer_norm_eps: float = 1e-5
+    dtype: str = "bfloat16"  # compute dtype of activations and matmuls
+    param_dtype: str = "float32"  # storage dtype of the parameters
+    scan_layers: bool = True  # nn.scan over the blocks: compile time independent of depth
+    remat_policy: str = "none"  # one of REMAT_POLICIES
+
+    def __post_init__(self):
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def compute_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self):
+        return DTYPES[self.param_dtype]
+
+    def validate(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "rotary_dim", "vocab_size", "max_len", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
+                f"choose n_heads among the divisors of d_model (e.g. {_divisors_near(self.d_model, self.n_heads)})"
+            )
+        if self.rotary_dim % 2:
+            raise ConfigError(
+                f"model.rotary_dim={self.rotary_dim} must be even (rotary rotates pairs of dimensions)"
+            )
+        if self.rotary_dim > self.head_dim:
+            raise ConfigError(
+                f"model.rotary_dim={self.rotary_dim} exceeds the head dimension "
+                f"d_model/n_heads={self.head_dim}: use rotary_dim <= {self.head_dim}"
+            )
+        if not (isinstance(self.layer_norm_eps, (int, float)) and self.layer_norm_eps > 0):
+            raise ConfigError(f"model.layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} is not one of {sorted(DTYPES)}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ConfigError(f"model.remat_policy={self.remat_policy!r} is not one of {list(REMAT_POLICIES)}")
+        if not isinstance(self.scan_layers, bool):
+            raise ConfigError(f"model.scan_layers must be true or false, got {self.scan_layers!r}")
+
+    def validate_for_mesh(self, mesh_shape: Mapping[str, int]) -> None:
+        """Check that the tensors the rules shard divide evenly over ``mesh_shape``."""
+        desc = "(" + ", ".join(f"{a}={mesh_shape[a]}" for a in MESH_AXES) + ")"
+        tp = mesh_shape["model"]
+        for name, value in (("n_heads", self.n_heads), ("d_ff", self.d_ff), ("vocab_size", self.vocab_size)):
+            if value % tp:
+                raise ConfigError(
+                    f"model.{name}={value} is not divisible by the 'model' mesh axis of size {tp} "
+                    f"in mesh {desc}: pick a 'model' size that divides {value}"
+                    + (" or pad the vocabulary to a multiple of it" if name == "vocab_size" else "")
+                )
+        fsdp = mesh_shape["fsdp"]
+        if self.d_model % fsdp:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by the 'fsdp' mesh axis of size {fsdp} "
+                f"in mesh {desc}: pick an 'fsdp' size that divides d_model"
+            )
+
+    def param_count(self) -> int:
+        """Dense parameter count, computed from the shapes alone."""
+        d, f, v = self.d_model, self.d_ff, self.vocab_size
+        per_layer = 4 * d * d + (d * f + f) + (f * d + d) + 2 * d
+        return v * d + self.n_layers * per_layer + 2 * d + (d * v + v)
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward): 6·N plus attention scores."""
+        seq = seq_len or self.max_len
+        n_matmul = self.param_count() - self.vocab_size * self.d_model  # the lookup is no matmul
+        return 6.0 * n_matmul + 12.0 * self.n_layers * self.d_model * seq
+
+
+def _divisors_near(n: int, target: int) -> list[int]:
+    divs = [k for k in range(1, n + 1) if n % k == 0]
+    return sorted(divs, key=lambda k: abs(k - target))[:3]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh shape over axes (data, fsdp, model); -1 means "all remaining devices"."""
+
+    data: int = 1
+    fsdp: int = -1
+    model: int = 1
+
+    def __post_init__(self):
+        shape = self.shape
+        for axis, size in zip(MESH_AXES, shape):
+            if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+                raise ConfigError(f"mesh.{axis} must be a positive integer or -1, got {size!r}")
+        if shape.count(-1) > 1:
+            raise ConfigError(f"mesh {shape}: at most one axis may be -1 (the remaining devices)")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.model)
+
+    @classmethod
+    def parse(cls, text: str) -> "MeshConfig":
+        """Parse ``"data,fsdp,model"`` such as ``"2,-1,4"``."""
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) != 3:
+            raise ConfigError(f"--mesh {text!r}: expected three comma-separated sizes data,fsdp,model")
+        try:
+            sizes = [int(p) for p in parts]
+        except ValueError:
+            raise ConfigError(f"--mesh {text!r}: sizes must be integers (or -1)") from None
+        return cls(*sizes)
+
+    def resolve(self, n_devices: int) -> tuple[int, int, int]:
+        """The concrete shape for ``n_devices`` devices."""
+        shape = list(self.shape)
+        fixed = math.prod(s for s in shape if s != -1)
+        if -1 in shape:
+            if n_devices % fixed:
+                raise ConfigError(
+                    f"mesh {self.shape}: the fixed axes use {fixed} devices, which does not divide "
+                    f"the {n_devices} available"
+                )
+            shape[shape.index(-1)] = n_devices // fixed
+        elif fixed > n_devices:
+            raise ConfigError(f"mesh {self.shape} needs {fixed} devices but only {n_devices} are available")
+        return tuple(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The training run. Fields mirror the legacy keys; see ``LEGACY_KEYS``."""
+
+    batch_size: int | None = None  # global sequences per micro-batch; or derive from per_replica_batch
+    per_replica_batch: int | None = None  # legacy: sequences per model replica (data-parallel rank)
+    seq_len: int | None = None  # None: the model's max_len
+    grad_accum_steps: int = 1
+    total_steps: int = 1000
+    warmup_steps: int = 100
+    anneal_steps: int = 900
+    lr: float = 1e-4
+    end_lr: float = 1e-5
+    weight_decay: float = 0.1
+    z_loss: float = 0.0
+    seed: int = 0
+    run_dir: str = "runs/default"
+    train_set: str | None = None
+    val_set: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    val_every: int = 500
+    val_batches: int = 10
+    ckpt_every: int = 500
+    keep_last: int = 2
+    keep_every: int | None = None
+    eval_harness_tasks: tuple[str, ...] = ()
+    name: str = "gptj"
+    wandb_project: str | None = None
+    comment: str = ""
+    tpu_size: int | None = None  # legacy, informational
+
+    def __post_init__(self):
+        if (self.batch_size is None) == (self.per_replica_batch is None):
+            raise ConfigError("train: set exactly one of train.batch_size (global) or train.per_replica_batch")
+        for name in ("grad_accum_steps", "total_steps", "val_every", "val_batches", "ckpt_every", "keep_last"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+        for name in ("batch_size", "per_replica_batch", "seq_len", "keep_every"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+        for name in ("warmup_steps", "anneal_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"train.{name} must be a non-negative integer, got {value!r}")
+        for name in ("lr", "end_lr", "weight_decay", "z_loss"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"train.{name} must be a non-negative number, got {value!r}")
+        if not isinstance(self.val_set, Mapping):
+            raise ConfigError(f"train.val_set must be a mapping name -> source, got {type(self.val_set).__name__}")
+        object.__setattr__(self, "eval_harness_tasks", tuple(self.eval_harness_tasks))
+
+    def global_batch_size(self, data_parallel: int) -> int:
+        """Sequences per micro-batch over the whole mesh (``data_parallel`` = data × fsdp)."""
+        if self.batch_size is not None:
+            return self.batch_size
+        return self.per_replica_batch * data_parallel
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(batch_size=8))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": dataclasses.asdict(self.model),
+            "mesh": dataclasses.asdict(self.mesh),
+            "train": _jsonable(dataclasses.asdict(self.train)),
+        }
+
+    def replace(self, **sections) -> "Config":
+        return dataclasses.replace(self, **sections)
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v) for k, v in d.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+# legacy key -> (section, field, converter)
+LEGACY_KEYS: dict[str, tuple[str, str]] = {
+    "layers": ("model", "n_layers"),
+    "d_model": ("model", "d_model"),
+    "n_heads": ("model", "n_heads"),
+    "n_vocab": ("model", "vocab_size"),
+    "pe_rotary_dims": ("model", "rotary_dim"),
+    "seq": ("model", "max_len"),
+    "cores_per_replica": ("mesh", "model"),
+    "per_replica_batch": ("train", "per_replica_batch"),
+    "gradient_accumulation_steps": ("train", "grad_accum_steps"),
+    "warmup_steps": ("train", "warmup_steps"),
+    "anneal_steps": ("train", "anneal_steps"),
+    "lr": ("train", "lr"),
+    "end_lr": ("train", "end_lr"),
+    "weight_decay": ("train", "weight_decay"),
+    "total_steps": ("train", "total_steps"),
+    "tpu_size": ("train", "tpu_size"),
+    "train_set": ("train", "train_set"),
+    "val_set": ("train", "val_set"),
+    "eval_harness_tasks": ("train", "eval_harness_tasks"),
+    "val_batches": ("train", "val_batches"),
+    "val_every": ("train", "val_every"),
+    "ckpt_every": ("train", "ckpt_every"),
+    "keep_every": ("train", "keep_every"),
+    "name": ("train", "name"),
+    "wandb_project": ("train", "wandb_project"),
+    "comment": ("train", "comment"),
+}
+# Legacy keys handled specially: fixed architecture choices, and the GCS bucket.
+LEGACY_SPECIAL = ("norm", "pe", "bucket", "model_dir")
+
+
+def _section_fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _build(cls, section: str, values: Mapping[str, Any]):
+    known = _section_fields(cls)
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"unknown key {section}.{key!r}{_suggest(key, known)}; known keys: {', '.join(known)}")
+    try:
+        return cls(**values)
+    except TypeError as e:  # a required field is missing
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                   and f.name not in values]
+        raise ConfigError(f"{section}: missing required key(s) {', '.join(missing) or '?'} ({e})") from None
+
+
+def is_legacy(raw: Mapping[str, Any]) -> bool:
+    return "layers" in raw and "d_model" in raw and "model" not in raw
+
+
+def from_legacy_dict(raw: Mapping[str, Any]) -> Config:
+    """Translate a flat mesh-transformer-jax config into a :class:`Config`."""
+    sections: dict[str, dict[str, Any]] = {"model": {}, "mesh": {}, "train": {}}
+    known = list(LEGACY_KEYS) + list(LEGACY_SPECIAL)
+    for key, value in raw.items():
+        if key in LEGACY_KEYS:
+            section, name = LEGACY_KEYS[key]
+            sections[section][name] = value
+        elif key not in LEGACY_SPECIAL:
+            raise ConfigError(f"unknown legacy config key {key!r}{_suggest(key, known)}")
+    if raw.get("norm", "layernorm") != "layernorm":
+        raise ConfigError(f"legacy key 'norm'={raw['norm']!r}: only 'layernorm' (GPT-J) is supported")
+    if raw.get("pe", "rotary") != "rotary":
+        raise ConfigError(f"legacy key 'pe'={raw['pe']!r}: only 'rotary' (GPT-J) is supported")
+    model_dir = raw.get("model_dir")
+    if model_dir is not None:
+        bucket = raw.get("bucket")
+        is_url = "://" in str(model_dir)
+        sections["train"]["run_dir"] = f"gs://{bucket}/{model_dir}" if bucket and not is_url else model_dir
+    sections["mesh"].setdefault("data", 1)
+    sections["mesh"]["fsdp"] = -1
+    if isinstance(sections["train"].get("eval_harness_tasks"), list):
+        sections["train"]["eval_harness_tasks"] = tuple(sections["train"]["eval_harness_tasks"])
+    return Config(
+        model=_build(ModelConfig, "model", sections["model"]),
+        mesh=_build(MeshConfig, "mesh", sections["mesh"]),
+        train=_build(TrainConfig, "train", sections["train"]),
+    )
+
+
+def from_dict(raw: Mapping[str, Any]) -> Config:
+    """Build a :class:`Config` from a modern or legacy dict."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"a config must be a JSON object, got {type(raw).__name__}")
+    if is_legacy(raw):
+        return from_legacy_dict(raw)
+    sections = ("model", "mesh", "train")
+    for key in raw:
+        if key not in sections:
+            raise ConfigError(f"unknown top-level config key {key!r}{_suggest(key, sections)}; expected {sections}")
+    if "model" not in raw:
+        raise ConfigError("config has no 'model' section (nor the legacy 'layers'/'d_model' keys)")
+    train = dict(raw.get("train", {"batch_size": 8}))
+    if isinstance(train.get("eval_harness_tasks"), list):
+        train["eval_harness_tasks"] = tuple(train["eval_harness_tasks"])
+    return Config(
+        model=_build(ModelConfig, "model", raw["model"]),
+        mesh=_build(MeshConfig, "mesh", raw.get("mesh", {})),
+        train=_build(TrainConfig, "train", train),
+    )
+
+
+def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
+    """Load a JSON config file (modern or legacy), then apply ``section.key=value`` overrides."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from None
+    try:
+        config = from_dict(raw)
+        return apply_overrides(config, overrides)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def apply_overrides(config: Config, overrides: Sequence[str]) -> Config:
+    """Apply ``--set section.key=value`` overrides; values are parsed as JSON when they can be."""
+    if not overrides:
+        return config
+    data = config.to_dict()
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
+        dotted, text = item.split("=", 1)
+        if "." not in dotted:
+            raise ConfigError(f"--set {item!r}: name the section, e.g. model.{dotted}={text}")
+        section, key = dotted.split(".", 1)
+        if section not in data:
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}; expected one of {list(data)}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        data[section][key] = value
+    if data["train"].get("batch_size") is not None and any(o.startswith("train.batch_size=") for o in overrides):
+        data["train"]["per_replica_batch"] = None
+    return from_dict(data)
+
+
+def save_config(config: Config, path: str | os.PathLike) -> None:
+    with open(path, "w") as f:
+        json.dump(config.to_dict(), f, indent=2)

@@ -1,0 +1,289 @@
+"""GPT-J as Flax linen modules.
+
+Read top to bottom: rotary embedding, attention, MLP, the parallel block, the causal LM, the loss.
+
+Every parameter carries logical axis names (``nn.with_logical_partitioning``) and activations are
+constrained at block boundaries (``nn.with_logical_constraint``); where those names live on the
+device mesh is decided by the rules table in :mod:`gptj_flax.partitioning`, never here.
+
+GPT-J quirks reproduced (they decide numerical parity with HuggingFace ``GPTJForCausalLM``):
+one LayerNorm feeds attention and MLP in parallel; rotary is "rotate every two" (interleaved
+pairs) on the first ``rotary_dim`` dims of each head; attention projections have no bias;
+scores are divided by sqrt(head_dim); the LM head has a bias and is not tied to the embedding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gptj_flax.config import ModelConfig
+
+Array = jax.Array
+
+# Logical shape of the residual stream between blocks.
+RESIDUAL_AXES = ("batch", "length", "activation_embed")
+
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute everything in the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots,  # keep matmul outputs, recompute the rest
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls only
+}
+
+
+def _init(stddev: float, axes: tuple[str, ...]):
+    # Haiku's TruncatedNormal(stddev) as the original used: stddev of the untruncated normal, cut at ±2σ.
+    return nn.with_logical_partitioning(nn.initializers.truncated_normal(stddev), axes)
+
+
+def _zeros(axes):
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
+
+
+def _ones(axes):
+    return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary position embedding ("rotate every two")
+
+
+def rotary_tables(positions: Array, rotary_dim: int) -> tuple[Array, Array]:
+    """sin, cos of shape [batch, length, rotary_dim], each frequency repeated for its pair."""
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rotary_dim/2]
+    return jnp.repeat(jnp.sin(angles), 2, axis=-1), jnp.repeat(jnp.cos(angles), 2, axis=-1)
+
+
+def apply_rotary(x: Array, sin: Array, cos: Array) -> Array:
+    """Rotate the first ``rotary_dim`` dims of every head of ``x`` [B, T, heads, head_dim]."""
+    rotary_dim = sin.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim].astype(jnp.float32), x[..., rotary_dim:]
+    pairs = x_rot.reshape(*x_rot.shape[:-1], rotary_dim // 2, 2)
+    # rot(x)[2i] = -x[2i+1], rot(x)[2i+1] = x[2i]
+    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x_rot.shape)
+    sin, cos = sin[:, :, None, :], cos[:, :, None, :]  # broadcast over heads
+    out = x_rot * cos + rotated * sin
+    return jnp.concatenate([out.astype(x.dtype), x_pass], axis=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Masks
+
+
+def attention_mask(segment_ids: Array) -> Array:
+    """Boolean [B, 1, T, T]: causal, within one segment, never onto padding (segment id 0).
+
+    Packed documents get distinct segment ids, so none attends across a document boundary;
+    left padding gets segment 0.
+    """
+    length = segment_ids.shape[-1]
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    real_key = (segment_ids != 0)[:, None, :]
+    return (causal[None] & same & real_key)[:, None]
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array, sin: Array, cos: Array, mask: Array) -> Array:
+        cfg = self.config
+        # Kernels stay 3-D ([embed, heads, kv] and [heads, kv, embed]) so each dim has its own name.
+        def kernel(name, shape, stddev, axes):
+            return self.param(name, _init(stddev, axes), shape, cfg.weight_dtype).astype(cfg.compute_dtype)
+
+        qkv_shape, qkv_axes = (cfg.d_model, cfg.n_heads, cfg.head_dim), ("embed", "heads", "kv")
+        x = x.astype(cfg.compute_dtype)
+        q, k, v = (
+            jnp.einsum("btd,dhk->bthk", x, kernel(name, qkv_shape, cfg.d_model**-0.5, qkv_axes))
+            for name in ("q_proj", "k_proj", "v_proj")
+        )
+        q = nn.with_logical_constraint(apply_rotary(q, sin, cos), ("batch", "length", "heads", "kv"))
+        k = nn.with_logical_constraint(apply_rotary(k, sin, cos), ("batch", "length", "heads", "kv"))
+        v = nn.with_logical_constraint(v, ("batch", "length", "heads", "kv"))
+
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        scores = scores / np.sqrt(cfg.head_dim).astype(np.float32)
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+        w_out = kernel("out_proj", (cfg.n_heads, cfg.head_dim, cfg.d_model),
+                       2.0 / cfg.n_layers / np.sqrt(cfg.d_model), ("heads", "kv", "embed"))
+        return jnp.einsum("bthk,hkd->btd", out, w_out)
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        h = nn.Dense(
+            cfg.d_ff,
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.weight_dtype,
+            kernel_init=_init(cfg.d_model**-0.5, ("embed", "mlp")),
+            bias_init=_zeros(("mlp",)),
+            name="fc_in",
+        )(x)
+        h = nn.with_logical_constraint(nn.gelu(h, approximate=True), ("batch", "length", "mlp"))
+        return nn.Dense(
+            cfg.d_model,
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.weight_dtype,
+            kernel_init=_init(2.0 / cfg.n_layers / np.sqrt(cfg.d_model), ("mlp", "embed")),
+            bias_init=_zeros(("embed",)),
+            name="fc_out",
+        )(h)
+
+
+def layer_norm(config: ModelConfig, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        epsilon=config.layer_norm_eps,
+        dtype=config.compute_dtype,
+        param_dtype=config.weight_dtype,
+        use_fast_variance=False,  # two-pass variance in float32, as torch
+        scale_init=_ones(("embed",)),
+        bias_init=_zeros(("embed",)),
+        name=name,
+    )
+
+
+class Block(nn.Module):
+    """``h + attn(LN(h)) + mlp(LN(h))`` — one LayerNorm, attention and MLP in parallel."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: Array, sin: Array, cos: Array, mask: Array) -> Array:
+        h = nn.with_logical_constraint(h, RESIDUAL_AXES)
+        x = layer_norm(self.config, "ln_1")(h)
+        h = h + Attention(self.config, name="attn")(x, sin, cos, mask) + MLP(self.config, name="mlp")(x)
+        return nn.with_logical_constraint(h, RESIDUAL_AXES)
+
+
+class ScannedBlock(Block):
+    """A :class:`Block` with the (carry, output) signature that ``nn.scan`` expects."""
+
+    def __call__(self, h, sin, cos, mask):
+        return super().__call__(h, sin, cos, mask), None
+
+
+class GPTJ(nn.Module):
+    """GPT-J causal language model: tokens [B, T] → float32 logits [B, T, vocab]."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
+        """
+        Args:
+          tokens: int [B, T].
+          positions: int [B, T] rotary positions; default 0..T-1. For a left-padded batch count
+            from each sequence's first real token (rotary is relative, so any per-sequence shift
+            gives the same logits).
+          segment_ids: int [B, T]; tokens attend only within their segment; 0 marks padding.
+            Default: one segment for the whole row.
+        """
+        cfg = self.config
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        if segment_ids is None:
+            segment_ids = jnp.ones(tokens.shape, jnp.int32)
+        sin, cos = rotary_tables(positions, cfg.rotary_dim)
+        mask = attention_mask(segment_ids)
+
+        table = self.param(
+            "wte", _init(cfg.vocab_size**-0.5, ("vocab", "embed")), (cfg.vocab_size, cfg.d_model), cfg.weight_dtype
+        )
+        # Gather the (vocab-sharded) table before the lookup: a row gather from a sharded table
+        # would make XLA replicate the activations instead, which is far larger.
+        table = nn.with_logical_constraint(table.astype(cfg.compute_dtype), (None, None))
+        h = nn.with_logical_constraint(jnp.take(table, tokens, axis=0), RESIDUAL_AXES)
+
+        if cfg.scan_layers:
+            block = ScannedBlock
+            if cfg.remat_policy != "none":
+                block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
+            h, _ = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.n_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(cfg, name="layers")(h, sin, cos, mask)
+        else:
+            block = Block
+            if cfg.remat_policy != "none":
+                block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy])
+            for i in range(cfg.n_layers):
+                h = block(cfg, name=f"layer_{i}")(h, sin, cos, mask)
+
+        h = layer_norm(cfg, "ln_f")(h)
+        logits = nn.Dense(
+            cfg.vocab_size,
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.weight_dtype,
+            kernel_init=_init(cfg.d_model**-0.5, ("embed", "vocab")),
+            bias_init=_zeros(("vocab",)),
+            name="lm_head",
+        )(h)
+        return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+# --------------------------------------------------------------------------------------------
+# Scanned <-> unrolled parameter layouts
+
+
+def stack_layers(params: dict, n_layers: int) -> dict:
+    """Unrolled params (``layer_0`` … ``layer_{n-1}``) → scanned params (``layers``, stacked on axis 0)."""
+    params = dict(params)
+    per_layer = [params.pop(f"layer_{i}") for i in range(n_layers)]
+    # numpy stays numpy (host memory, e.g. during conversion); jax arrays stay on their devices.
+    stack = lambda *xs: np.stack(xs) if isinstance(xs[0], np.ndarray) else jnp.stack(xs)  # noqa: E731
+    params["layers"] = jax.tree.map(stack, *per_layer)
+    return params
+
+
+def unstack_layers(params: dict) -> dict:
+    """Scanned params (``layers``) → unrolled params (``layer_0`` …)."""
+    params = dict(params)
+    stacked = params.pop("layers")
+    n_layers = jax.tree.leaves(stacked)[0].shape[0]
+    for i in range(n_layers):
+        params[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return params
+
+
+# --------------------------------------------------------------------------------------------
+# Loss
+
+
+def cross_entropy(
+    logits: Array, targets: Array, weights: Array | None = None, z_loss: float = 0.0
+) -> tuple[Array, Array]:
+    """Token-weighted mean cross-entropy in float32, plus ``z_loss · mean(logsumexp²)``.
+
+    Returns ``(loss, total_weight)``; ``weights`` (default 1) zero out padding and masked tokens.
+    """
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    nll = log_z - target_logit
+    if z_loss:
+        nll = nll + z_loss * jnp.square(log_z)
+    weights = jnp.ones_like(nll) if weights is None else weights.astype(jnp.float32)
+    total = jnp.sum(weights)
+    return jnp.sum(nll * weights) / jnp.maximum(total, 1.0), total

@@ -1,0 +1,67 @@
+"""Device meshes and the multi-controller runtime."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from gptj_flax.config import ConfigError, MeshConfig
+from gptj_flax.partitioning.rules import LAYOUTS, MESH_AXES
+
+log = logging.getLogger(__name__)
+
+
+def mesh_config(spec: MeshConfig | str | tuple[int, int, int] | None) -> MeshConfig:
+    """Accept a MeshConfig, a layout name from ``LAYOUTS``, ``"d,f,m"`` or a 3-tuple."""
+    if spec is None:
+        return MeshConfig()
+    if isinstance(spec, MeshConfig):
+        return spec
+    if isinstance(spec, str):
+        if spec in LAYOUTS:
+            return MeshConfig(*LAYOUTS[spec])
+        try:
+            return MeshConfig.parse(spec)
+        except ConfigError as e:
+            raise ConfigError(f"{e}; or use a layout name: {', '.join(LAYOUTS)}") from None
+    return MeshConfig(*spec)
+
+
+def make_mesh(spec: MeshConfig | str | tuple[int, int, int] | None = None, devices=None) -> Mesh:
+    """A mesh over axes (data, fsdp, model) with Auto axis types (linen's constraints need Auto).
+
+    With fewer devices requested than exist (e.g. (1,1,1) on 8), the first ones are used.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_config(spec).resolve(len(devices))
+    n = shape[0] * shape[1] * shape[2]
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:n])
+
+
+def mesh_shape(mesh: Mesh) -> dict[str, int]:
+    return {name: int(mesh.shape[name]) for name in MESH_AXES}
+
+
+def initialize_distributed(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
+    """Start JAX's multi-controller runtime when running on several hosts.
+
+    On TPU VMs (and SLURM/GKE) JAX discovers everything itself; elsewhere pass the coordinator
+    address, process count and this process's id (or set JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID). A single process with no flags stays single-host.
+    """
+    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if num_processes is None and "JAX_NUM_PROCESSES" in os.environ:
+        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+    if process_id is None and "JAX_PROCESS_ID" in os.environ:
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    on_tpu_pod = "TPU_WORKER_HOSTNAMES" in os.environ or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
+    if coordinator is None and not on_tpu_pod:
+        return
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+    log.info("process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())

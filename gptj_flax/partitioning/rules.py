@@ -1,0 +1,36 @@
+"""Logical axis names and the one table that places them on the mesh.
+
+Model code names what each tensor dimension means; this table says where each meaning lives on the
+mesh axes ``("data", "fsdp", "model")``. A mesh axis of size 1 shards nothing, so this one table
+expresses every layout: pure data parallel is mesh (N, 1, 1), FSDP (1, N, 1), tensor parallel
+(1, 1, N), and any product of the three mixes them (see :data:`LAYOUTS`).
+"""
+
+from __future__ import annotations
+
+MESH_AXES = ("data", "fsdp", "model")
+
+# Linen resolves rules in order and takes the first entry whose mesh axes are still free for the
+# tensor at hand, so a fallback is a second entry for the same name.
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+DEFAULT_RULES: Rules = (
+    ("batch", ("data", "fsdp")),  # activations: batch over every data-parallel axis
+    ("length", None),
+    ("activation_embed", None),
+    ("embed", "fsdp"),  # weights: d_model dim split over fsdp (ZeRO-3 style)
+    ("heads", "model"),  # tensor parallel over heads …
+    ("kv", None),
+    ("mlp", "model"),  # … over the MLP's hidden dim
+    ("vocab", "model"),  # … and over the vocabulary
+    ("layers", None),  # the stacked-layer dim of nn.scan is never split
+)
+
+# Named mesh shapes: (data, fsdp, model); -1 takes the remaining devices.
+LAYOUTS: dict[str, tuple[int, int, int]] = {
+    "dp": (-1, 1, 1),  # pure data parallel: every device holds a full replica
+    "fsdp": (1, -1, 1),  # fully sharded data parallel: params, grads, optimiser state split on d_model
+    "tp": (1, 1, -1),  # tensor parallel (the original's cores_per_replica = all devices)
+    "fsdp_tp8": (1, -1, 8),  # FSDP across hosts, 8-way tensor parallel within a TPU host
+    "dp_tp8": (-1, 1, 8),  # the original mesh-transformer-jax layout with cores_per_replica=8
+}

@@ -1,0 +1,54 @@
+"""Shared test helpers: tiny configs and HuggingFace reference models with the same weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from gptj_flax.config import ModelConfig
+from gptj_flax.convert.hf_names import params_from_hf
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=128, max_len=64,
+                dtype="float32", param_dtype="float32")
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def hf_model(config: ModelConfig, seed: int = 0):
+    """A random HuggingFace GPTJForCausalLM (float32, eval mode) of ``config``'s shape.
+
+    Every tensor, LayerNorms and biases included, is drawn at random so a mis-mapped tensor shows.
+    """
+    import torch
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(seed)
+    hf_config = GPTJConfig(
+        vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model,
+        n_layer=config.n_layers, n_head=config.n_heads, rotary_dim=config.rotary_dim,
+        n_inner=config.d_ff, activation_function="gelu_new", layer_norm_epsilon=config.layer_norm_eps,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=0,
+    )
+    model = GPTJForCausalLM(hf_config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 0.2 if p.ndim > 1 else 0.5
+            p.copy_(torch.randn_like(p) * scale + (1.0 if name.endswith("ln_1.weight") or name.endswith("ln_f.weight") else 0.0))
+    return model
+
+
+def hf_state_numpy(model) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+
+
+def params_matching(model, config: ModelConfig) -> dict:
+    """Our params tree holding exactly ``model``'s weights."""
+    return {"params": params_from_hf(hf_state_numpy(model), config)}
+
+
+def with_(config: ModelConfig, **changes) -> ModelConfig:
+    return dataclasses.replace(config, **changes)
