@@ -1,0 +1,157 @@
+"""Configs: modern and legacy forms, validation messages, the 6B model's size and placement."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from gptj_flax import partitioning
+from gptj_flax.config import ConfigError, MeshConfig, ModelConfig, apply_overrides, from_dict, load_config
+from gptj_flax.model import GPTJ
+
+GPTJ_6B_PARAMS = 6_050_882_784
+
+
+def test_legacy_and_modern_6b_configs_are_the_same(repo_root):
+    legacy = load_config(repo_root / "configs/6B_roto_256.json")
+    modern = load_config(repo_root / "configs/gptj_6b.json")
+    assert legacy.model == modern.model
+    assert legacy == modern
+    m = legacy.model
+    assert (m.n_layers, m.d_model, m.n_heads, m.head_dim, m.rotary_dim, m.d_ff, m.vocab_size, m.max_len) == (
+        28, 4096, 16, 256, 64, 16384, 50400, 2048)
+    assert legacy.mesh.model == 8  # cores_per_replica
+    assert legacy.train.run_dir == "gs://neo-models/mesh_jax_pile_6B_rotary"
+    assert legacy.train.global_batch_size(data_parallel=32) == 32  # per_replica_batch × replicas
+    assert legacy.train.grad_accum_steps == 16
+    assert dict(legacy.train.val_set) == {"pile": "pile.val.index", "owt": "openwebtext2_new_inputs.val.index"}
+
+
+def test_every_shipped_config_loads(repo_root):
+    for path in sorted((repo_root / "configs").glob("*.json")):
+        load_config(path)
+
+
+@pytest.fixture(scope="module")
+def abstract_6b(repo_root):
+    cfg = load_config(repo_root / "configs/gptj_6b.json").model
+    return cfg, partitioning.abstract_init(GPTJ(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+def test_6b_parameter_count_without_allocating(abstract_6b):
+    cfg, abstract = abstract_6b
+    leaves = jax.tree.leaves(nn.meta.unbox(abstract))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)  # shapes only, nothing allocated
+    assert sum(x.size for x in leaves) == GPTJ_6B_PARAMS
+    assert cfg.param_count() == GPTJ_6B_PARAMS
+    assert len(leaves) == 15  # scanned: 10 stacked block tensors + wte, ln_f (2), lm_head (2)
+
+
+def test_6b_bytes_per_device(abstract_6b):
+    cfg, abstract = abstract_6b
+    d, f, v, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
+    # Tensor parallel (1,1,8): everything with a heads/mlp/vocab dim is split 8 ways; LayerNorms
+    # and the fc_out bias (d_model only) stay replicated.
+    replicated = L * 3 * d + 2 * d
+    tp8 = partitioning.bytes_per_device(abstract, partitioning.make_mesh((1, 1, 8)))
+    assert tp8 == 4 * ((GPTJ_6B_PARAMS - replicated) // 8 + replicated)
+    # FSDP (1,8,1): everything with a d_model dim is split; fc_in and lm_head biases are not.
+    replicated = L * f + v
+    fsdp8 = partitioning.bytes_per_device(abstract, partitioning.make_mesh((1, 8, 1)))
+    assert fsdp8 == 4 * ((GPTJ_6B_PARAMS - replicated) // 8 + replicated)
+    table = partitioning.sharding_table(abstract, partitioning.make_mesh((1, 1, 8)))
+    assert "6,050,882,784 parameters" in table and "params/layers/attn/q_proj" in table
+    print(f"6B float32 params per device: tp8 {tp8 / 2**30:.2f} GiB, fsdp8 {fsdp8 / 2**30:.2f} GiB")
+
+
+def _model(**changes):
+    base = dict(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=128)
+    base.update(changes)
+    return {"model": base}
+
+
+@pytest.mark.parametrize("changes, field, hint", [
+    ({"n_heads": 5}, "model.d_model=64 is not divisible by model.n_heads=5", "choose n_heads"),
+    ({"rotary_dim": 7}, "model.rotary_dim=7 must be even", "pairs"),
+    ({"rotary_dim": 32}, "model.rotary_dim=32 exceeds the head dimension", "rotary_dim <= 16"),
+    ({"n_layers": 0}, "model.n_layers must be a positive integer", "got 0"),
+    ({"dtype": "fp8"}, "model.dtype='fp8'", "bfloat16"),
+    ({"remat_policy": "sometimes"}, "model.remat_policy='sometimes'", "dots"),
+    ({"n_layer": 3}, "unknown key model.'n_layer'", "did you mean 'n_layers'"),
+])
+def test_bad_model_config_names_the_field(changes, field, hint):
+    with pytest.raises(ConfigError) as e:
+        from_dict(_model(**changes))
+    assert field in str(e.value) and hint in str(e.value)
+
+
+def test_missing_required_key_is_named():
+    with pytest.raises(ConfigError, match="missing required key.*rotary_dim"):
+        from_dict({"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 128}})
+
+
+def test_unknown_top_level_and_legacy_keys_are_named(repo_root):
+    with pytest.raises(ConfigError, match="unknown top-level config key 'modle'.*did you mean 'model'"):
+        from_dict({"modle": {}})
+    legacy = json.loads((repo_root / "configs/6B_roto_256.json").read_text())
+    legacy["pe_rotary_dim"] = 64
+    with pytest.raises(ConfigError, match="unknown legacy config key 'pe_rotary_dim'.*'pe_rotary_dims'"):
+        from_dict(legacy)
+    legacy.pop("pe_rotary_dim")
+    legacy["pe"] = "fixed"
+    with pytest.raises(ConfigError, match="legacy key 'pe'='fixed'.*rotary"):
+        from_dict(legacy)
+
+
+@pytest.mark.parametrize("mesh, message", [
+    ((1, 1, 3), "model.n_heads=4 is not divisible by the 'model' mesh axis of size 3 in mesh (data=1, fsdp=1, model=3)"),
+    ((1, 1, 8), "model.n_heads=4 is not divisible by the 'model' mesh axis of size 8"),
+    ((1, 3, 1), "model.d_model=64 is not divisible by the 'fsdp' mesh axis of size 3"),
+])
+def test_mesh_divisibility_names_field_and_mesh(mesh, message):
+    cfg = from_dict(_model()).model
+    with pytest.raises(ConfigError) as e:
+        cfg.validate_for_mesh(dict(zip(("data", "fsdp", "model"), mesh)))
+    assert message in str(e.value)
+
+
+def test_vocab_divisibility_suggests_padding():
+    cfg = ModelConfig(n_layers=1, d_model=64, n_heads=8, rotary_dim=8, vocab_size=50257)
+    with pytest.raises(ConfigError, match="vocab_size=50257.*pad the vocabulary"):
+        cfg.validate_for_mesh({"data": 1, "fsdp": 1, "model": 8})
+
+
+def test_mesh_resolution_and_errors():
+    assert MeshConfig(2, -1, 2).resolve(8) == (2, 2, 2)
+    assert MeshConfig.parse("1,1,-1").resolve(8) == (1, 1, 8)
+    assert partitioning.mesh_config("fsdp").resolve(8) == (1, 8, 1)
+    with pytest.raises(ConfigError, match="does not divide the 8 available"):
+        MeshConfig(3, -1, 1).resolve(8)
+    with pytest.raises(ConfigError, match="needs 16 devices but only 8"):
+        MeshConfig(2, 2, 4).resolve(8)
+    with pytest.raises(ConfigError, match="at most one axis may be -1"):
+        MeshConfig(-1, -1, 1)
+    with pytest.raises(ConfigError, match="expected three comma-separated sizes"):
+        partitioning.mesh_config("2,4")
+
+
+def test_overrides(repo_root):
+    cfg = load_config(repo_root / "configs/tiny.json", ["train.lr=3e-4", "model.scan_layers=false", "mesh.model=1"])
+    assert cfg.train.lr == 3e-4 and cfg.model.scan_layers is False and cfg.mesh.model == 1
+    legacy = load_config(repo_root / "configs/6B_roto_256.json", ["train.batch_size=64"])
+    assert legacy.train.global_batch_size(data_parallel=4) == 64
+    with pytest.raises(ConfigError, match="unknown key train.'learning_rate'; known keys:.* lr, end_lr"):
+        apply_overrides(cfg, ["train.learning_rate=1"])
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        apply_overrides(cfg, ["train.lr"])
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="bad.json: not valid JSON"):
+        load_config(bad)
