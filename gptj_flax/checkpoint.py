@@ -65,7 +65,9 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 2, keep_every: int | None = None,
                  async_save: bool = True, read_only: bool = False):
-        self.directory = epath.Path(directory)
+        directory = os.fspath(directory)
+        # Orbax needs absolute paths; URLs (gs://…) already are.
+        self.directory = epath.Path(directory if "://" in directory else os.path.abspath(directory))
         policies = [ocp.checkpoint_managers.LatestN(keep_last)]
         if keep_every:
             policies.append(ocp.checkpoint_managers.EveryNSteps(keep_every))

@@ -201,8 +201,10 @@ class TrainConfig:
     z_loss: float = 0.0
     seed: int = 0
     run_dir: str = "runs/default"
-    train_set: str | None = None
+    train_set: str | None = None  # .index of TFRecords, text/jsonl file or dir, or tfds:NAME
     val_set: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    tokenizer: str | None = None  # dir or hub name; needed for text sources; saved with checkpoints
+    freeze: tuple[str, ...] = ()  # glob patterns of parameter paths that get no updates
     val_every: int = 500
     val_batches: int = 10
     ckpt_every: int = 500
@@ -236,6 +238,7 @@ class TrainConfig:
         if not isinstance(self.val_set, Mapping):
             raise ConfigError(f"train.val_set must be a mapping name -> source, got {type(self.val_set).__name__}")
         object.__setattr__(self, "eval_harness_tasks", tuple(self.eval_harness_tasks))
+        object.__setattr__(self, "freeze", tuple(self.freeze))
 
     def global_batch_size(self, data_parallel: int) -> int:
         """Sequences per micro-batch over the whole mesh (``data_parallel`` = data × fsdp)."""
@@ -344,8 +347,6 @@ def from_legacy_dict(raw: Mapping[str, Any]) -> Config:
         sections["train"]["run_dir"] = f"gs://{bucket}/{model_dir}" if bucket and not is_url else model_dir
     sections["mesh"].setdefault("data", 1)
     sections["mesh"]["fsdp"] = -1
-    if isinstance(sections["train"].get("eval_harness_tasks"), list):
-        sections["train"]["eval_harness_tasks"] = tuple(sections["train"]["eval_harness_tasks"])
     return Config(
         model=_build(ModelConfig, "model", sections["model"]),
         mesh=_build(MeshConfig, "mesh", sections["mesh"]),
@@ -366,8 +367,6 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     if "model" not in raw:
         raise ConfigError("config has no 'model' section (nor the legacy 'layers'/'d_model' keys)")
     train = dict(raw.get("train", {"batch_size": 8}))
-    if isinstance(train.get("eval_harness_tasks"), list):
-        train["eval_harness_tasks"] = tuple(train["eval_harness_tasks"])
     return Config(
         model=_build(ModelConfig, "model", raw["model"]),
         mesh=_build(MeshConfig, "mesh", raw.get("mesh", {})),

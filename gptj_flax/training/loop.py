@@ -1,0 +1,245 @@
+"""The training loop: resume or initialise, step, validate, checkpoint, survive preemption.
+
+Every process of a multi-host run executes this same function; each reads only its own share of
+every batch and the shares are assembled into global arrays. Metrics are fetched one step late so
+the host prepares batch n+1 while the devices run step n.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from tqdm import tqdm
+
+from gptj_flax import checkpoint, data, partitioning
+from gptj_flax.config import Config
+from gptj_flax.model import GPTJ
+from gptj_flax.training import optimizer, steps
+from gptj_flax.training.metrics import MetricsWriter, peak_flops_per_device
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    step: int  # optimiser steps completed
+    losses: dict[int, float]  # step → training loss
+    val: dict[int, dict[str, float]]  # step → {"loss_NAME": …, "ppl_NAME": …}
+    preempted: bool
+    run_dir: str
+
+
+class _Preemption:
+    """SIGTERM (a TPU VM being preempted) → finish the current step, save, exit cleanly."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        log.warning("SIGTERM received: finishing this step, then saving and exiting")
+        self.requested = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def _restore_or_init(config: Config, model: GPTJ, tx, mesh: Mesh, ckpt: checkpoint.Checkpointer,
+                     init_from: str | None, fresh_opt: bool) -> tuple[steps.TrainState, dict]:
+    """Resume from the run directory's latest checkpoint, else start from ``init_from``, else fresh."""
+    shardings = steps.state_shardings(model, tx, mesh)
+    abstract = _abstract_targets(model, tx, shardings)
+    latest = ckpt.latest_step()
+    if latest is not None:
+        restored = ckpt.restore(latest, params_target=abstract.params, opt_state_target=abstract.opt_state)
+        state = steps.TrainState(step=jax.device_put(np.int32(latest), shardings.step),
+                                 params=restored.params, opt_state=restored.opt_state)
+        log.info("resumed from %s at step %d", ckpt.directory, latest)
+        return state, restored.meta
+    if init_from is None:
+        return steps.create_state(model, tx, mesh, jax.random.key(config.train.seed)), {}
+
+    from gptj_flax import convert
+
+    params = convert.load_init_params(init_from, config, mesh)
+    state = steps.create_state(model, tx, mesh, jax.random.key(config.train.seed), params=params)
+    if not fresh_opt:
+        opt_state = convert.load_init_opt_state(init_from, config, mesh, abstract.opt_state)
+        if opt_state is not None:
+            state = state.replace(opt_state=optimizer.restart_schedule(opt_state))
+    log.info("initialised from %s (%s optimiser state)", init_from, "fresh" if fresh_opt else "carried")
+    return state, {}
+
+
+def _abstract_targets(model, tx, shardings) -> steps.TrainState:
+    """Restore targets: every TrainState leaf as a ShapeDtypeStruct carrying its sharding."""
+    abstract = nn.meta.unbox(steps.abstract_state(model, tx))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
+
+
+def evaluate(eval_step: Callable, params: Any, val_sets: dict[str, list[data.Batch]], sharding) -> dict[str, float]:
+    """Token-weighted loss and perplexity on every validation set."""
+    out = {}
+    for name, batches in val_sets.items():
+        loss_sum = tokens = 0.0
+        for local in batches:
+            result = jax.device_get(eval_step(params, data.to_global_batch(local, sharding)))
+            loss_sum += float(result["loss_sum"])
+            tokens += float(result["tokens"])
+        loss = loss_sum / max(tokens, 1.0)
+        out[f"loss_{name}"] = loss
+        out[f"ppl_{name}"] = math.exp(min(loss, 50.0))
+    return out
+
+
+def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = None, fresh_opt: bool = False,
+          peak_flops: float | None = None, stop_after: int | None = None, progress: bool = True,
+          tokenizer=None) -> TrainResult:
+    """Train ``config`` in ``config.train.run_dir``, resuming there if a checkpoint exists.
+
+    Args:
+      mesh: default ``config.mesh`` over all devices.
+      init_from: ``hf:DIR``, ``legacy:DIR`` or an Orbax checkpoint to fine-tune from (used only when
+        the run directory holds no checkpoint yet).
+      fresh_opt: with ``init_from``, discard its optimiser moments.
+      peak_flops: the device's peak FLOP/s for MFU (default: known per device kind).
+      stop_after: stop (with a checkpoint) after this many steps in this invocation.
+      tokenizer: a tokenizer object; default ``config.train.tokenizer`` or the run's saved one.
+    """
+    tc, mc = config.train, config.model
+    mesh = mesh or partitioning.make_mesh(config.mesh)
+    shape = partitioning.mesh_shape(mesh)
+    mc.validate_for_mesh(shape)
+    data_parallel = shape["data"] * shape["fsdp"]
+    batch_size = tc.global_batch_size(data_parallel)
+    if batch_size % data_parallel:
+        raise ValueError(f"train.batch_size={batch_size} is not divisible by the {data_parallel} data-parallel "
+                         f"shards of mesh {shape}")
+    seq_len = tc.seq_len or mc.max_len
+    if tc.train_set is None:
+        raise ValueError("train.train_set is not set: give an .index file, a text/jsonl path or tfds:NAME")
+    if tc.eval_harness_tasks:
+        log.warning("train.eval_harness_tasks=%s: harness tasks are run by scripts/eval.py, not during training",
+                    list(tc.eval_harness_tasks))
+
+    model = GPTJ(mc)
+    abstract_params = nn.meta.unbox(steps.abstract_state(model, optimizer.make_optimizer(tc)).params)
+    tx = optimizer.make_optimizer(tc, abstract_params, tc.freeze)
+    ckpt = checkpoint.Checkpointer(tc.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every)
+    state, meta = _restore_or_init(config, model, tx, mesh, ckpt, init_from, fresh_opt)
+    start = int(state.step)
+
+    if tokenizer is None:
+        saved = checkpoint.tokenizer_dir(tc.run_dir)
+        source = str(saved) if saved is not None else tc.tokenizer
+        tokenizer = data.load_tokenizer(source) if source else None
+    if tokenizer is not None and checkpoint.tokenizer_dir(tc.run_dir) is None:
+        ckpt.save_tokenizer(tokenizer)
+
+    train_sharding = steps.batch_sharding(mesh, accumulated=True)
+    eval_sharding = steps.batch_sharding(mesh, accumulated=False)
+    # Which rows of each global batch this process's devices hold (any device order).
+    share, n_shares = data.process_share(train_sharding, (tc.grad_accum_steps, batch_size, seq_len + 1), 1)
+    train_batches = data.make_train_iterator(
+        tc.train_set, seq_len=seq_len, batch_size=batch_size, grad_accum=tc.grad_accum_steps, seed=tc.seed,
+        tokenizer=tokenizer, process_index=share, process_count=n_shares, state=meta.get("data"), progress=progress)
+    val_sets = data.make_eval_sets(tc.val_set, seq_len=seq_len, batch_size=batch_size, n_batches=tc.val_batches,
+                                   tokenizer=tokenizer, process_index=share, process_count=n_shares,
+                                   progress=progress)
+
+    shardings = steps.state_shardings(model, tx, mesh)
+    lr_fn = optimizer.schedule(tc)
+    train_step = steps.compile_train_step(model, tx, mesh, shardings, lr_fn, tc.z_loss, accumulated=True)
+    eval_step = steps.compile_eval_step(model, mesh, shardings.params, accumulated=False)
+
+    writer = MetricsWriter(tc.run_dir, wandb_project=tc.wandb_project, run_name=tc.name, config=config.to_dict())
+    tokens_per_step = tc.grad_accum_steps * batch_size * seq_len
+    peak = peak_flops_per_device(peak_flops)
+    flops_per_step = mc.flops_per_token(seq_len) * tokens_per_step
+
+    end = tc.total_steps if stop_after is None else min(tc.total_steps, start + stop_after)
+    losses: dict[int, float] = {}
+    val: dict[int, dict[str, float]] = {}
+    preempted = False
+
+    def save(step: int) -> None:
+        ckpt.save(step, params=state.params, opt_state=state.opt_state, config=config,
+                  meta={"data": train_batches.state(), "seed": tc.seed}, force=True)
+
+    def record(step: int, metrics, seconds: float) -> None:
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not math.isfinite(metrics["loss"]):
+            raise TrainingDiverged(
+                f"loss became {metrics['loss']} at step {step} (grad norm {metrics['grad_norm']}); the run stops "
+                f"here and keeps its last good checkpoint (step {ckpt.latest_step()}) in {tc.run_dir}. "
+                "Lower train.lr, raise train.warmup_steps or check the data.")
+        losses[step] = metrics["loss"]
+        row = {"train/loss": metrics["loss"], "train/grad_norm": metrics["grad_norm"], "train/lr": metrics["lr"],
+               "perf/step_time_s": seconds, "perf/tokens_per_s": tokens_per_step / seconds}
+        if peak:
+            row["perf/mfu"] = flops_per_step / seconds / (peak * jax.device_count())
+        writer.write(step, row)
+        if bar is not None:
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{row['perf/tokens_per_s']:,.0f}")
+
+    bar = tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True,
+               disable=not progress or jax.process_index() != 0)
+    pending = None  # (step, metrics, start time) of the step whose metrics are not fetched yet
+    try:
+        with _Preemption() as preemption, partitioning.activate(mesh):
+            step = start
+            if start == 0 and val_sets:  # the baseline the run improves on
+                val[0] = evaluate(eval_step, state.params, val_sets, eval_sharding)
+                writer.write(0, {f"val/{k}": v for k, v in val[0].items()})
+            while step < end:
+                batch = data.to_global_batch(next(train_batches), train_sharding)
+                t0 = time.perf_counter()
+                state, metrics = train_step(state, batch)
+                if pending is not None:
+                    record(pending[0], pending[1], t0 - pending[2])
+                step += 1
+                pending = (step, metrics, t0)
+                bar.update(1)
+                at_val = bool(val_sets) and (step % tc.val_every == 0 or step == end)
+                at_ckpt = step % tc.ckpt_every == 0 or step == end or preemption.requested
+                if at_val or at_ckpt:
+                    jax.block_until_ready(metrics)
+                    record(pending[0], pending[1], time.perf_counter() - pending[2])
+                    pending = None
+                if at_val:
+                    val[step] = evaluate(eval_step, state.params, val_sets, eval_sharding)
+                    writer.write(step, {f"val/{k}": v for k, v in val[step].items()})
+                    log.info("step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in val[step].items()))
+                if at_ckpt:
+                    save(step)
+                if preemption.requested:
+                    preempted = True
+                    break
+            if pending is not None:
+                jax.block_until_ready(pending[1])
+                record(pending[0], pending[1], time.perf_counter() - pending[2])
+    finally:
+        bar.close()
+        ckpt.close()
+        writer.flush()
+    writer.plot()
+    writer.close()
+    return TrainResult(step=step, losses=losses, val=val, preempted=preempted, run_dir=tc.run_dir)

@@ -1,0 +1,119 @@
+"""Where training metrics go: JSONL, TensorBoard event files, W&B when configured, a PNG at the end.
+
+Only process 0 writes; every other process gets a writer that does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+
+import jax
+
+log = logging.getLogger(__name__)
+
+# Peak dense bf16 FLOP/s per device as JAX counts devices (a TPU v2/v3 device is one core).
+PEAK_FLOPS = {
+    "TPU v2": 22.5e12,
+    "TPU v3": 61.5e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H200": 989e12,
+}
+
+
+def peak_flops_per_device(override: float | None = None) -> float | None:
+    """The device's peak FLOP/s: ``override`` if given, else from the table, else None (unknown)."""
+    if override:
+        return override
+    kind = jax.devices()[0].device_kind
+    for name, flops in PEAK_FLOPS.items():
+        if kind.startswith(name):
+            return flops
+    return None
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str, *, wandb_project: str | None = None, run_name: str = "", config: dict | None = None):
+        self.enabled = jax.process_index() == 0
+        self.run_dir = run_dir
+        self.history: list[dict] = []
+        self._jsonl = self._tb = self._wandb = None
+        if not self.enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        from tensorboardX import SummaryWriter
+
+        self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError(f"train.wandb_project={wandb_project!r} is set but wandb is not installed: "
+                                   "pip install wandb, or set train.wandb_project=null") from None
+            self._wandb = wandb.init(project=wandb_project, name=run_name or None, config=config, resume="allow")
+
+    def write(self, step: int, values: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), "time": time.time(), **{k: float(v) for k, v in values.items()}}
+        self.history.append(row)
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        for key, value in values.items():
+            if value is not None and math.isfinite(float(value)):
+                self._tb.add_scalar(key, float(value), int(step))
+        if self._wandb is not None:
+            self._wandb.log(dict(values), step=int(step))
+
+    def flush(self) -> None:
+        if self.enabled:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.close()
+        self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    def plot(self, path: str | None = None) -> str | None:
+        """Training and validation loss curves of the whole run (read back from metrics.jsonl)."""
+        if not self.enabled:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [json.loads(line) for line in open(os.path.join(self.run_dir, "metrics.jsonl"))]
+        path = path or os.path.join(self.run_dir, "loss.png")
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        train = [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
+        if train:
+            ax.plot(*zip(*train), label="train", linewidth=1)
+        for key in sorted({k for r in rows for k in r if k.startswith("val/loss_")}):
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            ax.plot(*zip(*points), marker="o", label=key.removeprefix("val/loss_"))
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.set_title(os.path.basename(os.path.normpath(self.run_dir)))
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path

@@ -1,0 +1,150 @@
+"""Train state, sharded state creation, and the jitted train / eval steps.
+
+A batch is a :class:`gptj_flax.data.Batch`: ``tokens`` int32 [GA, B, T+1] (or [B, T+1]),
+``segment_ids`` of the same shape (0 = padding, documents numbered within a row) and ``loss_mask``
+[.., T] (1 where the target token counts). Inputs are ``tokens[..., :-1]``, targets ``tokens[..., 1:]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from gptj_flax import partitioning
+from gptj_flax.data import Batch
+from gptj_flax.model import GPTJ, cross_entropy
+
+BATCH_AXES = ("batch", "length")
+ACCUM_BATCH_AXES = (None, "batch", "length")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimiser updates applied so far
+    params: Any
+    opt_state: Any
+
+
+def abstract_state(model: GPTJ, tx: optax.GradientTransformation) -> Any:
+    """Boxed abstract TrainState (shapes and logical axes; nothing allocated)."""
+    def init(rng):
+        params = model.init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    return jax.eval_shape(init, jax.random.key(0))
+
+
+def state_shardings(model: GPTJ, tx: optax.GradientTransformation, mesh: Mesh,
+                    rules: partitioning.Rules = partitioning.DEFAULT_RULES) -> Any:
+    """NamedShardings of every TrainState leaf: optimiser moments follow their parameters."""
+    return partitioning.logical_to_sharding(nn.get_partition_spec(abstract_state(model, tx)), mesh, rules)
+
+
+def create_state(model: GPTJ, tx: optax.GradientTransformation, mesh: Mesh, rng: jax.Array,
+                 rules: partitioning.Rules = partitioning.DEFAULT_RULES, params: Any = None) -> TrainState:
+    """A fresh TrainState born sharded; with ``params`` given, only the optimiser state is new."""
+    shardings = state_shardings(model, tx, mesh, rules)
+
+    def init(rng, params):
+        if params is None:
+            params = nn.meta.unbox(model.init(rng, jnp.zeros((1, 1), jnp.int32)))["params"]
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    with partitioning.activate(mesh, rules):
+        if params is None:
+            return jax.jit(lambda r: init(r, None), out_shardings=shardings)(rng)
+        return jax.jit(init, in_shardings=(None, shardings.params), out_shardings=shardings,
+                       donate_argnums=1)(rng, params)
+
+
+def _as_accumulated(batch: Batch) -> Batch:
+    """[B, T+1] batches become a single micro-batch [1, B, T+1]."""
+    return batch if batch.tokens.ndim == 3 else jax.tree.map(lambda x: x[None], batch)
+
+
+def _forward_loss(model: GPTJ, params, micro: Batch):
+    logits = model.apply({"params": params}, micro.inputs, segment_ids=micro.input_segment_ids)
+    return cross_entropy(logits, micro.targets, micro.loss_mask)
+
+
+def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callable, z_loss: float = 0.0):
+    """``train_step(state, batch) -> (state, metrics)``, to be jitted by :func:`compile_train_step`.
+
+    Micro-batches run under ``lax.scan``; per-token losses are summed and gradients accumulated in
+    float32, then divided by the total token count — so k micro-batches give exactly the gradient
+    of one k-times larger batch.
+    """
+    def micro_grads(params, micro):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, micro.inputs, segment_ids=micro.input_segment_ids)
+            objective, total = cross_entropy(logits, micro.targets, micro.loss_mask, z_loss)
+            loss, _ = cross_entropy(logits, micro.targets, micro.loss_mask)
+            return objective * total, (loss * total, total)
+
+        return jax.grad(loss_fn, has_aux=True)(params)
+
+    def train_step(state: TrainState, batch: Batch):
+        batch = _as_accumulated(batch)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+
+        def body(carry, micro):
+            grads, loss_sum, tokens = carry
+            g, (l, n) = micro_grads(state.params, micro)
+            return (jax.tree.map(jnp.add, grads, g), loss_sum + l, tokens + n), None
+
+        (grads, loss_sum, tokens), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), batch)
+        denom = jnp.maximum(tokens, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "loss": loss_sum / denom,
+            "grad_norm": optax.tree.norm(grads),
+            "lr": lr_fn(state.step),
+            "tokens": tokens,
+        }
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+def make_eval_step(model: GPTJ):
+    """``eval_step(params, batch) -> {"loss_sum", "tokens"}`` (sums, so batches aggregate exactly)."""
+    def eval_step(params, batch):
+        batch = _as_accumulated(batch)
+
+        def body(carry, micro):
+            loss, total = _forward_loss(model, params, micro)
+            return (carry[0] + loss * total, carry[1] + total), None
+
+        (loss_sum, tokens), _ = jax.lax.scan(body, (0.0, 0.0), batch)
+        return {"loss_sum": loss_sum, "tokens": tokens}
+
+    return eval_step
+
+
+def batch_sharding(mesh: Mesh, accumulated: bool, rules: partitioning.Rules = partitioning.DEFAULT_RULES):
+    return partitioning.named_sharding(mesh, ACCUM_BATCH_AXES if accumulated else BATCH_AXES, rules)
+
+
+def compile_train_step(model: GPTJ, tx, mesh: Mesh, shardings: TrainState, lr_fn: Callable,
+                       z_loss: float = 0.0, accumulated: bool = True):
+    """Jit the train step with NamedShardings in and out; the state is donated (updated in place)."""
+    data = batch_sharding(mesh, accumulated)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(make_train_step(model, tx, lr_fn, z_loss), in_shardings=(shardings, data),
+                   out_shardings=(shardings, replicated), donate_argnums=0)
+
+
+def compile_eval_step(model: GPTJ, mesh: Mesh, param_shardings: Any, accumulated: bool = False):
+    data = batch_sharding(mesh, accumulated)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(make_eval_step(model), in_shardings=(param_shardings, data), out_shardings=replicated)
+

@@ -1,0 +1,54 @@
+"""Train or fine-tune GPT-J.
+
+    python scripts/train.py --config configs/gptj_6b.json [--set train.lr=3e-5 …] [--mesh 1,-1,8]
+                            [--init-from hf:DIR | legacy:DIR | CKPT] [--fresh-opt]
+
+Run the same command on every host of a TPU VM slice (JAX finds the other hosts itself); elsewhere
+add --coordinator HOST:PORT --num-processes N --process-id I. The run resumes from the latest
+checkpoint in train.run_dir; SIGTERM saves and exits 0.
+"""
+
+import argparse
+import logging
+import sys
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="modern or legacy (mesh-transformer-jax) JSON config")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config value, e.g. --set train.lr=3e-5 (repeatable)")
+    parser.add_argument("--mesh", help="data,fsdp,model sizes (-1 = the rest) or a layout name; default: config")
+    parser.add_argument("--init-from", help="hf:DIR, legacy:DIR or an Orbax checkpoint to fine-tune from")
+    parser.add_argument("--fresh-opt", action="store_true", help="with --init-from: discard its optimiser moments")
+    parser.add_argument("--peak-flops", type=float, help="peak FLOP/s per device for MFU (default: by device kind)")
+    parser.add_argument("--stop-after", type=int, help="stop after this many steps in this invocation (with a save)")
+    parser.add_argument("--coordinator", help="HOST:PORT of process 0 (multi-host off TPU VMs)")
+    parser.add_argument("--num-processes", type=int)
+    parser.add_argument("--process-id", type=int)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    args = parser.parse_args()
+    if args.fresh_opt and not args.init_from:
+        parser.error("--fresh-opt needs --init-from")
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from gptj_flax import partitioning
+    from gptj_flax.config import ConfigError, load_config
+    from gptj_flax.training import TrainingDiverged, train
+
+    partitioning.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    try:
+        config = load_config(args.config, args.set)
+        mesh = partitioning.make_mesh(args.mesh or config.mesh)
+        result = train(config, mesh=mesh, init_from=args.init_from, fresh_opt=args.fresh_opt,
+                       peak_flops=args.peak_flops, stop_after=args.stop_after, progress=not args.no_progress)
+    except (ConfigError, TrainingDiverged) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    state = "preempted, saved" if result.preempted else "saved"
+    print(f"step {result.step}: {state} in {result.run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
