@@ -52,3 +52,16 @@ def write_stdlib_corpus(out_dir: str, *, max_bytes: int = 4_000_000, val_fractio
     os.replace(train_path + ".tmp", train_path)
     os.replace(val_path + ".tmp", val_path)
     return train_path, val_path
+
+
+def prepare_demo_data(out_dir: str, vocab_size: int, *, max_bytes: int = 3_000_000) -> dict[str, str]:
+    """The demo's corpus and a byte-level BPE trained on it, made once and reused afterwards."""
+    from gptj_flax.data.tokenizer import save_tokenizer, train_bpe_tokenizer
+
+    train_path, val_path = os.path.join(out_dir, "train.txt"), os.path.join(out_dir, "val.txt")
+    tokenizer_path = os.path.join(out_dir, "tokenizer")
+    if not (os.path.exists(train_path) and os.path.exists(val_path)):
+        write_stdlib_corpus(out_dir, max_bytes=max_bytes)
+    if not os.path.exists(os.path.join(tokenizer_path, "tokenizer.json")):
+        save_tokenizer(train_bpe_tokenizer([train_path], vocab_size=vocab_size), tokenizer_path)
+    return {"train": train_path, "val": val_path, "tokenizer": tokenizer_path}

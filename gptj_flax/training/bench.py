@@ -1,0 +1,122 @@
+"""``scripts/bench.py train``: our train step against HuggingFace PyTorch's on the same config.
+
+Both sides run one optimiser step per batch (forward, backward, clip to norm 1, AdamW) in float32
+on the same weights and tokens; the figures are tokens/s measured side by side in one process,
+plus achieved FLOP/s against a large matmul timed in the same run (the machine's practical ceiling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gptj_flax import partitioning
+from gptj_flax.config import ModelConfig, TrainConfig
+from gptj_flax.data import Batch
+from gptj_flax.model import GPTJ
+from gptj_flax.training import optimizer, steps
+
+BENCH_MODEL = ModelConfig(n_layers=6, d_model=512, n_heads=8, rotary_dim=64, vocab_size=8192, max_len=256,
+                          dtype="float32", param_dtype="float32")
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def matmul_flops(n: int = 2048, repeats: int = 5) -> tuple[float, float]:
+    """FLOP/s of an n×n float32 matmul in JAX and in torch (the machine's practical peak)."""
+    import torch
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    mm = jax.jit(lambda x: x @ x)
+    jax_s = _timed(lambda: mm(a).block_until_ready(), repeats)
+    t = torch.randn(n, n)
+    torch_s = _timed(lambda: t @ t, repeats)
+    return 2 * n**3 / jax_s, 2 * n**3 / torch_s
+
+
+def ours(config: ModelConfig, tokens: np.ndarray, repeats: int, mesh_shape=(1, 1, 1)) -> float:
+    train = TrainConfig(batch_size=tokens.shape[0], warmup_steps=0, lr=1e-4, end_lr=1e-4)
+    model = GPTJ(config)
+    mesh = partitioning.make_mesh(mesh_shape)
+    tx = optimizer.make_optimizer(train)
+    state = steps.create_state(model, tx, mesh, jax.random.key(0))
+    step = steps.compile_train_step(model, tx, mesh, steps.state_shardings(model, tx, mesh),
+                                    optimizer.schedule(train), accumulated=False)
+    batch = Batch(tokens, np.ones_like(tokens), np.ones(tokens[:, 1:].shape, np.float32))
+    holder = {"state": state}
+
+    def run():
+        holder["state"], metrics = step(holder["state"], batch)
+        jax.block_until_ready(metrics)
+
+    with partitioning.activate(mesh):
+        return _timed(run, repeats)
+
+
+def huggingface(config: ModelConfig, tokens: np.ndarray, repeats: int) -> float:
+    import torch
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    hf = GPTJForCausalLM(GPTJConfig(
+        vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model, n_layer=config.n_layers,
+        n_head=config.n_heads, rotary_dim=config.rotary_dim, n_inner=config.d_ff, activation_function="gelu_new",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=0)).float().train()
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    ids = torch.from_numpy(tokens.astype(np.int64))
+
+    def run():
+        opt.zero_grad(set_to_none=True)
+        loss = hf(ids[:, :-1], labels=ids[:, :-1]).loss  # HF shifts internally: T predictions of T tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        opt.step()
+
+    return _timed(run, repeats)
+
+
+def run(batch_size: int = 8, seq_len: int = 256, repeats: int = 5, threads: int | None = None,
+        config: ModelConfig = BENCH_MODEL) -> dict:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    config = dataclasses.replace(config, max_len=seq_len)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch_size, seq_len + 1)).astype(np.int32)
+    n_tokens = batch_size * seq_len
+    flops = config.flops_per_token(seq_len) * n_tokens
+    jax_mm, torch_mm = matmul_flops()
+    ours_s = ours(config, tokens, repeats)
+    hf_s = huggingface(config, tokens, repeats)
+    result = {
+        "params": config.param_count(), "batch": batch_size, "seq_len": seq_len,
+        "ours_tokens_per_s": n_tokens / ours_s, "hf_tokens_per_s": n_tokens / hf_s, "speedup": hf_s / ours_s,
+        "ours_flops": flops / ours_s, "hf_flops": flops / hf_s, "jax_matmul_flops": jax_mm, "torch_matmul_flops": torch_mm,
+    }
+    return result
+
+
+def report(r: dict) -> str:
+    g = 1e9
+    return "\n".join([
+        f"train step, {r['params'] / 1e6:.1f}M-parameter GPT-J, batch {r['batch']} x {r['seq_len']} tokens, float32, AdamW",
+        f"  matmul ceiling (2048^3 f32):  jax {r['jax_matmul_flops'] / g:7.1f} GFLOP/s   torch {r['torch_matmul_flops'] / g:7.1f} GFLOP/s",
+        f"  gptj_flax       {r['ours_tokens_per_s']:9.0f} tokens/s   {r['ours_flops'] / g:7.1f} GFLOP/s "
+        f"({100 * r['ours_flops'] / r['jax_matmul_flops']:.0f}% of jax matmul)",
+        f"  HF PyTorch      {r['hf_tokens_per_s']:9.0f} tokens/s   {r['hf_flops'] / g:7.1f} GFLOP/s "
+        f"({100 * r['hf_flops'] / r['torch_matmul_flops']:.0f}% of torch matmul)",
+        f"  speed-up gptj_flax / PyTorch: {r['speedup']:.2f}x",
+    ])
