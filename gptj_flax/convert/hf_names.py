@@ -58,6 +58,34 @@ def param_path(name: str) -> tuple[tuple[str, ...], str]:
     return (f"layer_{m.group(1)}", *path), kind
 
 
+def hf_name(path: tuple[str, ...]) -> str:
+    """Path in our unrolled tree → HF name (inverse of :func:`param_path`)."""
+    for name, (ours, _) in _TOP.items():
+        if ours == tuple(path):
+            return name
+    m = re.match(r"^layer_(\d+)$", path[0])
+    if m:
+        for rest, (ours, _) in _PER_LAYER.items():
+            if ours == tuple(path[1:]):
+                return f"transformer.h.{m.group(1)}.{rest}"
+    raise KeyError(f"not a GPT-J parameter path: {'/'.join(path)!r}")
+
+
+def hf_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
+    """The shape HF gives tensor ``name`` (torch Linear weights are (out, in))."""
+    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    suffix = name.split(".", 3)[-1] if name.startswith("transformer.h.") else name
+    shapes = {
+        "transformer.wte.weight": (v, d), "transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,),
+        "lm_head.weight": (v, d), "lm_head.bias": (v,),
+        "ln_1.weight": (d,), "ln_1.bias": (d,), "attn.q_proj.weight": (d, d), "attn.k_proj.weight": (d, d),
+        "attn.v_proj.weight": (d, d), "attn.out_proj.weight": (d, d), "mlp.fc_in.weight": (f, d),
+        "mlp.fc_in.bias": (f,), "mlp.fc_out.weight": (d, f), "mlp.fc_out.bias": (d,),
+    }
+    param_path(name)  # rejects names that are not GPT-J parameters
+    return shapes[suffix]
+
+
 def hf_to_ours(name: str, tensor: np.ndarray, config: ModelConfig) -> tuple[tuple[str, ...], np.ndarray]:
     """One HF tensor → (path in our unrolled params tree, array)."""
     path, kind = param_path(name)

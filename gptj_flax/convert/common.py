@@ -1,0 +1,61 @@
+"""What every converter shares: its error type, atomic output directories, tokenizer files, progress.
+
+Conversions take minutes to hours and can fail half way (a truncated file, a full disk, Ctrl-C).
+A user must never find an output directory that looks complete but is not, so every converter
+writes into a temporary sibling ``OUT.tmp-XXXX`` and renames it to ``OUT`` only once everything
+is written; on any failure the temporary directory is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm import tqdm
+
+# The files a HuggingFace GPT-J tokenizer consists of; whichever exist are carried along.
+TOKENIZER_FILES = (
+    "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json",
+)
+
+
+class ConversionError(ValueError):
+    """An input cannot be converted; the message names the file and what is wrong with it."""
+
+
+@contextlib.contextmanager
+def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary directory beside ``out`` that becomes ``out`` only if the block succeeds."""
+    out = Path(out)
+    if out.exists():
+        raise ConversionError(f"{out} already exists; choose a new output directory or remove it first")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tmp.rename(out)
+
+
+def copy_tokenizer_files(src: Path | None, dst: Path) -> list[str]:
+    """Copy the tokenizer files found in ``src`` into ``dst``; returns the names copied."""
+    if src is None:
+        return []
+    names = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    if names:
+        dst.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            shutil.copyfile(src / name, dst / name)
+    return names
+
+
+def progress(total_bytes: int, desc: str) -> tqdm:
+    """A byte-counting progress bar (shows MB/s), on stderr."""
+    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True)

@@ -1,0 +1,256 @@
+"""HuggingFace GPT-J directories ⇄ our Orbax checkpoints, one tensor at a time.
+
+Import reads ``config.json`` and the weights (``model.safetensors``, sharded safetensors with
+``model.safetensors.index.json``, or ``pytorch_model.bin`` [sharded] when torch is installed) and
+checks every name and shape against the config before writing anything. Export writes
+``config.json``, safetensors (sharded above ``max_shard_size``) and the tokenizer files, such that
+``GPTJForCausalLM.from_pretrained(OUT)`` loads with no missing or unexpected keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from gptj_flax import checkpoint
+from gptj_flax.config import Config, ConfigError, ModelConfig
+from gptj_flax.convert import safetensors_io
+from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files, progress
+from gptj_flax.convert.hf_names import (
+    IGNORED_HF_SUFFIXES, hf_name, hf_names, hf_shape, hf_to_ours, ours_to_hf,
+)
+from gptj_flax.convert.layout import Path as ParamPath
+from gptj_flax.convert.layout import layer_paths, streamed_params
+from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
+
+HF_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(jnp.bfloat16)}
+_HF_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' own default for save_pretrained
+GPTJ_EOS = 50256  # GPT-2 BPE's <|endoftext|>, GPT-J's bos and eos
+
+
+# --------------------------------------------------------------------------------------------
+# config.json
+
+
+def model_config_from_hf(raw: dict, where: Path, scan_layers: bool = True) -> ModelConfig:
+    """A HF ``GPTJConfig`` dict → our ModelConfig; anything GPT-J cannot be is refused by name."""
+    if raw.get("model_type") != "gptj":
+        raise ConversionError(f"{where}: model_type is {raw.get('model_type')!r}, not 'gptj': "
+                              "this is not a GPT-J checkpoint")
+    activation = raw.get("activation_function", "gelu_new")
+    if activation != "gelu_new":
+        raise ConversionError(f"{where}: activation_function {activation!r} is not supported; GPT-J uses 'gelu_new'")
+    if raw.get("tie_word_embeddings", False):
+        raise ConversionError(f"{where}: tie_word_embeddings is true; GPT-J's lm_head is untied (it has a bias)")
+    if raw.get("rotary_dim") is None:
+        raise ConversionError(f"{where}: rotary_dim is null; GPT-J needs a rotary_dim (64 for GPT-J-6B)")
+    try:
+        return ModelConfig(
+            n_layers=raw["n_layer"], d_model=raw["n_embd"], n_heads=raw["n_head"], rotary_dim=raw["rotary_dim"],
+            vocab_size=raw["vocab_size"], max_len=raw.get("n_positions", 2048), d_ff=raw.get("n_inner"),
+            layer_norm_eps=raw.get("layer_norm_epsilon", 1e-5), scan_layers=scan_layers,
+        )
+    except KeyError as e:
+        raise ConversionError(f"{where}: missing key {e.args[0]!r}") from None
+    except ConfigError as e:
+        raise ConversionError(f"{where}: {e}") from None
+
+
+def hf_config_dict(config: ModelConfig, dtype: str) -> dict:
+    """The ``config.json`` of ``GPTJForCausalLM`` for ``config``, weights stored as ``dtype``."""
+    eos = GPTJ_EOS if config.vocab_size > GPTJ_EOS else None  # a small vocabulary has no id 50256
+    return {
+        "architectures": ["GPTJForCausalLM"], "model_type": "gptj",
+        "vocab_size": config.vocab_size, "n_positions": config.max_len, "n_embd": config.d_model,
+        "n_layer": config.n_layers, "n_head": config.n_heads, "rotary_dim": config.rotary_dim,
+        "n_inner": None if config.d_ff == 4 * config.d_model else config.d_ff,
+        "activation_function": "gelu_new", "layer_norm_epsilon": config.layer_norm_eps,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
+        "use_cache": True, "bos_token_id": eos, "eos_token_id": eos, "tie_word_embeddings": False,
+        "dtype": _HF_DTYPE_NAMES[dtype],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a HF directory
+
+
+class _TorchFile:
+    """A ``pytorch_model.bin`` opened memory-mapped, so tensors are read only when asked for."""
+
+    def __init__(self, path: Path):
+        try:
+            import torch
+        except ImportError:
+            raise ConversionError(f"{path}: reading pytorch_model.bin needs torch (pip install torch==2.13.0), "
+                                  "or convert from safetensors") from None
+        try:
+            self._tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # pre-zipfile serialisation cannot be memory-mapped
+            try:
+                self._tensors = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 — torch raises many types for corrupt files
+                raise ConversionError(f"{path}: unreadable PyTorch checkpoint: {e}") from None
+        except Exception as e:  # noqa: BLE001
+            raise ConversionError(f"{path}: unreadable PyTorch checkpoint: {e}") from None
+        self.path = path
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(t.shape) for name, t in self._tensors.items()}
+
+    def read(self, name: str) -> np.ndarray:
+        import torch
+
+        return self._tensors[name].to(torch.float32).numpy()
+
+
+class HFCheckpoint:
+    """A HuggingFace GPT-J directory, validated up front and read one tensor at a time."""
+
+    def __init__(self, directory: Path, model_config: ModelConfig, readers: dict[str, Callable[[], np.ndarray]]):
+        self.directory = directory
+        self.model_config = model_config
+        self._readers = readers
+
+    @classmethod
+    def open(cls, src: str | os.PathLike, scan_layers: bool = True) -> "HFCheckpoint":
+        directory = Path(src)
+        config_path = directory / "config.json"
+        if not config_path.is_file():
+            raise ConversionError(f"{config_path} not found: a HuggingFace model directory has a config.json")
+        try:
+            raw = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConversionError(f"{config_path}: not valid JSON: {e}") from None
+        model_config = model_config_from_hf(raw, config_path, scan_layers)
+
+        shapes: dict[str, tuple[int, ...]] = {}
+        readers: dict[str, Callable[[], np.ndarray]] = {}
+        where: dict[str, Path] = {}
+        for path, kind in _weight_files(directory):
+            if kind == "safetensors":
+                for name, info in safetensors_io.read_header(path).items():
+                    shapes[name], where[name] = info.shape, path
+                    readers[name] = lambda info=info: safetensors_io.read_tensor(info)
+            else:
+                torch_file = _TorchFile(path)
+                for name, shape in torch_file.shapes().items():
+                    shapes[name], where[name] = shape, path
+                    readers[name] = lambda name=name, f=torch_file: f.read(name)
+
+        expected = hf_names(model_config)
+        missing = [n for n in expected if n not in shapes]
+        if missing:
+            raise ConversionError(f"{directory}: {len(missing)} GPT-J tensor(s) missing from the weight files, "
+                                  f"e.g. {missing[:3]} (config.json says {model_config.n_layers} layers)")
+        unexpected = sorted(set(shapes) - set(expected))
+        unexpected = [n for n in unexpected if not n.endswith(IGNORED_HF_SUFFIXES)]
+        if unexpected:
+            raise ConversionError(f"{where[unexpected[0]]}: unexpected tensor(s) for a {model_config.n_layers}-layer "
+                                  f"GPT-J: {unexpected[:3]}")
+        for name in expected:
+            want = hf_shape(name, model_config)
+            if shapes[name] != want:
+                raise ConversionError(f"{where[name]}: tensor {name!r} has shape {shapes[name]} but "
+                                      f"{config_path} implies {want}")
+        return cls(directory, model_config, {n: readers[n] for n in expected})
+
+    def get(self, path: ParamPath) -> np.ndarray:
+        """The parameter at ``path`` (unrolled layout) in our orientation, in its stored dtype."""
+        name = hf_name(path)
+        return hf_to_ours(name, self._readers[name](), self.model_config)[1]
+
+
+def _weight_files(directory: Path) -> list[tuple[Path, str]]:
+    """The weight files of a HF directory, in the order transformers prefers them."""
+    for index_name, kind in ((safetensors_io.INDEX_FILE, "safetensors"), ("pytorch_model.bin.index.json", "torch")):
+        index_path = directory / index_name
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ConversionError(f"{index_path}: not a valid weight index ({e})") from None
+            files = [directory / name for name in dict.fromkeys(weight_map.values())]
+            for path in files:
+                if not path.is_file():
+                    raise ConversionError(f"{path}: listed in {index_path} but missing")
+            return [(path, kind) for path in files]
+    for name, kind in ((safetensors_io.SINGLE_FILE, "safetensors"), ("pytorch_model.bin", "torch")):
+        if (directory / name).is_file():
+            return [(directory / name, kind)]
+    raise ConversionError(f"{directory}: no weights found (expected {safetensors_io.SINGLE_FILE}, "
+                          f"{safetensors_io.INDEX_FILE}, pytorch_model.bin or its index)")
+
+
+# --------------------------------------------------------------------------------------------
+# Converters
+
+
+def from_hf(src: str | os.PathLike, out: str | os.PathLike, *, scan_layers: bool = True) -> Path:
+    """HF GPT-J directory ``src`` → Orbax checkpoint ``out`` (step 0, float32, tokenizer carried)."""
+    hf = HFCheckpoint.open(src, scan_layers)
+    config = Config(model=hf.model_config)
+    with atomic_directory(out) as tmp:
+        write_checkpoint(tmp, 0, params=streamed_params(hf.get, config.model), config=config,
+                         meta={"converted_from": f"hf:{Path(src).resolve()}"})
+        copy_tokenizer_files(hf.directory, tmp / checkpoint.TOKENIZER_DIR)
+    return Path(out)
+
+
+def to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32",
+          max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Orbax checkpoint ``ckpt`` (run or step directory) → HF GPT-J directory ``out``."""
+    if dtype not in HF_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {sorted(HF_DTYPES)}")
+    source = OrbaxParams.open(ckpt)
+    config = source.config.model
+    plan = [(name, hf_shape(name, config), HF_DTYPES[dtype]) for name in hf_names(config)]
+    with atomic_directory(out) as tmp:
+        with safetensors_io.ShardedWriter(tmp, plan, safetensors_io.parse_size(max_shard_size),
+                                          metadata={"format": "pt"}) as writer, \
+                progress(writer.total_bytes, "writing safetensors") as bar:
+            for path, shape in source.leaf_shapes().items():
+                array = source.read(path)
+                if array.shape != shape:
+                    raise ConversionError(f"{source.params_dir}: {'/'.join(path)} has shape {array.shape} but "
+                                          f"the checkpoint's config implies {shape}")
+                per_layer = layer_paths(path, config.n_layers)
+                pieces = [(path, array)] if per_layer is None else list(zip(per_layer, array))
+                for our_path, piece in pieces:
+                    name = hf_name(our_path)
+                    writer.write(name, ours_to_hf(name, piece, config))
+                    bar.update(piece.size * HF_DTYPES[dtype].itemsize)
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(config, dtype), indent=2) + "\n")
+        tokenizer_dir = source.tokenizer_dir
+        copy_tokenizer_files(Path(tokenizer_dir) if tokenizer_dir else None, tmp)
+    return Path(out)
+
+
+def write_random_hf(out: str | os.PathLike, config: ModelConfig, *, seed: int = 0, dtype: str = "fp32",
+                    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """A random GPT-J of ``config``'s shape as a HF directory, generated and written tensor by tensor.
+
+    For benchmarks and memory measurements of the converters at sizes no test can hold in memory.
+    """
+    rng = np.random.default_rng(seed)
+    np_dtype = HF_DTYPES[dtype]
+    plan = [(name, hf_shape(name, config), np_dtype) for name in hf_names(config)]
+    with atomic_directory(out) as tmp:
+        with safetensors_io.ShardedWriter(tmp, plan, safetensors_io.parse_size(max_shard_size),
+                                          metadata={"format": "pt"}) as writer, \
+                progress(writer.total_bytes, "writing random weights") as bar:
+            for name, shape, _ in plan:
+                tensor = rng.standard_normal(shape, dtype=np.float32)
+                tensor *= 0.02
+                if name.endswith(("ln_1.weight", "ln_f.weight")):
+                    tensor += 1.0
+                writer.write(name, tensor)
+                bar.update(tensor.size * np_dtype.itemsize)
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(config, dtype), indent=2) + "\n")
+    return Path(out)

@@ -1,0 +1,40 @@
+"""Slimming: an Orbax checkpoint without its optimiser state, params stored in bf16 or fp16.
+
+For sharing and serving a trained model at a third (bf16 params vs fp32 params + two fp32 Adam
+moments) of the size. The config keeps ``param_dtype`` float32, so loading a slim checkpoint for
+training upcasts to float32 master params; samplers may load it in the stored half precision.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from gptj_flax import checkpoint
+from gptj_flax.convert.common import atomic_directory, copy_tokenizer_files
+from gptj_flax.convert.layout import StreamedArray
+from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
+
+SLIM_DTYPES = {"bf16": np.dtype(jnp.bfloat16), "fp16": np.dtype(np.float16)}
+
+
+def slim(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "bf16") -> Path:
+    """Checkpoint ``ckpt`` (run or step directory) → ``out``: same step, params only, in ``dtype``."""
+    if dtype not in SLIM_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {sorted(SLIM_DTYPES)}")
+    source = OrbaxParams.open(ckpt)
+    params = traverse_util.unflatten_dict({
+        path: StreamedArray(shape, SLIM_DTYPES[dtype], lambda path=path: source.read(path), name="/".join(path))
+        for path, shape in source.leaf_shapes().items()
+    })
+    meta = {k: v for k, v in source.meta.items() if k != "step"}
+    with atomic_directory(out) as tmp:
+        write_checkpoint(tmp, source.step, params=params, config=source.config,
+                         meta={**meta, "slimmed_from": str(Path(str(source.directory)).resolve()), "slim_dtype": dtype})
+        tokenizer = source.tokenizer_dir
+        copy_tokenizer_files(Path(str(tokenizer)) if tokenizer else None, tmp / checkpoint.TOKENIZER_DIR)
+    return Path(out)

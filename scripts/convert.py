@@ -1,0 +1,64 @@
+"""Convert GPT-J weights between HuggingFace, legacy mesh-transformer-jax and gptj_flax (Orbax) checkpoints.
+
+    python scripts/convert.py from-hf HF_DIR OUT
+    python scripts/convert.py to-hf CKPT OUT [--dtype fp32|fp16|bf16] [--max-shard-size 5GB]
+    python scripts/convert.py from-legacy STEP_DIR OUT --config legacy.json
+    python scripts/convert.py slim CKPT OUT [--dtype bf16|fp16]
+
+Every conversion streams tensor by tensor (memory: about the largest tensor, never the model) and
+writes OUT atomically: an interrupted or failed run leaves no OUT behind. CKPT is an Orbax run
+directory (its latest step) or one step directory.
+"""
+
+import argparse
+import sys
+
+from gptj_flax import convert
+from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE, HF_DTYPES
+from gptj_flax.convert.slim import SLIM_DTYPES
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("from-hf", help="HuggingFace GPT-J directory -> Orbax checkpoint")
+    p.add_argument("src", help="directory with config.json and safetensors or pytorch_model.bin weights")
+    p.add_argument("out", help="new Orbax checkpoint directory")
+    p.add_argument("--unrolled", action="store_true", help="store layer_0 … layer_N instead of scanned layers")
+
+    p = commands.add_parser("to-hf", help="Orbax checkpoint -> HuggingFace GPT-J directory")
+    p.add_argument("ckpt", help="Orbax run directory (latest step) or step directory")
+    p.add_argument("out", help="new HuggingFace model directory")
+    p.add_argument("--dtype", choices=sorted(HF_DTYPES), default="fp32", help="stored weight dtype")
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                   help="split the safetensors above this size, e.g. 5GB, 500MB (default: %(default)s)")
+
+    p = commands.add_parser("from-legacy", help="mesh-transformer-jax step directory -> Orbax checkpoint")
+    p.add_argument("step_dir", help="the step_N directory holding shard_0 … shard_{S-1}")
+    p.add_argument("out", help="new Orbax checkpoint directory")
+    p.add_argument("--config", required=True, help="the JSON config the checkpoint was trained with (legacy or modern)")
+
+    p = commands.add_parser("slim", help="drop the optimiser state and store params in half precision")
+    p.add_argument("ckpt", help="Orbax run directory (latest step) or step directory")
+    p.add_argument("out", help="new Orbax checkpoint directory")
+    p.add_argument("--dtype", choices=sorted(SLIM_DTYPES), default="bf16")
+
+    args = parser.parse_args()
+    try:
+        if args.command == "from-hf":
+            out = convert.from_hf(args.src, args.out, scan_layers=not args.unrolled)
+        elif args.command == "to-hf":
+            out = convert.to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
+        elif args.command == "from-legacy":
+            config, shards = convert.config_for_legacy(args.config)
+            out = convert.from_legacy(args.step_dir, args.out, config, shards)
+        else:
+            out = convert.slim(args.ckpt, args.out, dtype=args.dtype)
+    except (convert.ConversionError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

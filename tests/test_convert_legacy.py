@@ -1,0 +1,166 @@
+"""Legacy mesh-transformer-jax checkpoints (1, 2, 4, 8 shards; full and slim) → ours, exactly."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gptj_flax import checkpoint, partitioning
+from gptj_flax.config import Config, from_dict
+from gptj_flax.convert import (
+    config_for_legacy, from_legacy, insert_adam_moments, load_init_params, load_legacy_opt_state, params_from_hf,
+)
+from gptj_flax.convert.legacy import LegacyCheckpoint, legacy_params
+from gptj_flax.model import GPTJ
+from tests.helpers import hf_model, tiny_config
+from tests.legacy_writer import dense_model, dense_moments, hf_state_dict, legacy_config_dict, write_legacy_checkpoint
+
+# 12 layers, so the original's string order (0, 1, 10, 11, 2, …) differs from numeric order;
+# heads, d_ff and vocab divide 8 shards; rotary_dim < head_dim.
+CFG = tiny_config(n_layers=12, d_model=32, n_heads=8, rotary_dim=2, vocab_size=64)
+
+
+def _reference_hf(model):
+    hf = hf_model(CFG)
+    hf.load_state_dict({k: torch.from_numpy(v) for k, v in hf_state_dict(model, CFG).items()}, strict=True)
+    return hf
+
+
+def _config_file(tmp_path, shards):
+    path = tmp_path / "legacy.json"
+    path.write_text(json.dumps(legacy_config_dict(CFG, shards)))
+    return path
+
+
+def test_the_original_leaf_order_is_string_sorted():
+    names = [p.key for p in legacy_params(CFG, 8)]
+    layers = [n.split("/~/")[1] for n in names if "/~/layer_" in n and n.endswith("linear/w")]
+    assert layers == ["layer_0", "layer_1", "layer_10", "layer_11"] + [f"layer_{i}" for i in range(2, 10)]
+    assert names[:2] == ["causal_transformer_shard/~/embedding_shard/~/linear/b",
+                         "causal_transformer_shard/~/embedding_shard/~/linear/w"]
+    assert names[2].endswith("layer_0/~/linear/w") and names[-1].endswith("projection_shard/~/replicated_layer_norm/scale")
+
+
+CASES = [(s, "full") for s in (1, 2, 4, 8)] + [(s, "slim_bf16") for s in (1, 2, 4, 8)] + [(1, "slim_fp16"), (8, "slim_fp16")]
+
+
+@pytest.mark.parametrize("shards,storage", CASES, ids=[f"{s}shards-{k}" for s, k in CASES])
+def test_legacy_import_equals_the_dense_reference(tmp_path, shards, storage):
+    model = dense_model(CFG, seed=shards)
+    dtype = {"full": np.float32, "slim_bf16": jnp.bfloat16, "slim_fp16": np.float16}[storage]
+    moments = (dense_moments(model, 1), dense_moments(model, 2)) if storage == "full" else None
+    step_dir = tmp_path / "ckpt" / "step_383500"
+    write_legacy_checkpoint(step_dir, model, CFG, shards=shards, step=383500, dtype=dtype, moments=moments,
+                            adam_count=383500, schedule_count=17)
+    if storage == "slim_bf16":  # the header old numpy wrote for bfloat16
+        assert b"'descr': '<V2'" in (step_dir / "shard_0" / "0.npz").read_bytes()[:200]
+    n_leaves = sum(len(np.load(step_dir / "shard_0" / f"{i}.npz").files) for i in range(16))
+    assert n_leaves == (3 * 126 + 3 if storage == "full" else 127)
+
+    config, file_shards = config_for_legacy(_config_file(tmp_path, shards))
+    assert file_shards == shards
+    from_legacy(step_dir, tmp_path / "ours", config, file_shards)
+
+    reference = params_from_hf(hf_state_dict(model, CFG), config.model)
+    stored_config, params, step = checkpoint.load_params(tmp_path / "ours", partitioning.make_mesh((1, 2, 4)))
+    assert step == 383500 and stored_config == config
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), reference)
+
+    tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, size=(2, 11))
+    with torch.no_grad():
+        expected = _reference_hf(model)(torch.from_numpy(tokens)).logits.numpy()
+    logits = GPTJ(dataclasses.replace(config.model, dtype="float32")).apply({"params": params}, jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(logits), expected, rtol=0, atol=1e-4)
+
+
+def test_init_from_legacy_on_a_different_mesh_and_layout(tmp_path):
+    model = dense_model(CFG, seed=5)
+    write_legacy_checkpoint(tmp_path / "step_10", model, CFG, shards=4, step=10, dtype=jnp.bfloat16)
+    config = Config(model=dataclasses.replace(CFG, scan_layers=False))
+    mesh = partitioning.make_mesh((1, 1, 8))  # 8-way tensor parallel from a 4-shard checkpoint
+    params = load_init_params(f"legacy:{tmp_path / 'step_10'}", config, mesh, legacy_shards=4)
+    reference = params_from_hf(hf_state_dict(model, CFG), config.model)
+    target, _ = checkpoint.abstract_params(config, mesh)
+    for leaf, want, value in zip(jax.tree.leaves(params), jax.tree.leaves(target), jax.tree.leaves(reference)):
+        assert leaf.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(leaf), value)
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+def test_adam_moments_land_on_the_right_parameters(tmp_path, scan):
+    model = dense_model(CFG, seed=3)
+    mu, nu = dense_moments(model, 10), dense_moments(model, 20)
+    write_legacy_checkpoint(tmp_path / "step_7", model, CFG, shards=4, step=7, moments=(mu, nu), adam_count=321,
+                            schedule_count=5)
+    config = Config(model=dataclasses.replace(CFG, scan_layers=scan))
+    mesh = partitioning.make_mesh((1, 2, 4))
+    state = load_legacy_opt_state(tmp_path / "step_7", config, mesh, shards=4)
+
+    assert int(state.count) == 321
+    # The moments of each dense tensor, mapped with the (independently tested) HF name mapping.
+    # The embedding table's moments are the embedding weight's; the folded bias has none.
+    for got, moments in ((state.mu, mu), (state.nu, nu)):
+        want = params_from_hf(hf_state_dict({**moments, "embed_b": np.zeros_like(moments["embed_b"])}, CFG),
+                              config.model)
+        target, _ = checkpoint.abstract_params(config, mesh)
+        for leaf, spec, value in zip(jax.tree.leaves(got), jax.tree.leaves(target), jax.tree.leaves(want)):
+            assert leaf.sharding == spec.sharding and leaf.dtype == jnp.float32
+            np.testing.assert_array_equal(np.asarray(leaf), value)
+
+    # Into an optax chain like training's: the Adam node is replaced, everything else kept.
+    params = load_init_params(f"legacy:{tmp_path / 'step_7'}", config, mesh)
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.scale_by_adam(),
+        optax.add_decayed_weights(0.1, mask=jax.tree.map(lambda p: p.ndim > 1, params)),
+        optax.scale_by_learning_rate(optax.linear_schedule(1e-4, 1e-5, 10)))
+    fresh = optimizer.init(params)
+    opt_state = insert_adam_moments(fresh, state.mu, state.nu, state.count)
+    adam = opt_state[1]
+    assert isinstance(adam, optax.ScaleByAdamState) and int(adam.count) == 321
+    assert jax.tree.structure(opt_state) == jax.tree.structure(fresh)
+    np.testing.assert_array_equal(np.asarray(adam.mu["lm_head"]["kernel"]), np.asarray(state.mu["lm_head"]["kernel"]))
+    assert int(opt_state[3].count) == 0  # the schedule restarts, as the original's fine-tuning did
+
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, new_state = jax.jit(optimizer.update)(grads, opt_state, params)
+    assert int(new_state[1].count) == 322
+    assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+
+
+def test_insert_adam_moments_rejects_a_mismatched_state():
+    params = {"w": jnp.zeros((2, 3))}
+    with pytest.raises(ValueError, match="ScaleByAdamState"):
+        insert_adam_moments(optax.sgd(0.1).init(params), params, params, 1)
+    state = optax.adam(1e-3).init(params)
+    with pytest.raises(ValueError, match="shape"):
+        insert_adam_moments(state, {"w": jnp.zeros((3, 2))}, {"w": jnp.zeros((3, 2))}, 1)
+    new = insert_adam_moments(state, {"w": jnp.ones((2, 3))}, {"w": jnp.ones((2, 3))}, 4)
+    assert int(new[0].count) == 4 and new[0].count.dtype == state[0].count.dtype
+
+    # A state placed on a mesh (as a jitted init with out_shardings leaves it) keeps its placement.
+    mesh = partitioning.make_mesh((1, 2, 4))
+    placed = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
+    new = insert_adam_moments(placed, {"w": jnp.ones((2, 3))}, {"w": jnp.ones((2, 3))}, 4)
+    for leaf, old in zip(jax.tree.leaves(new), jax.tree.leaves(placed)):
+        assert leaf.sharding == old.sharding
+
+
+def test_the_released_6b_layout_counts(repo_root):
+    """The leaf counts GPTJ_REFERENCE §4 gives for the released 6B checkpoint: 287 slim, 861 full."""
+    six_b = from_dict(json.loads((repo_root / "configs" / "6B_roto_256.json").read_text())).model
+    n = len(legacy_params(six_b, 8))
+    assert (n + 1, 3 * n + 3) == (287, 861)
+
+
+def test_a_slim_checkpoint_has_no_moments(tmp_path):
+    write_legacy_checkpoint(tmp_path / "step_1", dense_model(CFG, 0), CFG, shards=2, dtype=jnp.bfloat16)
+    with LegacyCheckpoint(tmp_path / "step_1", CFG) as legacy:
+        assert not legacy.full and legacy.shards == 2 and legacy.step == 1000
+    with pytest.raises(ValueError, match="slim"):
+        load_legacy_opt_state(tmp_path / "step_1", Config(model=CFG), partitioning.make_mesh((1, 1, 1)))
