@@ -104,6 +104,8 @@ class _Lane:
         start = self._block * self._block_size
         n = min(self._block_size, self._length - start)
         tokens, lengths = self._take_rows(n)
+        if start + n == self._length:
+            self._chunks.close()  # the lane's last block: release its file reader now, not at the epoch's end
         permutation = np.random.default_rng([*self._rng_key, self._block]).permutation(n)
         self._tokens, self._lengths = tokens[permutation], lengths[permutation]
         self._cursor = 0

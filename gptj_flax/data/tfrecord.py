@@ -283,6 +283,20 @@ def _raw_record(path: str, compression: str, record: int) -> bytes:
 
 
 @functools.cache
+def _plain_reader_options():
+    """tf.data options for the many small, synchronous readers the iterator keeps (one per lane).
+
+    Autotuning and injected prefetching add background threads per iterator; with dozens of
+    readers alive, tearing them down took seconds at every epoch boundary and bought nothing,
+    since the caller consumes each reader synchronously.
+    """
+    options = tensorflow().data.Options()
+    options.autotune.enabled = False
+    options.experimental_optimization.inject_prefetch = False
+    return options
+
+
+@functools.cache
 def _parse_batch():
     """A traced-once parser of a batch of serialized records (tracing per dataset would cost more
     than reading a small piece of a file)."""
@@ -311,7 +325,7 @@ def _parsed_batches(
     tf = tensorflow()
     parse = _parse_batch()
     ds = tf.data.TFRecordDataset(path, compression_type=compression, buffer_size=READ_BUFFER_BYTES)
-    ds = ds.skip(first_record).take(num_records).batch(batch_records)
+    ds = ds.skip(first_record).take(num_records).batch(batch_records).with_options(_plain_reader_options())
     record = first_record
     try:
         for serialized in ds:
