@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import make_documents, real_tokens, run_script
+from data_helpers import make_documents, real_tokens, run_script
 from gptj_flax.data import DataError, DataWarning, create_tfrecords
 from gptj_flax.data.sources import open_source
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import write_index, write_legacy_tfrecords
+from data_helpers import write_index, write_legacy_tfrecords
 from gptj_flax.data import DataError, create_tfrecords, make_eval_batches, make_train_iterator
 from gptj_flax.data.sources import open_source
 

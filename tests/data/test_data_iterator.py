@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import make_documents
+from data_helpers import make_documents
 from gptj_flax.data import Batch, DataError, create_tfrecords, make_eval_batches, make_eval_sets, make_train_iterator
 from gptj_flax.data.batch import make_batch
 from gptj_flax.data.sources import TFRecordShard, open_source

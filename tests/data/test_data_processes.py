@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from conftest import make_documents
+from data_helpers import make_documents
 from gptj_flax.data import create_tfrecords, make_train_iterator
 
 HERE = Path(__file__).resolve().parent

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import make_documents
+from data_helpers import make_documents
 from gptj_flax.data import DataError, make_train_iterator
 from gptj_flax.data.sources import open_source, parse_tfds_spec
 

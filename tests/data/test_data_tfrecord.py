@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from conftest import real_tokens, write_index, write_legacy_tfrecords
+from data_helpers import real_tokens, write_index, write_legacy_tfrecords
 from gptj_flax.data import make_eval_batches, make_train_iterator
 from gptj_flax.data import tfrecord as tfrecord_module
 from gptj_flax.data.sources import open_source
@@ -87,10 +87,26 @@ def test_layouts_are_counted_once_and_cached(tmp_path, legacy_dataset, monkeypat
 
 
 def test_sidecar_spares_the_counting_pass(tmp_path, tokenizer, monkeypatch):
-    from conftest import make_documents
+    from data_helpers import make_documents
     from gptj_flax.data import create_tfrecords
 
     (tmp_path / "a.txt").write_text("<|endoftext|>".join(make_documents(30)))
     result = create_tfrecords(tmp_path / "a.txt", tmp_path / "out", tokenizer=tokenizer, seq_len=16, progress=False)
     monkeypatch.setattr(tfrecord_module, "count_records", lambda *a, **k: pytest.fail("counted despite the sidecar"))
     assert open_source(result.index_path, seq_len=16).num_sequences == result.sequences
+
+
+def test_url_paths_go_through_tensorflow_filesystems(tmp_path):
+    """gs:// is read through tf.io.gfile; TF's in-memory ram:// filesystem stands in for it here."""
+    import tensorflow as tf
+
+    rows = np.arange(4 * 17).reshape(4, 17)
+    root = f"ram://{tmp_path.name}"
+    with tf.io.TFRecordWriter(f"{root}/data/a_zstd.tfrecords", tf.io.TFRecordOptions(compression_type="ZLIB")) as w:
+        for row in rows:
+            w.write(tfrecord_module.serialize_example(row))
+    with tf.io.gfile.GFile(f"{root}/data/remote.index", "w") as f:
+        f.write("a_zstd.tfrecords\n")  # relative to the index, as a URL
+    source = open_source(f"{root}/data/remote.index", seq_len=16, progress=False)
+    assert source.shards[0].name == f"{root}/data/a_zstd.tfrecords"
+    np.testing.assert_array_equal(np.concatenate([t for t, _ in source.iter_sequences()]), rows)
