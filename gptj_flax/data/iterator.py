@@ -98,6 +98,8 @@ class _Lane:
             lengths.append(chunk_lengths[:k])
             self._pending = (chunk_tokens[k:], chunk_lengths[k:])
             n -= k
+        if len(tokens) == 1:  # the block's permutation copies anyway: skip a second copy
+            return tokens[0], lengths[0]
         return np.concatenate(tokens), np.concatenate(lengths)
 
     def _load_block(self) -> None:
