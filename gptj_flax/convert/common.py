@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,7 +35,8 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
     if out.exists():
         raise ConversionError(f"{out} already exists; choose a new output directory or remove it first")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+    tmp = out.parent / f"{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()  # unlike mkdtemp's 0700, the usual permissions: OUT is meant to be shared
     try:
         yield tmp
     except BaseException:
