@@ -30,6 +30,9 @@ come from ``B`` far-apart places in the data, and consecutive batches of a lane 
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import os
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -40,6 +43,7 @@ from gptj_flax.data.sources import Shard, Source, open_source
 
 STATE_FORMAT = "gptj_flax.data/1"
 DEFAULT_SHUFFLE_BUFFER = 256
+MAX_READER_THREADS = 16
 # Fields of the state that fix the order; a restore must see the same values.
 _ORDER_FIELDS = ("seed", "num_sequences", "seq_len", "batch_size", "grad_accum", "shuffle_buffer")
 
@@ -77,12 +81,12 @@ class _Lane:
         self._rng_key = (seed, epoch, 1, lane)
         self._length = length
         self._block_size = block_size
-        self._block = first_item // block_size
-        block_start = self._block * block_size
+        self._next_block = first_item // block_size
+        block_start = self._next_block * block_size
         self._chunks = order.read(lane * length + block_start, length - block_start)
         self._pending: tuple[np.ndarray, np.ndarray] | None = None
-        self._load_block()
-        self._cursor = first_item - block_start
+        self._blocks: collections.deque[tuple[np.ndarray, np.ndarray]] = collections.deque()
+        self._cursor = first_item - block_start  # position in the first loaded block
 
     def _take_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         tokens, lengths = [], []
@@ -102,28 +106,50 @@ class _Lane:
             return tokens[0], lengths[0]
         return np.concatenate(tokens), np.concatenate(lengths)
 
-    def _load_block(self) -> None:
-        start = self._block * self._block_size
-        n = min(self._block_size, self._length - start)
-        tokens, lengths = self._take_rows(n)
-        if start + n == self._length:
-            self._chunks.close()  # the lane's last block: release its file reader now, not at the epoch's end
-        permutation = np.random.default_rng([*self._rng_key, self._block]).permutation(n)
-        self._tokens, self._lengths = tokens[permutation], lengths[permutation]
-        self._cursor = 0
+    def ready(self, count: int) -> bool:
+        """Whether the next ``count`` items are in memory."""
+        return sum(len(tokens) for tokens, _ in self._blocks) - self._cursor >= count
+
+    def prepare(self, count: int) -> None:
+        """Load blocks until the next ``count`` items are in memory (the reading part of a step)."""
+        while not self.ready(count):
+            start = self._next_block * self._block_size
+            n = min(self._block_size, self._length - start)
+            tokens, lengths = self._take_rows(n)
+            if start + n == self._length:
+                self._chunks.close()  # the lane's last block: release its file reader now, not at the epoch's end
+            permutation = np.random.default_rng([*self._rng_key, self._next_block]).permutation(n)
+            self._blocks.append((tokens[permutation], lengths[permutation]))
+            self._next_block += 1
 
     def fill(self, tokens_out: np.ndarray, lengths_out: np.ndarray) -> None:
-        """Write the lane's next ``len(tokens_out)`` items into the given rows."""
+        """Move the lane's next ``len(tokens_out)`` items (already prepared) into the given rows."""
         filled, count = 0, len(tokens_out)
         while filled < count:
-            if self._cursor == len(self._tokens):
-                self._block += 1
-                self._load_block()
-            k = min(count - filled, len(self._tokens) - self._cursor)
-            tokens_out[filled:filled + k] = self._tokens[self._cursor:self._cursor + k]
-            lengths_out[filled:filled + k] = self._lengths[self._cursor:self._cursor + k]
+            tokens, lengths = self._blocks[0]
+            k = min(count - filled, len(tokens) - self._cursor)
+            tokens_out[filled:filled + k] = tokens[self._cursor:self._cursor + k]
+            lengths_out[filled:filled + k] = lengths[self._cursor:self._cursor + k]
             self._cursor += k
             filled += k
+            if self._cursor == len(tokens):
+                self._blocks.popleft()
+                self._cursor = 0
+
+
+def _prepare_all(lanes: Sequence[_Lane], count: int) -> None:
+    """Every lane's next ``count`` items in memory. Lanes read different files independently, so
+    they load in parallel threads (TensorFlow's reading and parsing release the GIL); the order of
+    the data does not depend on it."""
+    loading = [lane for lane in lanes if not lane.ready(count)]
+    workers = min(len(loading), os.cpu_count() or 1, MAX_READER_THREADS)
+    if workers <= 1:
+        for lane in loading:
+            lane.prepare(count)
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="gptj-data") as pool:
+        for _ in pool.map(lambda lane: lane.prepare(count), loading):
+            pass  # re-raises a lane's DataError here
 
 
 class DataIterator:
@@ -209,6 +235,7 @@ class DataIterator:
         width = self.source.seq_len + 1
         tokens = np.empty((self._micro_steps, self.local_batch_size, width), np.int32)
         lengths = np.empty((self._micro_steps, self.local_batch_size), np.int32)
+        _prepare_all(self._lanes, self._micro_steps)
         for row, lane in enumerate(self._lanes):
             lane.fill(tokens[:, row], lengths[:, row])
         self.step += 1
