@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gptj_flax import partitioning
 from gptj_flax.config import Config
+from gptj_flax.data import Batch
 from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
 
@@ -36,6 +38,7 @@ class AotReport:
     alias_bytes: int
     temp_bytes: int
     hbm_bytes: int | None
+    compile_error: str | None  # XLA refused: e.g. "temporaries (16.22G) exceed available HBM (15.48G)"
     compiled_flops: float  # per device, one step
     model_flops: float  # 6·N·tokens + attention, per device, one step
 
@@ -45,14 +48,19 @@ class AotReport:
 
     @property
     def fits(self) -> bool | None:
+        if self.compile_error:
+            return False
         return None if self.hbm_bytes is None else self.peak_bytes <= self.hbm_bytes
 
     def format(self) -> str:
         hbm = f"{self.hbm_bytes / GiB:.1f} GiB" if self.hbm_bytes else "unknown"
         verdict = {True: "FITS", False: "DOES NOT FIT", None: "?"}[self.fits]
+        head = [f"topology {self.topology}: {self.n_devices} x {self.device_kind}, mesh {self.mesh}",
+                f"global batch {self.global_batch_tokens:,} tokens per optimiser step"]
+        if self.compile_error:
+            return "\n".join([*head, f"XLA: {self.compile_error} -> {verdict}"])
         return "\n".join([
-            f"topology {self.topology}: {self.n_devices} x {self.device_kind}, mesh {self.mesh}",
-            f"global batch {self.global_batch_tokens:,} tokens per optimiser step",
+            *head,
             f"per device: arguments {self.argument_bytes / GiB:.2f} GiB + outputs {self.output_bytes / GiB:.2f} GiB"
             f" - aliased {self.alias_bytes / GiB:.2f} GiB + temporaries {self.temp_bytes / GiB:.2f} GiB"
             f" = {self.peak_bytes / GiB:.2f} GiB of {hbm} HBM -> {verdict}",
@@ -83,12 +91,9 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
     model = GPTJ(config.model)
     tx = optimizer.make_optimizer(tc)
     shardings = steps.state_shardings(model, tx, mesh)
-    import flax.linen as nn
-
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             nn.meta.unbox(steps.abstract_state(model, tx)), shardings)
     data_sharding = steps.batch_sharding(mesh, accumulated=True)
-    from gptj_flax.data import Batch
 
     tokens = jax.ShapeDtypeStruct((tc.grad_accum_steps, batch, seq_len + 1), jnp.int32, sharding=data_sharding)
     mask = jax.ShapeDtypeStruct((tc.grad_accum_steps, batch, seq_len), jnp.float32, sharding=data_sharding)
@@ -96,18 +101,26 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
     step = jax.jit(steps.make_train_step(model, tx, optimizer.schedule(tc), tc.z_loss),
                    in_shardings=(shardings, data_sharding),
                    out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
-    with partitioning.activate(mesh):
-        compiled = step.lower(abstract, abstract_batch).compile()
+    kind = devices[0].device_kind
+    n_tokens = tc.grad_accum_steps * batch * seq_len
+    report = AotReport(
+        topology=topology, device_kind=kind, n_devices=len(devices), mesh=shape, global_batch_tokens=n_tokens,
+        argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
+        hbm_bytes=next((v for k, v in HBM_BYTES.items() if kind.startswith(k)), None), compile_error=None,
+        compiled_flops=0.0, model_flops=config.model.flops_per_token(seq_len) * n_tokens / len(devices),
+    )
+    try:
+        with partitioning.activate(mesh):
+            compiled = step.lower(abstract, abstract_batch).compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        # XLA's TPU compiler refuses programs that cannot fit; its message has the numbers.
+        return dataclasses.replace(report, compile_error=str(e).split("RESOURCE_EXHAUSTED:")[-1].strip().splitlines()[0])
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    kind = devices[0].device_kind
-    n_tokens = tc.grad_accum_steps * batch * seq_len
-    return AotReport(
-        topology=topology, device_kind=kind, n_devices=len(devices), mesh=shape, global_batch_tokens=n_tokens,
-        argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
+    return dataclasses.replace(
+        report, argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
         alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
-        hbm_bytes=next((v for k, v in HBM_BYTES.items() if kind.startswith(k)), None),
-        compiled_flops=float(cost.get("flops", 0.0)),
-        model_flops=config.model.flops_per_token(seq_len) * n_tokens / len(devices),
-    )
+        compiled_flops=float(cost.get("flops", 0.0)))

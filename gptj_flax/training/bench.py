@@ -88,8 +88,8 @@ def huggingface(config: ModelConfig, tokens: np.ndarray, repeats: int) -> float:
     return _timed(run, repeats)
 
 
-def run(batch_size: int = 8, seq_len: int = 256, repeats: int = 5, threads: int | None = None,
-        config: ModelConfig = BENCH_MODEL) -> dict:
+def measure(batch_size: int = 8, seq_len: int = 256, repeats: int = 5, threads: int | None = None,
+            config: ModelConfig = BENCH_MODEL) -> dict:
     import torch
 
     if threads:
@@ -101,12 +101,11 @@ def run(batch_size: int = 8, seq_len: int = 256, repeats: int = 5, threads: int 
     jax_mm, torch_mm = matmul_flops()
     ours_s = ours(config, tokens, repeats)
     hf_s = huggingface(config, tokens, repeats)
-    result = {
+    return {
         "params": config.param_count(), "batch": batch_size, "seq_len": seq_len,
         "ours_tokens_per_s": n_tokens / ours_s, "hf_tokens_per_s": n_tokens / hf_s, "speedup": hf_s / ours_s,
         "ours_flops": flops / ours_s, "hf_flops": flops / hf_s, "jax_matmul_flops": jax_mm, "torch_matmul_flops": torch_mm,
     }
-    return result
 
 
 def report(r: dict) -> str:
@@ -120,3 +119,14 @@ def report(r: dict) -> str:
         f"({100 * r['hf_flops'] / r['torch_matmul_flops']:.0f}% of torch matmul)",
         f"  speed-up gptj_flax / PyTorch: {r['speedup']:.2f}x",
     ])
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per side (median reported)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+
+
+def run(args) -> None:
+    print(report(measure(args.batch, args.seq_len, args.repeats, args.threads)))

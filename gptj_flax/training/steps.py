@@ -92,14 +92,16 @@ def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callab
 
     def train_step(state: TrainState, batch: Batch):
         batch = _as_accumulated(batch)
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        if batch.tokens.shape[0] == 1:  # no accumulation: spare the float32 accumulator's memory
+            grads, (loss_sum, tokens) = micro_grads(state.params, jax.tree.map(lambda x: x[0], batch))
+        else:
+            def body(carry, micro):
+                grads, loss_sum, tokens = carry
+                g, (l, n) = micro_grads(state.params, micro)
+                return (jax.tree.map(jnp.add, grads, g), loss_sum + l, tokens + n), None
 
-        def body(carry, micro):
-            grads, loss_sum, tokens = carry
-            g, (l, n) = micro_grads(state.params, micro)
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + l, tokens + n), None
-
-        (grads, loss_sum, tokens), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), batch)
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            (grads, loss_sum, tokens), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), batch)
         denom = jnp.maximum(tokens, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
