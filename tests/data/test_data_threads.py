@@ -1,0 +1,256 @@
+"""Thread dumps → GPT-4chan text / TFRecords: exact text, worker-count determinism, compression,
+the TFRecord round trip, malformed lines, errors, and flat memory on a growing dump."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import lzma
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zstandard
+
+from data_helpers import real_tokens, run_script
+from gptj_flax.data import DataError, make_eval_batches, open_source
+from gptj_flax.data.threads import (
+    BAD_JSON, BAD_UTF8, NO_POSTS, POST_WITHOUT_COM, POST_WITHOUT_NO, html_to_text, prepare_threads,
+    write_synthetic_dump,
+)
+
+# A dump covering what real ones hold, one line per entry (bytes: line 6 is deliberately not UTF-8).
+DUMP_LINES = [
+    json.dumps({"posts": [
+        {"no": 100, "com": "Hello<br>world &amp; friends<br><br>https://exa<wbr>mple.com/a<wbr>b"},
+        {"no": 101, "com": '<a href="#p100" class="quotelink">&gt;&gt;100</a><br>'
+                           '<span class="quote">&gt;implying</span><br>it&#039;s &quot;fine&quot; &lt;3'},
+        {"no": 102, "com": "日本語 ünïcödé 😂<br>"},
+        {"no": 103, "com": ""},
+        {"no": 104, "filename": "image-only"},
+        {"no": 105, "com": "<p>para one</p><p>para two</p>a<div>b</div>c"},
+    ]}, ensure_ascii=False).encode(),
+    b'{"posts": [',
+    b"",
+    b'{"thread": 5}',
+    json.dumps({"posts": [
+        {"no": 200, "com": "<s>spoiler</s> text<br/>next"},
+        {"com": "a post without its number"},
+        {"no": "201", "com": "  spaced  "},
+    ]}).encode(),
+    b'{"posts": [{"no": 1, "com": "\xff"}]}',
+    b'{"posts": [{"no": 300, "com": "last line, no newline after it"}]}',
+]
+
+EXPECTED_TEXT = (
+    "--- 100\nHello\nworld & friends\n\nhttps://example.com/ab\n"
+    "--- 101\n>>100\n>implying\nit's \"fine\" <3\n"
+    "--- 102\n日本語 ünïcödé 😂\n"
+    "--- 103\n\n"
+    "--- 104\n\n"
+    "--- 105\npara one\npara two\na\nb\nc"
+    "\n-----\n"
+    "--- 200\nspoiler text\nnext\n"
+    "--- 201\nspaced"
+    "\n-----\n"
+    "--- 300\nlast line, no newline after it"
+    "\n-----\n"
+)
+
+
+def expected_problems(path) -> list[str]:
+    return [
+        f"{path}, line 1: post 5 (no 104) has no 'com' field; kept as an empty post",
+        f"{path}, line 2: bad JSON (Expecting value at column 12)",
+        f"{path}, line 4: no 'posts' field; thread skipped",
+        f"{path}, line 5: post 2 has no 'no' field (expected a post number); post dropped",
+        f"{path}, line 6: not UTF-8 (invalid start byte at byte 29)",
+    ]
+
+
+@pytest.fixture
+def dump(tmp_path):
+    path = tmp_path / "dump.ndjson"
+    path.write_bytes(b"\xef\xbb\xbf" + b"\n".join(DUMP_LINES))  # a BOM, as some tools write: not part of line 1
+    return path
+
+
+def expected_threads(text: str) -> list[str]:
+    return [thread + "\n-----\n" for thread in text.split("\n-----\n")[:-1]]
+
+
+@pytest.mark.parametrize("html, text", [
+    ("a<br>b<br/>c</br>d", "a\nb\nc\nd"),
+    ("http://exa<wbr>mple.com", "http://example.com"),
+    ('<a href="#p123" class="quotelink">&gt;&gt;123</a>', ">>123"),
+    ('<span class="quote">&gt;be me</span><br>&gt;&gt; not a link', ">be me\n>> not a link"),
+    ("&amp;amp; &lt;b&gt; &#039;&quot; &eacute;&#x263a;", "&amp; <b> '\" é☺"),
+    ("  <br><br>text<br><br>  ", "text"),
+    ("<p>one</p><p>two</p>", "one\ntwo"),
+    ("x<pre>code<br>more</pre>y<hr>z", "x\ncode\nmore\ny\nz"),
+    ("a <!-- hidden --> b", "a  b"),
+    ("tabs\tand  spaces kept", "tabs\tand  spaces kept"),
+    ("1 < 2 and a<3", "1 < 2 and a<3"),
+    ("", ""),
+])
+def test_html_to_text(html, text):
+    assert html_to_text(html) == text
+
+
+@pytest.mark.parametrize("out_name, decompress", [
+    ("out.txt", lambda data: data), ("out.txt.gz", gzip.decompress),
+    ("out.txt.zst", lambda data: zstandard.ZstdDecompressor().stream_reader(data).read()),
+])
+def test_dump_converts_to_exactly_the_expected_text(tmp_path, dump, out_name, decompress):
+    out = tmp_path / out_name
+    result = prepare_threads(dump, text_output=out, workers=1, progress=False)
+    assert decompress(out.read_bytes()).decode("utf-8") == EXPECTED_TEXT
+    assert (result.lines, result.threads, result.posts, result.malformed_lines) == (6, 3, 9, 5)
+    assert result.problems == {POST_WITHOUT_COM: 1, BAD_JSON: 1, NO_POSTS: 1, POST_WITHOUT_NO: 1, BAD_UTF8: 1}
+    assert list(result.reported) == expected_problems(dump)
+    assert sorted(os.listdir(tmp_path)) == ["dump.ndjson", out_name]  # no .partial left behind
+
+
+def test_same_output_with_1_and_4_workers_and_any_compression(tmp_path):
+    plain = tmp_path / "big.ndjson"
+    n_threads = write_synthetic_dump(plain, 2_000_000, seed=5)
+    with open(plain, "ab") as f:  # malformed lines deep inside later chunks, too
+        f.write(b"not json\n" + plain.read_bytes()[:300_000].rsplit(b"\n", 1)[0] + b"\n{}\n")
+    data = plain.read_bytes()
+    (tmp_path / "big.ndjson.gz").write_bytes(gzip.compress(data, compresslevel=1))
+    half = data.index(b"\n", len(data) // 2) + 1  # two frames, as pzstd and concatenated archives have
+    (tmp_path / "big.ndjson.zst").write_bytes(b"".join(zstandard.ZstdCompressor().compress(part)
+                                                       for part in (data[:half], data[half:])))
+    (tmp_path / "big.ndjson.xz").write_bytes(lzma.compress(data, preset=0))
+
+    runs = {}
+    for name, workers in (("big.ndjson", 1), ("big.ndjson", 4), ("big.ndjson.gz", 4), ("big.ndjson.zst", 1),
+                          ("big.ndjson.xz", 2)):
+        out = tmp_path / f"{name}.{workers}.txt"
+        result = prepare_threads(tmp_path / name, text_output=out, workers=workers, chunk_bytes=32 << 10,
+                                 max_reported=1000, progress=False)
+        runs[name, workers] = (out.read_bytes(), result)
+    reference, first = runs["big.ndjson", 1]
+    assert first.threads > n_threads and first.problems[BAD_JSON] == 1 and first.problems[NO_POSTS] == 1
+    for (name, workers), (text, result) in runs.items():
+        assert text == reference, (name, workers)
+        reported = [m.replace(str(tmp_path / name), "DUMP") for m in result.reported]
+        assert reported == [m.replace(str(tmp_path / "big.ndjson"), "DUMP") for m in first.reported]
+        assert (result.lines, result.threads, result.posts, result.problems) == (
+            first.lines, first.threads, first.posts, first.problems)
+    assert reference.count(b"\n-----\n") == first.threads
+    # Line numbers count physical lines of the decompressed dump, across chunk boundaries.
+    bad_line = data[:data.index(b"not json\n")].count(b"\n") + 1
+    assert f"{tmp_path / 'big.ndjson'}, line {bad_line}: bad JSON" in " ".join(first.reported)
+
+
+def test_tfrecords_round_trip_through_the_reader(tmp_path, dump, tokenizer, tokenizer_dir, repo_root):
+    synthetic = tmp_path / "synthetic.ndjson"
+    write_synthetic_dump(synthetic, 60_000, seed=1)
+    out_dir = tmp_path / "records"
+    rc = run_script(repo_root, "prepare_threads", [
+        str(dump), str(synthetic), "--output", str(tmp_path / "all.txt"), "--tfrecords-dir", str(out_dir),
+        "--name", "pol", "--tokenizer", str(tokenizer_dir), "--seq-len", "32", "--sequences-per-file", "100",
+        "--workers", "2", "--quiet"])
+    assert rc == 0
+    text = (tmp_path / "all.txt").read_text(encoding="utf-8")
+    assert text.startswith(EXPECTED_TEXT)
+    threads = expected_threads(text)
+    eos = tokenizer.eos_token_id
+    expected = np.concatenate([tokenizer.encode(t) + [eos] for t in threads])
+
+    index = out_dir / "pol.index"
+    files = index.read_text().split()
+    n_records = -(-expected.size // 33)
+    assert len(files) == -(-n_records // 100) > 1 and all(os.path.isabs(f) for f in files)
+    assert not [f for f in os.listdir(out_dir) if f.endswith(".partial")]
+    source = open_source(index, seq_len=32)
+    assert source.eos_id == eos
+    np.testing.assert_array_equal(real_tokens(source), expected)
+
+    # The training reader's eval path: lanes put sequence r·T + k at row r of batch k.
+    batches = make_eval_batches(index, seq_len=32, batch_size=2, process_index=0, process_count=1, progress=False)
+    tokens = np.stack([b.tokens for b in batches], axis=1).reshape(-1, 33)
+    segments = np.stack([b.segment_ids for b in batches], axis=1).reshape(-1, 33)
+    np.testing.assert_array_equal(tokens[segments > 0], expected)
+    # Every EOS in a row closes a thread: the next token starts a new segment.
+    for row, seg in zip(tokens, segments):
+        ends = np.flatnonzero((row[:-1] == eos) & (seg[1:] > 0))
+        assert np.all(seg[ends + 1] == seg[ends] + 1)
+
+
+def test_malformed_lines_reported_strict_stops(tmp_path, dump, repo_root, capsys):
+    out = tmp_path / "out.txt"
+    problems = tmp_path / "problems.txt"
+    rc = run_script(repo_root, "prepare_threads", [
+        str(dump), "--output", str(out), "--workers", "1", "--max-reported", "2", "--problems-file", str(problems),
+        "--quiet"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    messages = expected_problems(dump)
+    assert messages[0] in err and messages[1] in err and messages[2] not in err
+    assert "3 more problems" in err and "malformed: 5 lines" in err
+    assert problems.read_text().splitlines() == messages
+
+    strict_out = tmp_path / "strict.txt"
+    rc = run_script(repo_root, "prepare_threads", [str(dump), "--output", str(strict_out), "--strict", "--quiet"])
+    assert rc == 2
+    assert f"error: {messages[0]} (--strict: stopping)" in capsys.readouterr().err
+    assert not strict_out.exists() and not os.path.exists(f"{strict_out}.partial")
+    with pytest.raises(DataError, match=r"line 2: bad JSON \(Expecting value at column 12\)"):
+        prepare_threads(_without_line(tmp_path, dump, 1), text_output=strict_out, strict=True, workers=2,
+                        progress=False)
+
+
+def _without_line(tmp_path, dump, line_number):
+    """The dump with one line made clean (so that a later line is the first problem)."""
+    lines = dump.read_bytes().split(b"\n")
+    lines[line_number - 1] = b'{"posts": [{"no": 1, "com": "fine"}]}'
+    path = tmp_path / "first_line_clean.ndjson"
+    path.write_bytes(b"\n".join(lines))
+    return path
+
+
+def test_unreadable_inputs_name_the_file(tmp_path, dump, repo_root, capsys):
+    out = tmp_path / "out.txt"
+    with pytest.raises(DataError, match="input not found: .*missing.ndjson"):
+        prepare_threads(tmp_path / "missing.ndjson", text_output=out, progress=False)
+    fake = tmp_path / "fake.ndjson.gz"
+    fake.write_bytes(dump.read_bytes())
+    with pytest.raises(DataError, match=r"fake\.ndjson\.gz: named like a gzip file but is not gzip-compressed"):
+        prepare_threads(fake, text_output=out, progress=False)
+    truncated = tmp_path / "truncated.ndjson.zst"
+    truncated.write_bytes(zstandard.ZstdCompressor().compress(dump.read_bytes() * 50)[:-40])
+    with pytest.raises(DataError, match=r"truncated\.ndjson\.zst: cannot decompress after line \d+"):
+        prepare_threads(truncated, text_output=out, workers=1, progress=False)
+    cut = tmp_path / "cut.ndjson.gz"
+    cut.write_bytes(gzip.compress(dump.read_bytes())[:-12])
+    assert run_script(repo_root, "prepare_threads", [str(cut), "--output", str(out), "--quiet"]) == 2
+    assert f"error: {cut}: cannot decompress after line" in capsys.readouterr().err
+    assert not out.exists() and not os.path.exists(f"{out}.partial")
+
+
+def _peak_rss_kb(repo_root, dump, out) -> int:
+    """Run the CLI in a fresh process; its (and its workers') peak RSS from wait4's rusage."""
+    with open(os.devnull, "wb") as devnull:
+        process = subprocess.Popen(
+            [sys.executable, str(repo_root / "scripts" / "prepare_threads.py"), str(dump), "--output", str(out),
+             "--workers", "2", "--quiet", "--max-reported", "0"], stdout=devnull, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(process.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, process.stderr.read().decode()
+    process.stderr.close()
+    return usage.ru_maxrss
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_as_the_dump_grows(tmp_path, repo_root):
+    small, large = tmp_path / "small.ndjson", tmp_path / "large.ndjson"
+    write_synthetic_dump(small, 16 << 20, seed=3)
+    write_synthetic_dump(large, 64 << 20, seed=3)
+    small_kb = _peak_rss_kb(repo_root, small, tmp_path / "small.txt")
+    large_kb = _peak_rss_kb(repo_root, large, tmp_path / "large.txt")
+    grown_mb = (large_kb - small_kb) / 1024
+    # 48 MB more input (and ~30 MB more output) must not show up in memory.
+    assert grown_mb < 16, f"peak RSS {small_kb} KB on 16 MB, {large_kb} KB on 64 MB"
