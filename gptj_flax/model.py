@@ -1,6 +1,7 @@
 """GPT-J as Flax linen modules.
 
-Read top to bottom: rotary embedding, attention, MLP, the parallel block, the causal LM, the loss.
+Read top to bottom: rotary embedding, masks, the KV cache, attention, MLP, the parallel block, the
+causal LM, the loss.
 
 Every parameter carries logical axis names (``nn.with_logical_partitioning``) and activations are
 constrained at block boundaries (``nn.with_logical_constraint``); where those names live on the
@@ -15,11 +16,14 @@ scores are divided by sqrt(head_dim); the LM head has a bias and is not tied to 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from gptj_flax.config import ModelConfig
 
@@ -88,6 +92,100 @@ def attention_mask(segment_ids: Array) -> Array:
     return (causal[None] & same & real_key)[:, None]
 
 
+def cache_attention_mask(query_segments: Array, key_segments: Array, index: Array) -> Array:
+    """Boolean [B, 1, T, S] for T new tokens written at cache slots ``index … index+T-1``.
+
+    A query sees the cache slots up to its own (causal by slot), in its own segment, never padding
+    or slots not yet written (both segment 0).
+    """
+    length, slots = query_segments.shape[1], key_segments.shape[1]
+    query_slot = index + jnp.arange(length)
+    causal = jnp.arange(slots)[None, :] <= query_slot[:, None]
+    same = query_segments[:, :, None] == key_segments[:, None, :]
+    real_key = (key_segments != 0)[:, None, :]
+    return (causal[None] & same & real_key)[:, None]
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache: explicit arrays passed in and returned, no hidden module state
+
+# Logical axes of the stacked keys/values: heads split over "model" like the attention weights,
+# batch over the data-parallel axes like the activations. Heads come before length so that a
+# layer's slice [batch, heads, length, head_dim] feeds the attention matmuls without a transpose.
+CACHE_AXES = ("layers", "batch", "heads", "length", "kv")
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer for ``length`` slots, filled left to right.
+
+    Fields:
+      k, v: keys (after rotary) and values in the compute dtype, laid out like the layers:
+        with ``scan_layers`` one stacked [layers, batch, heads, length, head_dim] array, which
+        ``nn.scan`` carries; unrolled, a tuple of one [batch, heads, length, head_dim] array per
+        layer, so each layer reads its keys in place (slicing one layer out of a stacked array
+        costs a copy of it per step on the CPU).
+      segment_ids: int32 [batch, length]; 0 marks padding and slots not yet written.
+      index: int32 scalar, the next slot to write (shared by the batch: prompts are left-padded
+        so every row's newest token sits in the same slot).
+
+    Each step writes only its new slot, in place.
+    """
+
+    k: Array | tuple[Array, ...]
+    v: Array | tuple[Array, ...]
+    segment_ids: Array
+    index: Array
+
+    @classmethod
+    def empty(cls, config: ModelConfig, batch: int, length: int) -> "KVCache":
+        layer = (batch, config.n_heads, length, config.head_dim)
+
+        def zeros():
+            if config.scan_layers:
+                return jnp.zeros((config.n_layers, *layer), config.compute_dtype)
+            return tuple(jnp.zeros(layer, config.compute_dtype) for _ in range(config.n_layers))
+
+        return cls(k=zeros(), v=zeros(), segment_ids=jnp.zeros((batch, length), jnp.int32),
+                   index=jnp.zeros((), jnp.int32))
+
+    @classmethod
+    def logical_axes(cls, config: ModelConfig) -> "KVCache":
+        """The same tree with a logical PartitionSpec per leaf (for ``logical_to_sharding``)."""
+        P = jax.sharding.PartitionSpec
+        kv = P(*CACHE_AXES) if config.scan_layers else (P(*CACHE_AXES[1:]),) * config.n_layers
+        return cls(k=kv, v=kv, segment_ids=P("batch", "length"), index=P())
+
+
+class LayerKV(NamedTuple):
+    """What one block needs to use the cache: the arrays, the layer (``None``: the arrays are
+    this layer's own; else an index into stacked arrays) and the slot to write."""
+
+    k: Array
+    v: Array
+    layer: Array | None
+    index: Array
+
+
+def write_layer_kv(kv: LayerKV, k: Array, v: Array) -> tuple[LayerKV, Array, Array]:
+    """Store new keys/values [B, heads, T, head_dim] at slot ``kv.index``.
+
+    Returns the updated cache and this layer's keys and values for every slot [B, heads, S, head_dim].
+    """
+    if kv.layer is None:
+        start, axes, new = (0, 0, kv.index, 0), CACHE_AXES[1:], (k, v)
+    else:
+        start, axes, new = (kv.layer, 0, 0, kv.index, 0), CACHE_AXES, (k[None], v[None])
+    cache_k, cache_v = (
+        nn.with_logical_constraint(lax.dynamic_update_slice(old, x.astype(old.dtype), start), axes)
+        for old, x in zip((kv.k, kv.v), new)
+    )
+    kv = kv._replace(k=cache_k, v=cache_v)
+    if kv.layer is None:
+        return kv, cache_k, cache_v
+    return kv, cache_k[kv.layer], cache_v[kv.layer]
+
+
 # --------------------------------------------------------------------------------------------
 # Layers
 
@@ -96,7 +194,10 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array, sin: Array, cos: Array, mask: Array) -> Array:
+    def __call__(self, x: Array, sin: Array, cos: Array, mask: Array,
+                 kv: LayerKV | None = None) -> tuple[Array, LayerKV | None]:
+        """Self-attention of ``x``; with ``kv`` the new keys/values are cached and the queries
+        attend to every cached slot ``mask`` allows. Returns (output, updated ``kv``)."""
         cfg = self.config
         # Kernels stay 3-D ([embed, heads, kv] and [heads, kv, embed]) so each dim has its own name.
         def kernel(name, shape, stddev, axes):
@@ -109,18 +210,22 @@ class Attention(nn.Module):
             for name in ("q_proj", "k_proj", "v_proj")
         )
         q = nn.with_logical_constraint(apply_rotary(q, sin, cos), ("batch", "length", "heads", "kv"))
-        k = nn.with_logical_constraint(apply_rotary(k, sin, cos), ("batch", "length", "heads", "kv"))
-        v = nn.with_logical_constraint(v, ("batch", "length", "heads", "kv"))
+        # keys and values head-major, the cache's layout
+        head_major = ("batch", "heads", "length", "kv")
+        k = nn.with_logical_constraint(apply_rotary(k, sin, cos).transpose(0, 2, 1, 3), head_major)
+        v = nn.with_logical_constraint(v.transpose(0, 2, 1, 3), head_major)
+        if kv is not None:
+            kv, k, v = write_layer_kv(kv, k, v)
 
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("bqhd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
         scores = scores / np.sqrt(cfg.head_dim).astype(np.float32)
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        out = jnp.einsum("bhqk,bhkd->bqhd", probs, v)
 
         w_out = kernel("out_proj", (cfg.n_heads, cfg.head_dim, cfg.d_model),
                        2.0 / cfg.n_layers / np.sqrt(cfg.d_model), ("heads", "kv", "embed"))
-        return jnp.einsum("bthk,hkd->btd", out, w_out)
+        return jnp.einsum("bthk,hkd->btd", out, w_out), kv
 
 
 class MLP(nn.Module):
@@ -166,18 +271,27 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, h: Array, sin: Array, cos: Array, mask: Array) -> Array:
+    def __call__(self, h: Array, sin: Array, cos: Array, mask: Array,
+                 kv: LayerKV | None = None) -> tuple[Array, LayerKV | None]:
         h = nn.with_logical_constraint(h, RESIDUAL_AXES)
         x = layer_norm(self.config, "ln_1")(h)
-        h = h + Attention(self.config, name="attn")(x, sin, cos, mask) + MLP(self.config, name="mlp")(x)
-        return nn.with_logical_constraint(h, RESIDUAL_AXES)
+        attn, kv = Attention(self.config, name="attn")(x, sin, cos, mask, kv)
+        h = h + attn + MLP(self.config, name="mlp")(x)
+        return nn.with_logical_constraint(h, RESIDUAL_AXES), kv
 
 
 class ScannedBlock(Block):
-    """A :class:`Block` with the (carry, output) signature that ``nn.scan`` expects."""
+    """A :class:`Block` with the (carry, xs) signature that ``nn.scan`` expects.
 
-    def __call__(self, h, sin, cos, mask):
-        return super().__call__(h, sin, cos, mask), None
+    The carry is the residual stream and the stacked cache arrays (``None`` without a cache); the
+    scanned input is the layer number, which picks this layer's slice of the cache.
+    """
+
+    def __call__(self, carry, layer, sin, cos, mask, index):
+        h, caches = carry
+        kv = None if caches is None else LayerKV(*caches, layer, index)
+        h, kv = super().__call__(h, sin, cos, mask, kv)
+        return (h, None if kv is None else (kv.k, kv.v)), None
 
 
 class GPTJ(nn.Module):
@@ -186,7 +300,8 @@ class GPTJ(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
+    def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None,
+                 cache: KVCache | None = None, *, last_logits_only: bool = False):
         """
         Args:
           tokens: int [B, T].
@@ -195,6 +310,14 @@ class GPTJ(nn.Module):
             gives the same logits).
           segment_ids: int [B, T]; tokens attend only within their segment; 0 marks padding.
             Default: one segment for the whole row.
+          cache: a :class:`KVCache`. The tokens are written at slots ``cache.index …`` and attend
+            to everything cached before them (prefill: the whole prompt at once; decoding: one
+            token per call). Without it, a plain full forward pass.
+          last_logits_only: project only the last position to the vocabulary (logits [B, 1, V]):
+            all that generation needs, and it skips most of the LM head's work in a prefill.
+
+        Returns:
+          logits; with a ``cache``, ``(logits, updated cache)``.
         """
         cfg = self.config
         if positions is None:
@@ -202,7 +325,11 @@ class GPTJ(nn.Module):
         if segment_ids is None:
             segment_ids = jnp.ones(tokens.shape, jnp.int32)
         sin, cos = rotary_tables(positions, cfg.rotary_dim)
-        mask = attention_mask(segment_ids)
+        if cache is None:
+            mask, caches = attention_mask(segment_ids), None
+        else:
+            key_segments = lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache.index))
+            mask, caches = cache_attention_mask(segment_ids, key_segments, cache.index), (cache.k, cache.v)
 
         table = self.param(
             "wte", _init(cfg.vocab_size**-0.5, ("vocab", "embed")), (cfg.vocab_size, cfg.d_model), cfg.weight_dtype
@@ -216,21 +343,30 @@ class GPTJ(nn.Module):
             block = ScannedBlock
             if cfg.remat_policy != "none":
                 block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
-            h, _ = nn.scan(
+            (h, caches), _ = nn.scan(
                 block,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, name="layers")(h, sin, cos, mask)
+            )(cfg, name="layers")((h, caches), jnp.arange(cfg.n_layers), sin, cos, mask,
+                                  None if cache is None else cache.index)
         else:
             block = Block
             if cfg.remat_policy != "none":
                 block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy])
+            new_k, new_v = [], []
             for i in range(cfg.n_layers):
-                h = block(cfg, name=f"layer_{i}")(h, sin, cos, mask)
+                kv = None if cache is None else LayerKV(cache.k[i], cache.v[i], None, cache.index)
+                h, kv = block(cfg, name=f"layer_{i}")(h, sin, cos, mask, kv)
+                if kv is not None:
+                    new_k.append(kv.k)
+                    new_v.append(kv.v)
+            caches = None if cache is None else (tuple(new_k), tuple(new_v))
 
+        if last_logits_only:
+            h = h[:, -1:]
         h = layer_norm(cfg, "ln_f")(h)
         logits = nn.Dense(
             cfg.vocab_size,
@@ -240,7 +376,12 @@ class GPTJ(nn.Module):
             bias_init=_zeros(("vocab",)),
             name="lm_head",
         )(h)
-        return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        logits = nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        if cache is None:
+            return logits
+        new_cache = KVCache(k=caches[0], v=caches[1], segment_ids=key_segments,
+                            index=cache.index + tokens.shape[1])
+        return logits, new_cache
 
 
 # --------------------------------------------------------------------------------------------
