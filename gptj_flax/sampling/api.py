@@ -1,0 +1,332 @@
+"""The notebook- and server-facing API: ``load`` a checkpoint, then ``generate``, ``stream``, ``score``.
+
+    lm = gptj_flax.load("runs/demo")
+    lm.generate("def fib(n):", max_new_tokens=64, temperature=0)            # one Completion
+    lm.generate(["a", "b"], 32, temperature=[0, 0.8], top_p=[1, 0.9], seed=[1, 2])  # per-prompt settings
+    for piece in lm.stream("Once upon a time", 100, stop="\\n\\n"):
+        print(piece, end="")
+    lm.score("The cat sat on the mat").logprobs
+
+A prompt is text or a list of token ids; a *list* of prompts is a batch and gives a list back.
+Every setting takes one value for the whole batch or a list with one value per prompt, so a server
+can put requests with different settings in one batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from gptj_flax import checkpoint, partitioning
+from gptj_flax.config import DTYPES, ModelConfig
+from gptj_flax.data.tokenizer import load_tokenizer
+from gptj_flax.sampling.decoding import FINISH_REASONS, RUNNING, DecodeRun, Decoder
+from gptj_flax.sampling.samplers import SamplingError, SamplingParams, per_example
+from gptj_flax.sampling.stopping import TextTracker, decode
+
+# Decode steps between two looks at the text when stop strings are set: a sequence whose stop
+# string appears runs at most this many steps too far (the extra tokens are discarded).
+STOP_CHECK_STEPS = 8
+
+
+@dataclasses.dataclass
+class Completion:
+    """One generated continuation (the prompt is not part of it)."""
+
+    text: str | None  # None when the model has no tokenizer
+    finish_reason: str  # "eos", "stop" (a stop string) or "length" (max_new_tokens)
+    prompt_tokens: int
+    completion_tokens: int  # tokens generated, up to the EOS or the one completing a stop string
+    tokens: list[int] | None = None  # with return_tokens (or without a tokenizer); the EOS included
+    logprobs: list[float] | None = None  # with return_logprobs: the model's log p of each token
+
+
+@dataclasses.dataclass
+class Scored:
+    """``logprobs[j]`` is log p(tokens[j + 1] | tokens[:j + 1]); the first token has no score."""
+
+    tokens: list[int]
+    logprobs: np.ndarray
+
+    @property
+    def total(self) -> float:
+        return float(np.sum(self.logprobs))
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, (Sequence, np.ndarray)) and not isinstance(x, (str, bytes)) and len(x) > 0 and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in x)
+
+
+def _as_batch(prompts) -> tuple[list, bool]:
+    """(list of prompts, whether a single prompt was given)."""
+    if isinstance(prompts, str) or _is_token_ids(prompts):
+        return [prompts], True
+    if not isinstance(prompts, (Sequence, np.ndarray)) or isinstance(prompts, bytes):
+        raise SamplingError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                            f"{type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise SamplingError("no prompts given: pass at least one")
+    for i, p in enumerate(prompts):
+        if not (isinstance(p, str) or _is_token_ids(p) or (isinstance(p, (list, tuple)) and len(p) == 0)):
+            raise SamplingError(f"prompt {i} must be a string or a list of token ids, got {p!r:.80}")
+    return list(prompts), False
+
+
+def _flags(name: str, value, n: int) -> np.ndarray:
+    """One bool, or one per prompt → bool array [n]."""
+    values = list(value) if isinstance(value, (Sequence, np.ndarray)) else [value] * n
+    if len(values) != n or not all(isinstance(v, (bool, np.bool_)) for v in values):
+        raise SamplingError(f"{name} must be true or false, or a list of one per prompt; got {value!r}")
+    return np.asarray(values, bool)
+
+
+def _stop_lists(stop, n: int) -> list[list[str]]:
+    """``None`` | a string | a list of strings (for every prompt) | one of those per prompt."""
+    def one(s, where):
+        items = [] if s is None else [s] if isinstance(s, str) else list(s)
+        for item in items:
+            if not isinstance(item, str) or not item:
+                raise SamplingError(f"{where}: stop strings must be non-empty strings, got {item!r}")
+        return items
+
+    if stop is None or isinstance(stop, str) or all(isinstance(s, str) for s in stop):
+        return [one(stop, "stop")] * n
+    if len(stop) != n:
+        raise SamplingError(f"stop: got {len(stop)} entries for {n} prompts; give one list for all prompts "
+                            "or one per prompt")
+    return [one(s, f"stop[{i}]") for i, s in enumerate(stop)]
+
+
+class _Batch:
+    """A batch being generated: the device run plus each row's text."""
+
+    def __init__(self, run: DecodeRun, trackers: list[TextTracker] | None, prompt_lengths: list[int],
+                 check_steps: int):
+        self.run, self.trackers, self.prompt_lengths = run, trackers, prompt_lengths
+        self.check_steps = check_steps  # decode steps per device call when not streaming
+
+    def _row_tokens(self, row: int) -> np.ndarray:
+        p = self.run.progress
+        return p.tokens[row, :p.num_generated[row]]
+
+    def pieces(self) -> list[str]:
+        """Bring every row's text up to date; returns each row's newly final text."""
+        p = self.run.progress
+        if self.trackers is None:
+            return [""] * len(self.prompt_lengths)
+        out = []
+        for row, tracker in enumerate(self.trackers):
+            tokens = self._row_tokens(row)
+            if FINISH_REASONS.get(int(p.finish[row])) == "eos":
+                tokens = tokens[:-1]  # the EOS token ends the text without being part of it
+            out.append(tracker.update(tokens, final=p.finish[row] != RUNNING))
+        return out
+
+    def stopped_rows(self) -> list[int]:
+        return [] if self.trackers is None else [i for i, t in enumerate(self.trackers) if t.stopped]
+
+    @property
+    def finished(self) -> bool:
+        p = self.run.progress
+        stopped = set(self.stopped_rows())
+        return all(p.finish[i] != RUNNING or i in stopped for i in range(len(self.prompt_lengths)))
+
+    def advance(self, steps: int) -> list[str]:
+        self.run.advance(steps, self.stopped_rows())
+        return self.pieces()
+
+    def completions(self, return_tokens: bool, return_logprobs: bool) -> list[Completion]:
+        p = self.run.progress
+        out = []
+        for row, prompt_tokens in enumerate(self.prompt_lengths):
+            tracker = None if self.trackers is None else self.trackers[row]
+            if tracker is not None and tracker.stopped:
+                n, reason = tracker.num_tokens, "stop"
+            else:
+                n, reason = int(p.num_generated[row]), FINISH_REASONS[int(p.finish[row])]
+            tokens = p.tokens[row, :n]
+            out.append(Completion(
+                text=None if tracker is None else tracker.text,
+                finish_reason=reason,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=n,
+                tokens=[int(t) for t in tokens] if return_tokens or tracker is None else None,
+                logprobs=[float(x) for x in p.logprobs[row, :n]] if return_logprobs else None,
+            ))
+        return out
+
+
+class LanguageModel:
+    """A GPT-J with its parameters on a mesh and (usually) its tokenizer, ready to sample and score.
+
+    Compiled programs are cached per shape bucket: the first call at a new bucket compiles, later
+    calls with other prompts, lengths within the bucket, settings or seeds reuse it.
+    """
+
+    def __init__(self, config: ModelConfig, params: Any, tokenizer=None, mesh: Mesh | None = None,
+                 step: int | None = None):
+        """
+        Args:
+          config: the model's config; ``params``: its ``params`` collection (any layout the config
+            says, on any devices: it is resharded onto ``mesh``).
+          tokenizer: a HuggingFace tokenizer; without one, prompts and outputs are token ids.
+          mesh: default one device. Pass a mesh to shard (heads and cache over ``model``, the
+            batch over ``data``/``fsdp``).
+          step: the checkpoint step the parameters come from, for display.
+        """
+        self.config, self.tokenizer, self.step = config, tokenizer, step
+        self.mesh = mesh if mesh is not None else partitioning.make_mesh((1, 1, 1))
+        valid_vocab = None if tokenizer is None else len(tokenizer)
+        self.decoder = Decoder(config, params, self.mesh, valid_vocab=valid_vocab)
+        self.eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"LanguageModel({c.param_count():,} parameters: {c.n_layers} layers, d_model {c.d_model}, "
+                f"{c.n_heads} heads, vocab {c.vocab_size}, context {c.max_len}; step {self.step}; "
+                f"mesh {dict(self.mesh.shape)})")
+
+    # -- text <-> tokens -------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise SamplingError("this model has no tokenizer: give prompts as lists of token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise SamplingError("this model has no tokenizer to decode with")
+        return decode(self.tokenizer, tokens)
+
+    # -- generation ------------------------------------------------------------------------
+    def _start(self, prompts, max_new_tokens, temperature, top_k, top_p, typical_p, min_p, repetition_penalty,
+               stop, seed, ignore_eos, original_order) -> tuple[_Batch, bool]:
+        batch, single = _as_batch(prompts)
+        n = len(batch)
+        max_new = per_example("max_new_tokens", max_new_tokens, n, int, lambda x: x >= 1, "an integer >= 1")
+        seeds = per_example("seed", seed, n, int, lambda x: 0 <= x < 2**32, "an integer in [0, 2**32)")
+        if isinstance(seed, (int, np.integer)):
+            seeds = (seeds.astype(np.int64) + np.arange(n)) % 2**32  # distinct draws for repeated prompts
+        sampling = SamplingParams.build(n, temperature=temperature, top_k=top_k, top_p=top_p, typical_p=typical_p,
+                                        min_p=min_p, repetition_penalty=repetition_penalty)
+        stops = _stop_lists(stop, n)
+        if self.tokenizer is None and any(stops):
+            raise SamplingError("stop strings need a tokenizer to decode the output; this model has none")
+        eos = -1 if self.eos_token_id is None else int(self.eos_token_id)
+        eos_ids = np.where(_flags("ignore_eos", ignore_eos, n), -1, eos).astype(np.int32)
+        token_prompts = [self.encode(p) for p in batch]
+        run = self.decoder.start(token_prompts, max_new_tokens=max_new, sampling=sampling, seeds=seeds,
+                                 eos_id=eos_ids, original_order=bool(original_order))
+        trackers = None if self.tokenizer is None else [TextTracker(self.tokenizer, s) for s in stops]
+        check_steps = STOP_CHECK_STEPS if any(stops) else run.capacity
+        return _Batch(run, trackers, [len(p) for p in token_prompts], check_steps), single
+
+    def generate(self, prompts, max_new_tokens=128, *, temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0,
+                 min_p=0.0, repetition_penalty=1.0, stop=None, seed=0, ignore_eos=False, original_order=False,
+                 return_tokens=False, return_logprobs=False) -> Completion | list[Completion]:
+        """Continue each prompt; a single prompt gives a :class:`Completion`, a list gives a list.
+
+        Args:
+          prompts: text, a list of token ids, or a list of those (a batch).
+          max_new_tokens: at most this many new tokens (≥ 1).
+          temperature: 0 is greedy; otherwise logits are divided by it before sampling.
+          top_k, top_p, typical_p, min_p, repetition_penalty: the usual filters; the defaults
+            (0, 1, 1, 0, 1) switch them off. Applied in HuggingFace's order (temperature first), or
+            with ``original_order`` temperature last as mesh-transformer-jax did.
+          stop: a string or a list of strings ending the output (which is cut before them), or one
+            such entry per prompt.
+          seed: an int (prompt i draws with seed + i) or one per prompt. The same prompt, settings
+            and seed give the same output whatever else is in the batch.
+          ignore_eos: keep going past the EOS token (one value or one per prompt).
+          return_tokens, return_logprobs: also return the generated ids and their log-probabilities
+            under the model (before any sampling filter).
+
+        Every setting except ``original_order``, ``return_tokens`` and ``return_logprobs`` takes one
+        value for all prompts or a list with one per prompt.
+        """
+        job, single = self._start(prompts, max_new_tokens, temperature, top_k, top_p, typical_p, min_p,
+                                  repetition_penalty, stop, seed, ignore_eos, original_order)
+        job.pieces()
+        while not job.finished:
+            job.advance(job.check_steps)
+        out = job.completions(return_tokens, return_logprobs)
+        return out[0] if single else out
+
+    def stream(self, prompts, max_new_tokens=128, *, temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0,
+               min_p=0.0, repetition_penalty=1.0, stop=None, seed=0, ignore_eos=False,
+               original_order=False) -> Iterator[str] | Iterator[list[str]]:
+        """Like :meth:`generate`, but yield text as each token is produced.
+
+        A single prompt yields strings; a batch yields lists of strings, one (possibly empty) per
+        prompt. Text is yielded once final: a possible start of a stop string or an incomplete
+        character waits for the next token. The pieces add up to ``generate``'s text for the same
+        arguments.
+        """
+        if self.tokenizer is None:
+            raise SamplingError("stream yields text and this model has no tokenizer; use generate with token ids")
+        job, single = self._start(prompts, max_new_tokens, temperature, top_k, top_p, typical_p, min_p,
+                                  repetition_penalty, stop, seed, ignore_eos, original_order)
+
+        def pieces() -> Iterator:
+            new = job.pieces()
+            while True:
+                if single and new[0]:
+                    yield new[0]
+                elif not single and any(new):
+                    yield new
+                if job.finished:
+                    return
+                new = job.advance(1)
+
+        return pieces()
+
+    def score(self, texts_or_token_ids) -> Scored | list[Scored]:
+        """Per-token log-probabilities of the given texts or token-id lists under the model.
+
+        A single text (or id list) gives a :class:`Scored`, a list gives a list.
+        """
+        batch, single = _as_batch(texts_or_token_ids)
+        sequences = [self.encode(x) for x in batch]
+        out = [Scored(tokens=seq, logprobs=lp) for seq, lp in zip(sequences, self.decoder.score(sequences))]
+        return out[0] if single else out
+
+
+def _dtype_name(dtype) -> str:
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in DTYPES:
+        raise SamplingError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return name
+
+
+def load(path: str | os.PathLike, mesh: Mesh | str | tuple[int, int, int] | None = None, dtype=None, *,
+         step: int | None = None, tokenizer=None) -> LanguageModel:
+    """Load the Orbax checkpoint at ``path`` with its config and tokenizer, ready to sample.
+
+    Args:
+      path: a run directory (its latest step is loaded) or one step's directory.
+      mesh: a ``Mesh``, a layout name (``"tp"``, …), ``"data,fsdp,model"`` sizes or a 3-tuple;
+        default one device.
+      dtype: parameter and compute dtype (``"bfloat16"``, ``"float32"``, ``"float16"`` or a numpy
+        dtype); default the checkpoint's parameters with the config's compute dtype.
+      step: load this step instead of the latest.
+      tokenizer: a tokenizer object or directory overriding the one saved beside the checkpoint.
+    """
+    if mesh is None or not isinstance(mesh, Mesh):
+        mesh = partitioning.make_mesh((1, 1, 1) if mesh is None else mesh)
+    name = None if dtype is None else _dtype_name(dtype)
+    config, params, step = checkpoint.load_params(path, mesh, step=step, dtype=None if name is None else DTYPES[name])
+    model_config = config.model if name is None else dataclasses.replace(config.model, dtype=name, param_dtype=name)
+    if tokenizer is None:
+        directory = checkpoint.tokenizer_dir(path)
+        tokenizer = None if directory is None else load_tokenizer(directory)
+    elif isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
+    return LanguageModel(model_config, params, tokenizer=tokenizer, mesh=mesh, step=step)
+

@@ -1,0 +1,205 @@
+"""From logits to the next token, per example, inside ``jit``.
+
+Every setting is an array with one value per batch row, so one compiled program serves a batch
+whose requests all want different things. A value that switches a filter off (``top_k`` 0,
+``top_p``/``typical_p`` 1, ``min_p`` 0, ``repetition_penalty`` 1) leaves that row untouched, and a
+filter no row uses is skipped at run time (``lax.cond``), so greedy decoding never sorts the
+vocabulary.
+
+Order (HuggingFace ``generate``): repetition penalty → temperature → top-k → top-p → min-p →
+typical-p → sample. ``original_order=True`` moves temperature after the filters, as
+mesh-transformer-jax did (it chose the top-p set on the untempered distribution). Temperature 0 is
+greedy: the argmax after the repetition penalty, as HuggingFace's ``do_sample=False``.
+
+Filters remove tokens by setting their logits to -inf. Where several tokens tie with the last one
+kept, all of them are kept (a threshold, not a sort position), so the result never depends on how
+a sort breaks ties.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+Array = jax.Array
+
+
+class SamplingError(ValueError):
+    """A generation request is malformed: the message names the setting and the accepted range."""
+
+
+@flax.struct.dataclass
+class SamplingParams:
+    """Per-example sampling settings: each field has shape [batch]."""
+
+    temperature: Array  # float32; 0 → greedy
+    top_k: Array  # int32; 0 → off
+    top_p: Array  # float32 in (0, 1]; 1 → off
+    typical_p: Array  # float32 in (0, 1]; 1 → off
+    min_p: Array  # float32 in [0, 1]; 0 → off
+    repetition_penalty: Array  # float32 > 0; 1 → off
+
+    @classmethod
+    def build(cls, batch: int, *, temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, min_p=0.0,
+              repetition_penalty=1.0) -> "SamplingParams":
+        """Host-side numpy settings for ``batch`` rows; each argument is one value or one per row.
+
+        Raises :class:`SamplingError` naming the first value out of its range.
+        """
+        return cls(
+            temperature=per_example("temperature", temperature, batch, float, lambda x: x >= 0,
+                                    ">= 0 (0 is greedy)"),
+            top_k=per_example("top_k", top_k, batch, int, lambda x: x >= 0, "an integer >= 0 (0 is off)"),
+            top_p=per_example("top_p", top_p, batch, float, lambda x: 0 < x <= 1, "in (0, 1] (1 is off)"),
+            typical_p=per_example("typical_p", typical_p, batch, float, lambda x: 0 < x <= 1,
+                                  "in (0, 1] (1 is off)"),
+            min_p=per_example("min_p", min_p, batch, float, lambda x: 0 <= x <= 1, "in [0, 1] (0 is off)"),
+            repetition_penalty=per_example("repetition_penalty", repetition_penalty, batch, float,
+                                           lambda x: x > 0, "> 0 (1 is off)"),
+        )
+
+    @classmethod
+    def logical_axes(cls) -> "SamplingParams":
+        batch = PartitionSpec("batch")
+        return cls(*(batch,) * 6)
+
+    def pad_to(self, batch: int) -> "SamplingParams":
+        """Extend host settings to ``batch`` rows with neutral values (for batch-padding rows)."""
+        neutral = SamplingParams.build(1, temperature=0.0)
+        return jax.tree.map(lambda x, n: np.concatenate([x, np.repeat(n, batch - len(x))]), self, neutral)
+
+
+def per_example(name: str, value, batch: int, kind: type, valid, accepted: str) -> np.ndarray:
+    """``value`` (a scalar, or a sequence of ``batch`` values) → validated numpy array [batch]."""
+    if isinstance(value, (str, bytes)) or value is None:
+        raise SamplingError(f"{name} must be {accepted}, or a list of one per prompt; got {value!r}")
+    values = list(value) if isinstance(value, (Sequence, np.ndarray)) else [value] * batch
+    if len(values) != batch:
+        raise SamplingError(f"{name}: got {len(values)} values for {batch} prompts; give one value or one per prompt")
+    checked = []
+    for i, x in enumerate(values):
+        where = f"{name}[{i}]" if isinstance(value, (Sequence, np.ndarray)) else name
+        if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+            raise SamplingError(f"{where} must be {accepted}, got {x!r}")
+        if kind is int and int(x) != x:
+            raise SamplingError(f"{where} must be {accepted}, got {x!r}")
+        if not math.isfinite(x) or not valid(x):
+            raise SamplingError(f"{where} must be {accepted}, got {x!r}")
+        checked.append(x)
+    return np.asarray(checked, np.int32 if kind is int else np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Filters: logits [B, V] and one setting per row [B] → logits with removed tokens at -inf
+
+
+def mask_vocab(logits: Array, valid_vocab: int) -> Array:
+    """Remove the ids ≥ ``valid_vocab``: rows of the padded vocabulary no tokenizer produces."""
+    return jnp.where(jnp.arange(logits.shape[-1]) < valid_vocab, logits, -jnp.inf)
+
+
+def repetition_penalty(logits: Array, seen: Array, penalty: Array) -> Array:
+    """HuggingFace's penalty on every token in ``seen`` [B, V] (prompt and output so far):
+    a positive logit is divided by the penalty, a negative one multiplied."""
+    p = penalty[:, None]
+    penalised = jnp.where(logits < 0, logits * p, logits / p)
+    return jnp.where(seen, penalised, logits)
+
+
+def top_k_filter(logits: Array, k: Array) -> Array:
+    """Keep each row's ``k`` highest logits (and any tied with the k-th); k = 0 keeps all.
+
+    The threshold is the k-th largest *value*, so every token id, 0 included, can be removed.
+    """
+    vocab = logits.shape[-1]
+    descending = -jnp.sort(-logits, axis=-1)
+    kth = jnp.take_along_axis(descending, (jnp.clip(k, 1, vocab) - 1)[:, None], axis=-1)
+    keep = (logits >= kth) | (k <= 0)[:, None]
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def top_p_filter(logits: Array, p: Array) -> Array:
+    """Nucleus: drop the least likely tokens whose total probability is at most 1 − p
+    (HuggingFace's rule); the most likely token always stays. p = 1 keeps all."""
+    ascending = jnp.sort(logits, axis=-1)
+    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+    removed = cumulative <= (1.0 - p)[:, None]
+    # the removed tokens are a prefix of the ascending order; keep at least the last one
+    n_removed = jnp.minimum(jnp.sum(removed, axis=-1), logits.shape[-1] - 1)
+    threshold = jnp.take_along_axis(ascending, n_removed[:, None], axis=-1)
+    keep = (logits >= threshold) | (p >= 1.0)[:, None]
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def min_p_filter(logits: Array, min_p: Array) -> Array:
+    """Drop tokens less likely than ``min_p`` × the most likely token's probability (log space)."""
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    threshold = jnp.max(log_probs, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
+    keep = (log_probs >= threshold) | (min_p <= 0.0)[:, None]
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def typical_filter(logits: Array, mass: Array) -> Array:
+    """Locally typical sampling (HuggingFace's ``TypicalLogitsWarper``): rank tokens by how far
+    their surprisal −log p lies from the entropy H; keep the smallest prefix of that ranking whose
+    probability reaches ``mass`` (at least one token). mass = 1 keeps all."""
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    probs = jnp.exp(log_probs)
+    entropy = -jnp.nansum(log_probs * probs, axis=-1, keepdims=True)  # 0·(−inf) terms are nan: skip
+    distance = jnp.abs(-log_probs - entropy)
+    order = jnp.argsort(distance, axis=-1)
+    sorted_distance = jnp.take_along_axis(distance, order, axis=-1)
+    cumulative = jnp.cumsum(jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1), axis=-1)
+    last = jnp.minimum(jnp.sum(cumulative < mass[:, None], axis=-1), logits.shape[-1] - 1)
+    threshold = jnp.take_along_axis(sorted_distance, last[:, None], axis=-1)
+    keep = (distance <= threshold) | (mass >= 1.0)[:, None]
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _when_used(used: Array, fn, logits: Array, setting: Array) -> Array:
+    """``fn(logits, setting)`` if any row uses the filter, else ``logits`` without running it."""
+    return lax.cond(jnp.any(used), fn, lambda x, _: x, logits, setting)
+
+
+def warp(logits: Array, params: SamplingParams, original_order: bool = False) -> Array:
+    """Temperature and the filters, in HuggingFace's order or (``original_order``) the original's."""
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    if not original_order:
+        logits = logits / temperature
+    logits = _when_used(params.top_k > 0, top_k_filter, logits, params.top_k)
+    logits = _when_used(params.top_p < 1, top_p_filter, logits, params.top_p)
+    logits = _when_used(params.min_p > 0, min_p_filter, logits, params.min_p)
+    logits = _when_used(params.typical_p < 1, typical_filter, logits, params.typical_p)
+    if original_order:
+        logits = logits / temperature
+    return logits
+
+
+def next_tokens(logits: Array, params: SamplingParams, seen: Array, keys: Array, valid_vocab: int,
+                original_order: bool = False) -> Array:
+    """Choose one token per row: greedy where temperature is 0, otherwise a draw with that row's key.
+
+    Args:
+      logits: float32 [B, V] from the model.
+      params: per-row settings.
+      seen: bool [B, V], the tokens the repetition penalty applies to.
+      keys: [B] PRNG keys, one per row (so a row's draw does not depend on its batch neighbours).
+      valid_vocab: ids at or above it are never chosen.
+    """
+    logits = mask_vocab(logits, valid_vocab)
+    logits = _when_used(params.repetition_penalty != 1, lambda x, p: repetition_penalty(x, seen, p),
+                        logits, params.repetition_penalty)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(logits):
+        sampled = jax.vmap(jax.random.categorical)(keys, warp(logits, params, original_order))
+        return jnp.where(params.temperature > 0, sampled.astype(jnp.int32), greedy)
+
+    return lax.cond(jnp.all(params.temperature == 0), lambda _: greedy, draw, logits)

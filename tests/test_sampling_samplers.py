@@ -1,0 +1,194 @@
+"""Samplers on constructed and random logits: exact kept sets, HuggingFace parity, seeded draws."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from gptj_flax.sampling.samplers import (
+    SamplingError,
+    SamplingParams,
+    mask_vocab,
+    min_p_filter,
+    next_tokens,
+    repetition_penalty,
+    top_k_filter,
+    top_p_filter,
+    typical_filter,
+    warp,
+)
+
+# Two constructed distributions over 5 tokens: token 0 is the least likely in A, the most likely in B.
+PROBS_A = [0.05, 0.4, 0.3, 0.15, 0.1]
+PROBS_B = [0.5, 0.1, 0.2, 0.15, 0.05]
+
+
+def _logits(*rows):
+    return jnp.log(jnp.asarray(rows, jnp.float32))
+
+
+def _kept(filtered) -> list[set[int]]:
+    return [set(np.flatnonzero(np.isfinite(row)).tolist()) for row in np.asarray(filtered)]
+
+
+def _params(batch, **settings):
+    return jax.tree.map(jnp.asarray, SamplingParams.build(batch, **settings))
+
+
+def test_top_k_keeps_exactly_the_k_most_likely_token_id_0_included():
+    logits = _logits(PROBS_A, PROBS_B, PROBS_A, PROBS_B, PROBS_A)
+    k = jnp.asarray([2, 1, 0, 3, 4])  # one k per row; 0 is off
+    # The original's bug kept token 0 whatever k was: row 0 must drop it, row 1 must keep only it.
+    assert _kept(top_k_filter(logits, k)) == [{1, 2}, {0}, {0, 1, 2, 3, 4}, {0, 2, 3}, {1, 2, 3, 4}]
+
+
+def test_top_k_keeps_ties_with_the_kth_value():
+    logits = jnp.asarray([[1.0, 3.0, 2.0, 2.0, 0.0]])
+    assert _kept(top_k_filter(logits, jnp.asarray([2]))) == [{1, 2, 3}]
+
+
+def test_top_p_keeps_exactly_the_nucleus():
+    logits = _logits(PROBS_A, PROBS_A, PROBS_B, PROBS_B, PROBS_A)
+    p = jnp.asarray([0.6, 0.75, 0.45, 0.7, 1.0])
+    assert _kept(top_p_filter(logits, p)) == [{1, 2}, {1, 2, 3}, {0}, {0, 2}, {0, 1, 2, 3, 4}]
+
+
+def test_min_p_keeps_tokens_above_the_scaled_threshold():
+    logits = _logits(PROBS_A, PROBS_A, PROBS_B, PROBS_A)
+    min_p = jnp.asarray([0.3, 0.2, 0.5, 0.0])
+    assert _kept(min_p_filter(logits, min_p)) == [{1, 2, 3}, {1, 2, 3, 4}, {0}, {0, 1, 2, 3, 4}]
+
+
+def test_typical_p_keeps_the_locally_typical_set():
+    # PROBS_A: entropy 1.392 nats; tokens by |surprisal - entropy|: 2, 1, 3, 4, 0 (cumulative mass
+    # 0.3, 0.7, 0.85, 0.95, 1). A small mass keeps token 2 alone, not the most likely token 1.
+    logits = _logits(PROBS_A, PROBS_A, PROBS_A, PROBS_A)
+    mass = jnp.asarray([0.2, 0.5, 0.8, 1.0])
+    assert _kept(typical_filter(logits, mass)) == [{2}, {1, 2}, {1, 2, 3}, {0, 1, 2, 3, 4}]
+
+
+@pytest.mark.parametrize("name", ["typical_p", "top_p", "top_k", "min_p"])
+def test_filters_match_huggingface_on_random_logits(name):
+    rng = np.random.default_rng({"typical_p": 0, "top_p": 1, "top_k": 2, "min_p": 3}[name])
+    logits = (rng.normal(size=(24, 97)) * rng.uniform(0.3, 4.0, size=(24, 1))).astype(np.float32)
+    if name == "top_k":
+        values = rng.integers(1, 97, size=24)
+        ours = top_k_filter(jnp.asarray(logits), jnp.asarray(values))
+        warper = lambda v: TopKLogitsWarper(int(v))  # noqa: E731
+    else:
+        values = rng.uniform(0.05, 0.98, size=24).astype(np.float32)
+        fn, cls = {"typical_p": (typical_filter, TypicalLogitsWarper), "top_p": (top_p_filter, TopPLogitsWarper),
+                   "min_p": (min_p_filter, MinPLogitsWarper)}[name]
+        ours = fn(jnp.asarray(logits), jnp.asarray(values))
+        warper = lambda v: cls(float(v))  # noqa: E731
+    for row, value in enumerate(values):
+        ref = warper(value)(None, torch.from_numpy(logits[row:row + 1])).numpy()[0]
+        np.testing.assert_array_equal(np.isfinite(np.asarray(ours[row])), np.isfinite(ref), err_msg=f"row {row}")
+        kept = np.isfinite(ref)
+        np.testing.assert_array_equal(np.asarray(ours[row])[kept], ref[kept])
+
+
+def test_repetition_penalty_matches_huggingface():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(3, 40)).astype(np.float32) * 3
+    history = rng.integers(0, 40, size=(3, 12))
+    seen = np.zeros((3, 40), bool)
+    np.put_along_axis(seen, history, True, axis=1)
+    for row, penalty in enumerate([1.3, 0.7, 2.0]):
+        ours = repetition_penalty(jnp.asarray(logits[row:row + 1]), jnp.asarray(seen[row:row + 1]),
+                                  jnp.asarray([penalty]))
+        ref = RepetitionPenaltyLogitsProcessor(penalty)(torch.from_numpy(history[row:row + 1]),
+                                                        torch.from_numpy(logits[row:row + 1]))
+        np.testing.assert_allclose(np.asarray(ours), ref.numpy(), rtol=1e-6)
+
+
+def test_temperature_comes_first_unless_original_order():
+    # At temperature 2 the distribution is flatter, so the 0.6 nucleus needs three tokens; the
+    # original applied top-p to the untempered distribution, where two suffice.
+    logits = _logits(PROBS_A)
+    params = _params(1, temperature=2.0, top_p=0.6)
+    assert _kept(warp(logits, params)) == [{1, 2, 3}]
+    assert _kept(warp(logits, params, original_order=True)) == [{1, 2}]
+    np.testing.assert_allclose(np.asarray(warp(logits, params, original_order=True))[0, [1, 2]],
+                               np.log([0.4, 0.3]) / 2, rtol=1e-6)
+
+
+_next_tokens = jax.jit(next_tokens, static_argnums=(4, 5))
+
+
+def _draw(logits_row, n, seed=0, valid_vocab=None, **settings):
+    """``n`` draws from one distribution: ``n`` identical rows, each with its own key."""
+    logits = jnp.tile(jnp.asarray(logits_row)[None], (n, 1))
+    keys = jax.random.split(jax.random.key(seed), n)
+    seen = jnp.zeros(logits.shape, bool)
+    return np.asarray(_next_tokens(logits, _params(n, **settings), seen, keys, valid_vocab or logits.shape[1]))
+
+
+@pytest.mark.parametrize("settings, kept", [
+    (dict(top_k=2), {1, 2}),
+    (dict(top_p=0.6), {1, 2}),
+    (dict(min_p=0.3), {1, 2, 3}),
+    (dict(typical_p=0.2), {2}),
+    (dict(top_k=3, top_p=0.75, temperature=0.5), {1, 2}),
+])
+def test_many_seeded_draws_stay_in_the_kept_set(settings, kept):
+    draws = _draw(np.log(PROBS_A), 4000, **settings)
+    assert set(np.unique(draws).tolist()) == kept
+    if settings == dict(top_p=0.6):  # and in proportion to the renormalised probabilities
+        np.testing.assert_allclose(np.mean(draws == 1), 0.4 / 0.7, atol=0.03)
+
+
+def test_draws_are_reproducible_from_the_seed():
+    a, b, c = (_draw(np.log(PROBS_A), 4000, seed=s, temperature=1.0) for s in (7, 7, 8))
+    np.testing.assert_array_equal(a, b)
+    assert np.any(a != c)
+
+
+def test_padded_vocabulary_ids_are_never_chosen():
+    logits = np.log(PROBS_A + [0.3]).astype(np.float32)  # id 5 would win greedy and be drawn often
+    logits[5] = 10.0
+    assert set(np.unique(_draw(logits, 4000, valid_vocab=5, temperature=1.0)).tolist()) == set(range(5))
+    masked = mask_vocab(jnp.asarray(logits)[None], 5)
+    assert not np.isfinite(np.asarray(masked)[0, 5])
+    seen = jnp.zeros((1, 6), bool)
+    assert int(next_tokens(jnp.asarray(logits)[None], _params(1, temperature=0.0), seen,
+                           jax.random.split(jax.random.key(0), 1), 5)[0]) == 1
+
+
+def test_greedy_and_sampled_rows_mix_in_one_batch():
+    logits = jnp.tile(_logits(PROBS_A), (4, 1))
+    params = _params(4, temperature=[0.0, 1.0, 0.0, 1.0], top_k=[0, 1, 0, 0], top_p=[1.0, 1.0, 0.5, 0.3])
+    keys = jax.random.split(jax.random.key(3), 4)
+    tokens = np.asarray(next_tokens(logits, params, jnp.zeros((4, 5), bool), keys, 5))
+    # greedy rows ignore the filters; top_k=1 and a tiny top_p leave only the argmax to draw
+    assert tokens.tolist() == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(top_p=1.5), "top_p must be in (0, 1]"),
+    (dict(top_p=0.0), "top_p must be in (0, 1]"),
+    (dict(typical_p=-0.1), "typical_p must be in (0, 1]"),
+    (dict(top_k=-1), "top_k must be an integer >= 0"),
+    (dict(top_k=2.5), "top_k must be an integer >= 0"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(min_p=2.0), "min_p must be in [0, 1]"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (dict(temperature=[0.5, 1.0, 1.0]), "got 3 values for 2 prompts"),
+    (dict(top_p=[0.5, 2.0]), "top_p[1] must be in (0, 1]"),
+    (dict(top_k=True), "top_k must be an integer >= 0"),
+    (dict(temperature="hot"), "temperature must be >= 0"),
+])
+def test_bad_settings_are_rejected_by_name(settings, message):
+    with pytest.raises(SamplingError, match=re.escape(message)):
+        SamplingParams.build(2, **settings)
