@@ -1,0 +1,162 @@
+"""``bench.py sample``: KV-cache generation speed against HuggingFace PyTorch on the same weights.
+
+Both sides run the same float32 GPT-J with the same random weights (HuggingFace's initialisation,
+copied into ours), greedy decoding with the KV cache, no EOS, on the CPU. Measured, warm (after
+compilation), median of ``--repeats``:
+
+* prefill latency: prompt in → first new token out (HF: ``generate(max_new_tokens=1)``);
+* decode tokens/s: the remaining ``new_tokens - 1`` tokens of every row, per second;
+
+at each batch size, plus the time from ``gptj_flax.load()`` of an Orbax checkpoint to the first
+generated token (cold: restore, compile, prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+# ~25M parameters: 27.3M with the embedding and LM head.
+BENCH_MODEL = dict(n_layers=6, d_model=512, n_heads=8, rotary_dim=64, vocab_size=8192, max_len=512,
+                   dtype="float32", param_dtype="float32")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes (default 1,16)")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (default 64)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default 128)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repetitions; the median is reported")
+    parser.add_argument("--torch-threads", type=int, default=2, help="PyTorch intra-op threads (default 2)")
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _hf_model(config):
+    import torch
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(0)
+    hf_config = GPTJConfig(
+        vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model, n_layer=config.n_layers,
+        n_head=config.n_heads, rotary_dim=config.rotary_dim, n_inner=config.d_ff, activation_function="gelu_new",
+        layer_norm_epsilon=config.layer_norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+    )
+    model = GPTJForCausalLM(hf_config).float().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _time_ours(lm, prompts: np.ndarray, new_tokens: int, repeats: int) -> tuple[float, float]:
+    from gptj_flax.sampling.samplers import SamplingParams
+
+    batch = len(prompts)
+    kwargs = dict(sampling=SamplingParams.build(batch, temperature=0.0), seeds=np.zeros(batch, np.uint32),
+                  eos_id=np.full(batch, -1, np.int32))
+
+    def prefill():
+        return lm.decoder.start(list(prompts), max_new_tokens=np.full(batch, new_tokens), **kwargs)
+
+    def full():
+        run = prefill()
+        run.advance(new_tokens)
+        assert int(run.progress.num_generated.min()) == new_tokens
+
+    full()  # compile
+    return _median_time(prefill, repeats), _median_time(full, repeats)
+
+
+def _time_hf(model, prompts: np.ndarray, new_tokens: int, repeats: int) -> tuple[float, float]:
+    import torch
+
+    ids = torch.from_numpy(prompts.astype(np.int64))
+    mask = torch.ones_like(ids)
+
+    def generate(n):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                 use_cache=True)
+        assert out.shape[1] == ids.shape[1] + n
+
+    generate(2)  # warm-up
+    return _median_time(lambda: generate(1), repeats), _median_time(lambda: generate(new_tokens), repeats)
+
+
+def _load_to_first_token(config, params, prompt: list[int]) -> float:
+    from gptj_flax.checkpoint import Checkpointer
+    from gptj_flax.config import Config
+    from gptj_flax.sampling.api import load
+
+    with tempfile.TemporaryDirectory() as directory:
+        ckpt = Checkpointer(directory)
+        ckpt.save(0, params=params, config=Config(model=config))
+        ckpt.close()
+        start = time.perf_counter()
+        lm = load(directory)
+        lm.generate(prompt, max_new_tokens=1, temperature=0.0)
+        return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> None:
+    import jax
+    import torch
+
+    from gptj_flax.config import ModelConfig
+    from gptj_flax.convert.hf_names import params_from_hf
+    from gptj_flax.sampling.api import LanguageModel
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if min(batch_sizes) < 1 or args.new_tokens < 2 or args.repeats < 1:
+        raise SystemExit("batch sizes and --repeats must be >= 1, --new-tokens >= 2")
+    if args.prompt_tokens < 1 or args.prompt_tokens + args.new_tokens > BENCH_MODEL["max_len"]:
+        raise SystemExit(f"need 1 <= --prompt-tokens and prompt + new tokens <= {BENCH_MODEL['max_len']}")
+    torch.set_num_threads(args.torch_threads)
+    config = ModelConfig(**BENCH_MODEL)
+    hf = _hf_model(config)
+    state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    params = params_from_hf(state, config)
+    rng = np.random.default_rng(0)
+    prompt_ids = rng.integers(0, config.vocab_size, size=(max(batch_sizes), args.prompt_tokens))
+
+    print(f"model: {config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads, rotary "
+          f"{config.rotary_dim}, vocab {config.vocab_size}: {config.param_count() / 1e6:.1f}M parameters, float32")
+    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens per row, greedy, KV cache on both sides; "
+          f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} device), "
+          f"torch {torch.__version__} with {torch.get_num_threads()} threads; median of {args.repeats}\n")
+
+    load_before = os.getloadavg()[0]
+    cold = _load_to_first_token(config, params, list(prompt_ids[0]))
+    lm = LanguageModel(config, params)
+    rows = []
+    for batch in batch_sizes:
+        prompts = prompt_ids[:batch]
+        ours_prefill, ours_full = _time_ours(lm, prompts, args.new_tokens, args.repeats)
+        hf_prefill, hf_full = _time_hf(hf, prompts, args.new_tokens, args.repeats)
+        decoded = batch * (args.new_tokens - 1)
+        ours_tps, hf_tps = decoded / (ours_full - ours_prefill), decoded / (hf_full - hf_prefill)
+        rows.append((batch, ours_tps, hf_tps, ours_prefill, hf_prefill))
+
+    header = ("batch", "decode tok/s gptj_flax", "decode tok/s torch", "ratio",
+              "prefill ms gptj_flax", "prefill ms torch", "ratio")
+    body = [(str(b), f"{o:,.0f}", f"{h:,.0f}", f"{o / h:.2f}x", f"{op * 1e3:.1f}", f"{hp * 1e3:.1f}", f"{hp / op:.2f}x")
+            for b, o, h, op, hp in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
+    for line in (header, ["-" * w for w in widths], *body):
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    print("\n(ratio: how many times faster gptj_flax is)")
+    print(f"gptj_flax load() of an Orbax checkpoint to first token (restore + compile + prefill): {cold:.2f} s")
+    # Both sides share the machine's cores: other processes running at the same time skew the ratios.
+    print(f"load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}")

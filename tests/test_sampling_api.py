@@ -1,0 +1,202 @@
+"""``gptj_flax.load`` on an Orbax checkpoint with its tokenizer: generate, stream, score, stop strings,
+the padded vocabulary, ``scripts/sample.py`` and ``examples/sampling.ipynb``."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gptj_flax
+from gptj_flax.checkpoint import CheckpointError, Checkpointer
+from gptj_flax.config import Config, TrainConfig
+from gptj_flax.model import GPTJ
+from gptj_flax.sampling import LanguageModel, SamplingError
+from tests.helpers import tiny_config
+
+TOKENIZER_VOCAB = 300
+# The model's vocabulary is padded past the tokenizer's (as GPT-J's 50400 > 50257).
+CFG = tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=320, max_len=128)
+CORPUS = [
+    "def add(a, b):\n    return a + b\n\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n",
+    "for i in range(10):\n    print(i, i * i)\n",
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. ",
+    "import os\nimport sys\n\nif __name__ == '__main__':\n    sys.exit(main())\n",
+] * 20
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+
+
+def make_checkpoint(directory) -> None:
+    """Steps 0 and 5 of a tiny random model, and a tokenizer, as a training run would leave them.
+
+    The LM head's bias makes the padded ids (≥ the tokenizer's size) by far the most likely, so
+    any of them escaping the mask would show in every output.
+    """
+    params = nn.meta.unbox(GPTJ(CFG).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+    params["lm_head"]["bias"] = params["lm_head"]["bias"].at[TOKENIZER_VOCAB:].set(50.0)
+    config = Config(model=CFG, train=TrainConfig(batch_size=2))
+    ckpt = Checkpointer(directory)
+    ckpt.save(0, params=jax.tree.map(lambda x: 0.5 * x, params), config=config)
+    ckpt.save(5, params=params, config=config)
+    ckpt.close()
+    make_tokenizer().save_pretrained(os.path.join(directory, "tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("run"))
+    make_checkpoint(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def lm(checkpoint_dir):
+    return gptj_flax.load(checkpoint_dir)
+
+
+def test_load_gives_the_latest_step_config_and_tokenizer(lm, checkpoint_dir):
+    assert isinstance(lm, LanguageModel) and lm.step == 5 and lm.config == CFG
+    assert len(lm.tokenizer) == TOKENIZER_VOCAB and lm.eos_token_id == 0
+    assert lm.decoder.valid_vocab == TOKENIZER_VOCAB
+    older = gptj_flax.load(checkpoint_dir, step=0, dtype="bfloat16")
+    assert older.step == 0 and older.config.dtype == "bfloat16"
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(older.decoder.params))
+    with pytest.raises(CheckpointError, match="step 3 not in"):
+        gptj_flax.load(checkpoint_dir, step=3)
+    with pytest.raises(CheckpointError, match="not found"):
+        gptj_flax.load(os.path.join(checkpoint_dir, "missing"))
+
+
+def test_generate_decodes_its_tokens_and_never_emits_padded_ids(lm):
+    greedy = lm.generate("def add(", 36, temperature=0, ignore_eos=True, return_tokens=True, return_logprobs=True)
+    assert greedy.finish_reason == "length" and greedy.completion_tokens == 36 == len(greedy.logprobs)
+    assert greedy.prompt_tokens == len(lm.encode("def add("))
+    assert greedy.text == lm.decode(greedy.tokens)
+    sampled = lm.generate(["def ", "class ", "for i"], 40, temperature=1.5, seed=0, ignore_eos=True,
+                          return_tokens=True)
+    tokens = [t for c in [greedy, *sampled] for t in c.tokens]
+    assert max(tokens) < TOKENIZER_VOCAB  # the +50 bias would have put them everywhere otherwise
+    assert len(set(tokens)) > 20
+
+
+def test_stop_strings_end_each_sequence_on_its_own_and_are_trimmed(lm):
+    prompts = ["def add(", "class Point", "import os"]
+    full = lm.generate(prompts, 40, temperature=0, ignore_eos=True, return_tokens=True)
+
+    def stop_in(text):  # two characters a few in, avoiding half-decoded characters
+        i = next(i for i in range(4, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+        return text[i:i + 2]
+
+    stops = [[stop_in(full[0].text)], None, [stop_in(full[2].text), "never-generated"]]
+    out = lm.generate(prompts, 40, temperature=0, ignore_eos=True, stop=stops, return_tokens=True)
+    for completion, reference, stop in zip(out, full, stops):
+        if stop is None:
+            assert completion.finish_reason == "length" and completion.text == reference.text
+            continue
+        assert completion.finish_reason == "stop"
+        assert completion.text == reference.text[:reference.text.index(stop[0])]
+        # the tokens end with the one that completed the stop string
+        n = completion.completion_tokens
+        assert completion.tokens == reference.tokens[:n]
+        assert stop[0] in lm.decode(reference.tokens[:n]) and stop[0] not in lm.decode(reference.tokens[:n - 1])
+
+
+def test_stream_pieces_add_up_to_generate(lm):
+    settings = dict(temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    single = lm.generate("for i", 40, stop=[" i"], **settings)
+    pieces = list(lm.stream("for i", 40, stop=[" i"], **settings))
+    assert "".join(pieces) == single.text and all(isinstance(p, str) and p for p in pieces)
+    prompts = ["def ", "import os", "class "]
+    batch = lm.generate(prompts, 40, stop=[None, ["os"], ["\n"]], **settings)
+    rows = [""] * 3
+    for step in lm.stream(prompts, 40, stop=[None, ["os"], ["\n"]], **settings):
+        assert isinstance(step, list) and len(step) == 3
+        rows = [r + p for r, p in zip(rows, step)]
+    assert rows == [c.text for c in batch]
+
+
+def test_score_texts_and_token_ids(lm):
+    text = "def add(a, b):\n    return a + b\n"
+    scored = lm.score(text)
+    assert scored.tokens == lm.encode(text) and scored.logprobs.shape == (len(scored.tokens) - 1,)
+    by_ids = lm.score([scored.tokens, scored.tokens[:5]])
+    # (log-probs near -50 here: the padded ids' bias takes almost all the mass)
+    np.testing.assert_allclose(by_ids[0].logprobs, scored.logprobs, rtol=1e-6)
+    np.testing.assert_allclose(by_ids[1].logprobs, scored.logprobs[:4], rtol=1e-6)
+    assert scored.total == pytest.approx(float(np.sum(scored.logprobs)))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda lm: lm.generate("x", 4, stop=[""]), "stop: stop strings must be non-empty strings"),
+    (lambda lm: lm.generate(["x", "y"], 4, stop=[["a"], ["b"], ["c"]]), "stop: got 3 entries for 2 prompts"),
+    (lambda lm: lm.generate("", 4), "prompt 0 has no tokens"),
+    (lambda lm: lm.generate("x" * 200, 4), "that exceeds the model's context of 128 tokens"),
+    (lambda lm: lm.score(""), "sequence 0 has 0 token(s)"),
+])
+def test_bad_requests_raise_clear_errors(lm, call, message):
+    with pytest.raises(SamplingError, match=re.escape(message)):
+        call(lm)
+
+
+def _run_script(repo_root, *args, stdin=None):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, str(repo_root / "scripts" / "sample.py"), *args], input=stdin,
+                          capture_output=True, text=True, timeout=300, env=env, cwd=repo_root)
+
+
+@pytest.mark.slow
+def test_sample_script_one_shot_and_interactive(lm, checkpoint_dir, repo_root):
+    expected = lm.generate("def add(", 16, temperature=0, ignore_eos=True).text
+    one_shot = _run_script(repo_root, checkpoint_dir, "--prompt", "def add(", "--max-new-tokens", "16",
+                           "--temperature", "0", "--ignore-eos")
+    assert one_shot.returncode == 0, one_shot.stderr
+    assert one_shot.stdout == expected + "\n"
+
+    loop = _run_script(repo_root, checkpoint_dir, "--interactive", "--max-new-tokens", "8", "--top-k", "5",
+                       "--seed", "3", "--num-samples", "2", "--dtype", "bfloat16",
+                       stdin="import os\n" + "x" * 200 + "\nclass \n\n")
+    assert loop.returncode == 0, loop.stderr
+    assert loop.stdout.count("===== sample 0") == 2 and loop.stdout.count("===== sample 1") == 2
+    assert "exceeds the model's context" in loop.stderr  # the over-long prompt is refused, the loop goes on
+    assert loop.stderr.count("completion done in") == 2
+
+
+@pytest.mark.slow
+def test_notebook_runs_headless_and_samples(lm, checkpoint_dir, repo_root):
+    import nbclient
+    import nbformat
+
+    notebook = nbformat.read(repo_root / "examples" / "sampling.ipynb", as_version=4)
+    os.environ["GPTJ_CHECKPOINT"] = checkpoint_dir  # the kernel inherits this process's environment
+    try:
+        nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                resources={"metadata": {"path": str(repo_root / "examples")}}).execute()
+    finally:
+        del os.environ["GPTJ_CHECKPOINT"]
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    summary = json.loads(notebook.cells[-1].outputs[-1].text)
+    assert summary["greedy"] == lm.generate("def ", 48, temperature=0).text
+    assert summary["stream_matches_generate"] is True
+    assert len(summary["batch_finish_reasons"]) == 3
+    assert summary["scored_tokens"] == len(lm.encode("def main():\n    return 0\n"))
