@@ -3,7 +3,7 @@
 Input: an ndjson dump (plain, ``.gz``, ``.zst`` or ``.xz``; the format is sniffed from the file's
 first bytes) with one thread per line, ``{"posts": [{"no": 123, "com": "<html>"}, …]}``.
 
-Output: every thread as text, exactly as GPT-4chan's ``process_data.py`` wrote it::
+Output: every thread as text, in the format GPT-4chan's ``process_data.py`` wrote::
 
     --- {no}\\n{text}           one block per post, blocks joined by "\\n"
     \\n-----\\n                  after every thread
@@ -26,6 +26,10 @@ HTML → text (a real parser, :class:`html.parser.HTMLParser`, never regexes):
 * finally the post's text is stripped of leading and trailing whitespace (``str.strip``), as the
   original did: trailing ``<br>``s and block ends never leave blank lines, so the only newline after
   a post is the one joining it to the next.
+
+On 4chan's markup (``<br>``, ``<wbr>``, ``<a>``, ``<span>``, ``<s>``, entities) this gives what the
+original (BeautifulSoup + lxml) gave; it differs only around block elements, where the original put
+the newline before a ``<p>`` and none after it or around a ``<div>``.
 
 Malformed input is counted and reported with its line number, never fatal unless ``strict``:
 
