@@ -294,6 +294,26 @@ class ScannedBlock(Block):
         return (h, None if kv is None else (kv.k, kv.v)), None
 
 
+def project_to_vocab(h: Array, kernel: Array, bias: Array) -> Array:
+    """The LM head: ``h @ kernel + bias`` in h's dtype, returned as float32 logits [..., vocab]."""
+    logits = jnp.einsum("...d,dv->...v", h, kernel.astype(h.dtype)) + bias.astype(h.dtype)
+    return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+class LMHead(nn.Module):
+    """Untied projection to the vocabulary, with a bias (GPT-J's ``lm_head``)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h: Array) -> Array:
+        cfg = self.config
+        kernel = self.param("kernel", _init(cfg.d_model**-0.5, ("embed", "vocab")), (cfg.d_model, cfg.vocab_size),
+                            cfg.weight_dtype)
+        bias = self.param("bias", _zeros(("vocab",)), (cfg.vocab_size,), cfg.weight_dtype)
+        return project_to_vocab(h.astype(cfg.compute_dtype), kernel, bias)
+
+
 class GPTJ(nn.Module):
     """GPT-J causal language model: tokens [B, T] → float32 logits [B, T, vocab]."""
 
@@ -301,7 +321,7 @@ class GPTJ(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None,
-                 cache: KVCache | None = None, *, last_logits_only: bool = False):
+                 cache: KVCache | None = None, *, last_logits_only: bool = False, return_hidden: bool = False):
         """
         Args:
           tokens: int [B, T].
@@ -315,6 +335,8 @@ class GPTJ(nn.Module):
             token per call). Without it, a plain full forward pass.
           last_logits_only: project only the last position to the vocabulary (logits [B, 1, V]):
             all that generation needs, and it skips most of the LM head's work in a prefill.
+          return_hidden: return the final-LayerNorm output [B, T, d_model] instead of logits (no
+            cache): the training loss applies the LM head itself, a chunk of positions at a time.
 
         Returns:
           logits; with a ``cache``, ``(logits, updated cache)``.
@@ -368,15 +390,9 @@ class GPTJ(nn.Module):
         if last_logits_only:
             h = h[:, -1:]
         h = layer_norm(cfg, "ln_f")(h)
-        logits = nn.Dense(
-            cfg.vocab_size,
-            dtype=cfg.compute_dtype,
-            param_dtype=cfg.weight_dtype,
-            kernel_init=_init(cfg.d_model**-0.5, ("embed", "vocab")),
-            bias_init=_zeros(("vocab",)),
-            name="lm_head",
-        )(h)
-        logits = nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        if return_hidden:
+            return h
+        logits = LMHead(cfg, name="lm_head")(h)
         if cache is None:
             return logits
         new_cache = KVCache(k=caches[0], v=caches[1], segment_ids=key_segments,
@@ -412,6 +428,16 @@ def unstack_layers(params: dict) -> dict:
 # Loss
 
 
+def loss_sums(logits: Array, targets: Array, weights: Array, z_loss: float = 0.0) -> tuple[Array, Array, Array]:
+    """Weighted sums over tokens, in float32: (cross-entropy + z_loss · logsumexp², cross-entropy, weight)."""
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    nll = log_z - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    weights = weights.astype(jnp.float32)
+    objective = nll + z_loss * jnp.square(log_z) if z_loss else nll
+    return jnp.sum(objective * weights), jnp.sum(nll * weights), jnp.sum(weights)
+
+
 def cross_entropy(
     logits: Array, targets: Array, weights: Array | None = None, z_loss: float = 0.0
 ) -> tuple[Array, Array]:
@@ -419,12 +445,38 @@ def cross_entropy(
 
     Returns ``(loss, total_weight)``; ``weights`` (default 1) zero out padding and masked tokens.
     """
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    nll = log_z - target_logit
-    if z_loss:
-        nll = nll + z_loss * jnp.square(log_z)
-    weights = jnp.ones_like(nll) if weights is None else weights.astype(jnp.float32)
-    total = jnp.sum(weights)
-    return jnp.sum(nll * weights) / jnp.maximum(total, 1.0), total
+    weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
+    objective, _, total = loss_sums(logits, targets, weights, z_loss)
+    return objective / jnp.maximum(total, 1.0), total
+
+
+def chunked_loss_sums(hidden: Array, head: dict, targets: Array, weights: Array, z_loss: float = 0.0,
+                      chunk: int = 512) -> tuple[Array, Array, Array]:
+    """:func:`loss_sums` of ``LMHead(hidden)``, computed ``chunk`` positions at a time.
+
+    The full float32 logits of a training batch (batch × length × vocab: 0.8 GiB for two 2048-token
+    rows of GPT-J's 50400 ids) never exist at once: each chunk's logits are made, reduced to three
+    sums and dropped, and the backward pass makes them again (``jax.checkpoint``).
+    """
+    length = hidden.shape[1]
+    chunk = min(chunk, length)
+    n_chunks = -(-length // chunk)
+    pad = n_chunks * chunk - length
+    if pad:  # padded positions carry weight 0
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        weights = jnp.pad(weights, ((0, 0), (0, pad)))
+
+    def split(x):  # [B, n·c, …] → [n, B, c, …]
+        return jnp.swapaxes(x.reshape(x.shape[0], n_chunks, chunk, *x.shape[2:]), 0, 1)
+
+    @jax.checkpoint
+    def sums(h, t, w):
+        return loss_sums(project_to_vocab(h, head["kernel"], head["bias"]), t, w, z_loss)
+
+    def body(totals, xs):
+        return jax.tree.map(jnp.add, totals, sums(*xs)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    totals, _ = jax.lax.scan(body, (zero, zero, zero), (split(hidden), split(targets), split(weights)))
+    return totals

@@ -152,3 +152,29 @@ def test_eval_step_is_token_weighted():
     w = batch.loss_mask[0]
     assert float(out["tokens"]) == w.sum()
     np.testing.assert_allclose(float(out["loss_sum"]), (nll * w).sum(), rtol=1e-5)
+
+
+def test_chunked_loss_equals_the_full_logits_loss():
+    """The LM head applied a chunk at a time gives the loss and gradients of the full logits."""
+    from gptj_flax.model import chunked_loss_sums, cross_entropy
+
+    model = GPTJ(CFG)
+    rng = np.random.default_rng(4)
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 23)), jnp.int32)
+    weights = jnp.asarray(rng.random((3, 22)) > 0.2, jnp.float32)
+    params = nn.meta.unbox(model.init(jax.random.key(0), tokens))["params"]
+
+    def full(p):
+        return cross_entropy(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:], weights, z_loss=1e-4)[0]
+
+    def chunked(p, chunk):
+        hidden = model.apply({"params": p}, tokens[:, :-1], return_hidden=True)
+        objective, _, total = chunked_loss_sums(hidden, p["lm_head"], tokens[:, 1:], weights, 1e-4, chunk)
+        return objective / total
+
+    ref_loss, ref_grads = jax.value_and_grad(full)(params)
+    for chunk in (5, 11, 22, 64):  # uneven, two chunks, exact, larger than the sequence
+        loss, grads = jax.value_and_grad(chunked)(params, chunk)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+        for x, y in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)

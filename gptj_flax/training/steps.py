@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gptj_flax import partitioning
 from gptj_flax.data import Batch
-from gptj_flax.model import GPTJ, cross_entropy
+from gptj_flax.model import GPTJ, chunked_loss_sums
 
 BATCH_AXES = ("batch", "length")
 ACCUM_BATCH_AXES = (None, "batch", "length")
@@ -69,9 +69,10 @@ def _as_accumulated(batch: Batch) -> Batch:
     return batch if batch.tokens.ndim == 3 else jax.tree.map(lambda x: x[None], batch)
 
 
-def _forward_loss(model: GPTJ, params, micro: Batch):
-    logits = model.apply({"params": params}, micro.inputs, segment_ids=micro.input_segment_ids)
-    return cross_entropy(logits, micro.targets, micro.loss_mask)
+def _loss_sums(model: GPTJ, params, micro: Batch, z_loss: float = 0.0):
+    """(objective, cross-entropy, tokens) summed over the micro-batch; the LM head runs in chunks."""
+    hidden = model.apply({"params": params}, micro.inputs, segment_ids=micro.input_segment_ids, return_hidden=True)
+    return chunked_loss_sums(hidden, params["lm_head"], micro.targets, micro.loss_mask, z_loss)
 
 
 def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callable, z_loss: float = 0.0):
@@ -83,10 +84,8 @@ def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callab
     """
     def micro_grads(params, micro):
         def loss_fn(p):
-            logits = model.apply({"params": p}, micro.inputs, segment_ids=micro.input_segment_ids)
-            objective, total = cross_entropy(logits, micro.targets, micro.loss_mask, z_loss)
-            loss, _ = cross_entropy(logits, micro.targets, micro.loss_mask)
-            return objective * total, (loss * total, total)
+            objective, loss, tokens = _loss_sums(model, p, micro, z_loss)
+            return objective, (loss, tokens)
 
         return jax.grad(loss_fn, has_aux=True)(params)
 
@@ -123,8 +122,8 @@ def make_eval_step(model: GPTJ):
         batch = _as_accumulated(batch)
 
         def body(carry, micro):
-            loss, total = _forward_loss(model, params, micro)
-            return (carry[0] + loss * total, carry[1] + total), None
+            _, loss_sum, tokens = _loss_sums(model, params, micro)
+            return (carry[0] + loss_sum, carry[1] + tokens), None
 
         (loss_sum, tokens), _ = jax.lax.scan(body, (0.0, 0.0), batch)
         return {"loss_sum": loss_sum, "tokens": tokens}
