@@ -1,5 +1,7 @@
 """Benchmarks, one subcommand each; every implementation lives in the package.
 
+    python scripts/bench.py train  [--batch 8] [--seq-len 256] [--threads 2]
+    python scripts/bench.py data   [--config configs/demo_cpu.json]
     python scripts/bench.py sample [--batch-sizes 1,16] [--prompt-tokens 64] [--new-tokens 128]
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run(args)``; only the chosen one is
@@ -8,10 +10,16 @@ imported, so one benchmark's dependencies never slow down another.
 
 import argparse
 import importlib
+import os
 import sys
+
+# On a CPU-only machine, 8 virtual devices (the data benchmark compares with the demo's 2x2x2 mesh).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 # subcommand -> (module, one-line summary)
 BENCHMARKS = {
+    "train": ("gptj_flax.training.bench", "one AdamW train step vs HuggingFace PyTorch, tokens/s and FLOP/s"),
+    "data": ("gptj_flax.training.bench_data", "input pipeline tokens/s vs the demo train step's"),
     "sample": ("gptj_flax.sampling.bench", "KV-cache generation vs HuggingFace PyTorch generate"),
 }
 
