@@ -120,6 +120,21 @@ def test_stop_strings_end_each_sequence_on_its_own_and_are_trimmed(lm):
         assert stop[0] in lm.decode(reference.tokens[:n]) and stop[0] not in lm.decode(reference.tokens[:n - 1])
 
 
+def test_eos_ends_a_row_and_is_not_part_of_the_text(lm):
+    prompts = ["def add(", "class Point"]
+    full = lm.generate(prompts, 40, temperature=0, ignore_eos=True, return_tokens=True)
+    eos = full[0].tokens[5]  # pretend this token is the EOS: row 0 must end at its first occurrence
+    first = full[0].tokens.index(eos)
+    saved, lm.eos_token_id = lm.eos_token_id, eos
+    try:
+        out = lm.generate(prompts, 40, temperature=0, ignore_eos=[False, True], return_tokens=True)
+    finally:
+        lm.eos_token_id = saved
+    assert out[0].finish_reason == "eos" and out[0].tokens == full[0].tokens[:first + 1]
+    assert out[0].text == lm.decode(full[0].tokens[:first])
+    assert out[1].finish_reason == "length" and out[1].tokens == full[1].tokens
+
+
 def test_stream_pieces_add_up_to_generate(lm):
     settings = dict(temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
     single = lm.generate("for i", 40, stop=[" i"], **settings)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import DTYPES, ModelConfig
 from gptj_flax.data.tokenizer import load_tokenizer
-from gptj_flax.sampling.decoding import FINISH_REASONS, RUNNING, DecodeRun, Decoder
+from gptj_flax.sampling.decoding import EOS, FINISH_REASONS, RUNNING, DecodeRun, Decoder
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, per_example
 from gptj_flax.sampling.stopping import TextTracker, decode
 
@@ -123,7 +123,7 @@ class _Batch:
         out = []
         for row, tracker in enumerate(self.trackers):
             tokens = self._row_tokens(row)
-            if FINISH_REASONS.get(int(p.finish[row])) == "eos":
+            if p.finish[row] == EOS:
                 tokens = tokens[:-1]  # the EOS token ends the text without being part of it
             out.append(tracker.update(tokens, final=p.finish[row] != RUNNING))
         return out
@@ -167,6 +167,10 @@ class LanguageModel:
 
     Compiled programs are cached per shape bucket: the first call at a new bucket compiles, later
     calls with other prompts, lengths within the bucket, settings or seeds reuse it.
+
+    Attributes: ``config``, ``tokenizer``, ``mesh``, ``step``, ``decoder`` (the compiled programs and
+    the sharded parameters), ``eos_token_id`` (the id that ends a sequence: the tokenizer's EOS,
+    ``None`` for none; generation reads it at every call).
     """
 
     def __init__(self, config: ModelConfig, params: Any, tokenizer=None, mesh: Mesh | None = None,
