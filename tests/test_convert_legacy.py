@@ -14,8 +14,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import Config, from_dict
 from gptj_flax.convert import (
-    config_for_legacy, from_legacy, insert_adam_moments, load_init_params, load_legacy_opt_state, params_from_hf,
+    config_for_legacy, from_legacy, insert_adam_moments, load_init_opt_state, load_init_params, load_legacy_opt_state,
+    params_from_hf,
 )
+from gptj_flax.convert.hf import write_random_hf
 from gptj_flax.convert.legacy import LegacyCheckpoint, legacy_params
 from gptj_flax.model import GPTJ
 from tests.helpers import hf_model, tiny_config
@@ -24,6 +26,7 @@ from tests.legacy_writer import dense_model, dense_moments, hf_state_dict, legac
 # 12 layers, so the original's string order (0, 1, 10, 11, 2, …) differs from numeric order;
 # heads, d_ff and vocab divide 8 shards; rotary_dim < head_dim.
 CFG = tiny_config(n_layers=12, d_model=32, n_heads=8, rotary_dim=2, vocab_size=64)
+_logits = jax.jit(lambda params, tokens: GPTJ(dataclasses.replace(CFG, dtype="float32")).apply({"params": params}, tokens))
 
 
 def _reference_hf(model):
@@ -75,8 +78,8 @@ def test_legacy_import_equals_the_dense_reference(tmp_path, shards, storage):
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, size=(2, 11))
     with torch.no_grad():
         expected = _reference_hf(model)(torch.from_numpy(tokens)).logits.numpy()
-    logits = GPTJ(dataclasses.replace(config.model, dtype="float32")).apply({"params": params}, jnp.asarray(tokens))
-    np.testing.assert_allclose(np.asarray(logits), expected, rtol=0, atol=1e-4)
+    assert dataclasses.replace(config.model, dtype=CFG.dtype) == CFG  # so the jitted reference applies
+    np.testing.assert_allclose(np.asarray(_logits(params, tokens)), expected, rtol=0, atol=1e-4)
 
 
 def test_init_from_legacy_on_a_different_mesh_and_layout(tmp_path):
@@ -164,3 +167,85 @@ def test_a_slim_checkpoint_has_no_moments(tmp_path):
         assert not legacy.full and legacy.shards == 2 and legacy.step == 1000
     with pytest.raises(ValueError, match="slim"):
         load_legacy_opt_state(tmp_path / "step_1", Config(model=CFG), partitioning.make_mesh((1, 1, 1)))
+
+
+def _optimizer_target(config, mesh, freeze=()):
+    """The run's optimiser and its abstract state with shardings, exactly as the training loop builds them."""
+    import flax.linen as nn
+
+    from gptj_flax.training import make_optimizer
+    from gptj_flax.training.steps import abstract_state, state_shardings
+
+    model = GPTJ(config.model)
+    params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+    tx = make_optimizer(config.train, params=params, freeze=freeze)
+    abstract = nn.meta.unbox(abstract_state(model, tx))
+    shardings = state_shardings(model, tx, mesh)
+    return tx, jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            abstract.opt_state, shardings.opt_state)
+
+
+@pytest.mark.parametrize("freeze", [(), ("wte", "layers/attn/*")], ids=["all", "frozen"])
+def test_init_opt_state_carries_legacy_adam_into_the_training_optimiser(tmp_path, freeze):
+    model = dense_model(CFG, seed=4)
+    write_legacy_checkpoint(tmp_path / "step_9", model, CFG, shards=2, step=9,
+                            moments=(dense_moments(model, 30), dense_moments(model, 40)), adam_count=55, schedule_count=8)
+    config = Config(model=CFG)
+    mesh = partitioning.make_mesh((1, 2, 4))
+    tx, target = _optimizer_target(config, mesh, freeze)
+    spec = f"legacy:{tmp_path / 'step_9'}"
+    opt_state = load_init_opt_state(spec, config, mesh, target)
+    assert jax.tree.structure(opt_state) == jax.tree.structure(target)
+    for leaf, want in zip(jax.tree.leaves(opt_state), jax.tree.leaves(target)):
+        assert leaf.shape == want.shape and leaf.dtype == want.dtype and leaf.sharding == want.sharding
+
+    adam = _adam_nodes(opt_state)
+    assert len(adam) == 1 and int(adam[0].count) == 55
+    expected = load_legacy_opt_state(tmp_path / "step_9", config, mesh)
+    np.testing.assert_array_equal(np.asarray(adam[0].nu["lm_head"]["kernel"]), np.asarray(expected.nu["lm_head"]["kernel"]))
+    if freeze:  # frozen parameters have no moments
+        assert isinstance(adam[0].mu["wte"], optax.MaskedNode)
+        assert isinstance(adam[0].mu["layers"]["attn"]["q_proj"], optax.MaskedNode)
+        np.testing.assert_array_equal(np.asarray(adam[0].mu["layers"]["mlp"]["fc_in"]["kernel"]),
+                                      np.asarray(expected.mu["layers"]["mlp"]["fc_in"]["kernel"]))
+    else:
+        np.testing.assert_array_equal(np.asarray(adam[0].mu["wte"]), np.asarray(expected.mu["wte"]))
+
+    params = load_init_params(spec, config, mesh)
+    with partitioning.activate(mesh):
+        _, new_state = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), opt_state, params)
+    assert int(_adam_nodes(new_state)[0].count) == 56
+
+
+def _adam_nodes(state):
+    is_adam = lambda n: isinstance(n, optax.ScaleByAdamState)  # noqa: E731
+    return [n for n in jax.tree.leaves(state, is_leaf=is_adam) if is_adam(n)]
+
+
+def test_init_opt_state_from_orbax_and_from_sources_without_one(tmp_path):
+    model = dense_model(CFG, seed=6)
+    write_legacy_checkpoint(tmp_path / "full" / "step_3", model, CFG, shards=2, step=3,
+                            moments=(dense_moments(model, 1), dense_moments(model, 2)), adam_count=3)
+    write_legacy_checkpoint(tmp_path / "slim" / "step_3", model, CFG, shards=2, step=3, dtype=jnp.bfloat16)
+    config = Config(model=CFG)
+    mesh = partitioning.make_mesh((2, 2, 2))
+    _, target = _optimizer_target(config, mesh)
+    opt_state = load_init_opt_state(f"legacy:{tmp_path / 'full' / 'step_3'}", config, mesh, target)
+    assert load_init_opt_state(f"legacy:{tmp_path / 'slim' / 'step_3'}", config, mesh, target) is None
+    write_random_hf(tmp_path / "hf", CFG)
+    assert load_init_opt_state(f"hf:{tmp_path / 'hf'}", config, mesh, target) is None
+
+    run = checkpoint.Checkpointer(tmp_path / "run", async_save=False)
+    run.save(3, params=load_init_params(f"legacy:{tmp_path / 'full' / 'step_3'}", config, mesh), config=config,
+             opt_state=opt_state)
+    run.close()
+    restored = load_init_opt_state(str(tmp_path / "run"), config, mesh, target)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(opt_state)):
+        assert got.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    from_legacy(tmp_path / "slim" / "step_3", tmp_path / "converted", config)  # params only
+    assert load_init_opt_state(str(tmp_path / "converted"), config, mesh, target) is None
+    unrolled = Config(model=dataclasses.replace(CFG, scan_layers=False))
+    with pytest.raises(ValueError, match="saved with scan_layers=True"):
+        load_init_opt_state(str(tmp_path / "run"), unrolled, mesh, _optimizer_target(unrolled, mesh)[1])

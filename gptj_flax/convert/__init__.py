@@ -1,14 +1,14 @@
 """Weight conversion: HuggingFace GPT-J and legacy mesh-transformer-jax checkpoints, streamed tensor by tensor.
 
 ``from_hf`` / ``to_hf`` / ``from_legacy`` / ``slim`` write complete outputs atomically;
-``load_init_params`` puts any source straight onto a training mesh; ``load_legacy_opt_state`` and
-``insert_adam_moments`` carry the original's Adam state into an optax optimiser.
+``load_init_params`` puts any source straight onto a training mesh; ``load_init_opt_state`` (built on
+``load_legacy_opt_state`` and ``insert_adam_moments``) carries its optimiser state into an optax one.
 """
 
 from gptj_flax.convert.common import ConversionError
 from gptj_flax.convert.hf import HFCheckpoint, from_hf, to_hf, write_random_hf
 from gptj_flax.convert.hf_names import hf_from_params, hf_names, hf_to_ours, ours_to_hf, params_from_hf
-from gptj_flax.convert.init_from import insert_adam_moments, load_init_params, parse_init_spec
+from gptj_flax.convert.init_from import insert_adam_moments, load_init_opt_state, load_init_params, parse_init_spec
 from gptj_flax.convert.legacy import (
     LegacyAdamState, LegacyCheckpoint, config_for_legacy, from_legacy, load_legacy_opt_state,
 )
@@ -16,6 +16,7 @@ from gptj_flax.convert.slim import slim
 
 __all__ = [
     "ConversionError", "HFCheckpoint", "LegacyAdamState", "LegacyCheckpoint", "config_for_legacy", "from_hf",
-    "from_legacy", "hf_from_params", "hf_names", "hf_to_ours", "insert_adam_moments", "load_init_params",
+    "from_legacy", "hf_from_params", "hf_names", "hf_to_ours", "insert_adam_moments", "load_init_opt_state",
+    "load_init_params",
     "load_legacy_opt_state", "ours_to_hf", "params_from_hf", "parse_init_spec", "slim", "to_hf", "write_random_hf",
 ]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from gptj_flax import checkpoint, partitioning
@@ -17,7 +19,7 @@ from gptj_flax.config import Config, ModelConfig
 from gptj_flax.convert.common import ConversionError
 from gptj_flax.convert.hf import HFCheckpoint
 from gptj_flax.convert.layout import place_on_mesh, streamed_params
-from gptj_flax.convert.legacy import LegacyCheckpoint
+from gptj_flax.convert.legacy import LegacyCheckpoint, load_legacy_opt_state
 from gptj_flax.convert.orbax_io import OrbaxParams
 from gptj_flax.model import stack_layers, unstack_layers
 
@@ -72,33 +74,93 @@ def load_init_params(spec: str, config: Config, mesh: Mesh, legacy_shards: int |
     return params
 
 
-def insert_adam_moments(opt_state, mu, nu, count) -> object:
+def load_init_opt_state(spec: str, config: Config, mesh: Mesh, target, legacy_shards: int | None = None):
+    """The optimiser state to fine-tune with from ``spec``, or None when the source carries none.
+
+    ``target`` is the run's optimiser state as a tree of ``jax.ShapeDtypeStruct`` with shardings
+    (e.g. ``jax.eval_shape(tx.init, params)`` with the state's shardings). HF directories and slim
+    checkpoints have no optimiser state: None. A full legacy checkpoint gives Adam's count and
+    moments, placed into a fresh state of ``target``'s structure (every other leaf — schedule and
+    other counters — starts at zero, as a fresh optax state does). An Orbax checkpoint with an
+    ``opt_state`` item is restored onto ``target`` as saved; it must come from the same optimiser
+    and layer layout.
+    """
+    kind, location = parse_init_spec(spec)
+    if kind == "hf":
+        return None
+    if kind == "legacy":
+        with LegacyCheckpoint(location, config.model, legacy_shards) as legacy:
+            if not legacy.full:
+                return None
+        adam = load_legacy_opt_state(location, config, mesh, legacy_shards)
+        fresh = jax.tree.map(_zeros, target, is_leaf=_is_adam)
+        return insert_adam_moments(fresh, adam.mu, adam.nu, adam.count)
+
+    stored = OrbaxParams.open(location)
+    if not stored.has_opt_state:
+        return None
+    if stored.config.model.scan_layers != config.model.scan_layers:
+        raise ConversionError(
+            f"{location}: its optimiser state was saved with scan_layers={stored.config.model.scan_layers}; "
+            f"set model.scan_layers={stored.config.model.scan_layers} to carry it, or start a fresh optimiser")
+    try:
+        return ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
+            stored.directory / str(stored.step) / "opt_state", args=ocp.args.StandardRestore(target))
+    except (ValueError, KeyError) as e:
+        raise ConversionError(f"{location}: its optimiser state does not fit this run's optimiser "
+                              f"(a different optimiser or frozen parameters?), or start a fresh one: {e}") from e
+
+
+def _is_adam(node) -> bool:
+    return isinstance(node, optax.ScaleByAdamState)
+
+
+def _zeros(node):
+    """A zero leaf for an abstract leaf (a whole Adam node is kept, to be filled in)."""
+    if _is_adam(node) or not isinstance(node, jax.ShapeDtypeStruct):
+        return node
+    return jax.device_put(np.zeros(node.shape, node.dtype), node.sharding)
+
+
+def insert_adam_moments(opt_state, mu, nu, count):
     """Replace the ``optax.ScaleByAdamState`` inside any optax state tree by ``(count, mu, nu)``.
 
-    Works on any chain or wrapper (``chain``, ``masked``, ``MultiSteps``, ``inject_hyperparams`` …):
-    the one Adam node is found by type. ``mu`` and ``nu`` must match the existing moments' tree and
-    shapes; they are cast to the existing dtypes and put on the existing shardings, so the state can
-    go straight into the jitted train step. Other states (e.g. the schedule's count) are kept —
-    the original fine-tuning likewise loaded Adam's moments and restarted the schedule.
+    Works on any chain or wrapper (``chain``, ``masked``, ``multi_transform``, ``MultiSteps`` …):
+    the one Adam node is found by type. ``mu`` and ``nu`` are params-shaped trees; parameters the
+    optimiser masks out (``optax.MaskedNode``, e.g. frozen ones) stay masked. Values are cast to the
+    state's dtypes and put on its shardings (its leaves may be arrays or ``ShapeDtypeStruct``s), so
+    the result goes straight into the jitted train step. Other states (e.g. the schedule's count)
+    are kept — the original fine-tuning likewise loaded Adam's moments and restarted the schedule.
     """
     found = []
 
     def replace(node):
-        if not isinstance(node, optax.ScaleByAdamState):
+        if not _is_adam(node):
             return node
         found.append(node)
-        if jax.tree.structure(node.mu) != jax.tree.structure(mu) or jax.tree.structure(node.nu) != jax.tree.structure(nu):
-            raise ValueError("insert_adam_moments: mu/nu trees differ from the optimiser's params tree "
-                             "(scanned vs unrolled layers?)")
-        return optax.ScaleByAdamState(
-            count=_like(jnp.asarray(count), node.count), mu=jax.tree.map(_like, mu, node.mu),
-            nu=jax.tree.map(_like, nu, node.nu))
+        return optax.ScaleByAdamState(count=_like(jnp.asarray(count), node.count),
+                                      mu=_fill(node.mu, mu, "mu"), nu=_fill(node.nu, nu, "nu"))
 
-    new_state = jax.tree.map(replace, opt_state, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
+    new_state = jax.tree.map(replace, opt_state, is_leaf=_is_adam)
     if len(found) != 1:
         raise ValueError(f"insert_adam_moments: the optimiser state holds {len(found)} ScaleByAdamState nodes; "
                          "expected exactly one")
     return new_state
+
+
+def _fill(old, new, name: str):
+    """``old``'s tree with each unmasked leaf replaced by ``new``'s leaf at the same path."""
+    values = dict(jax.tree_util.tree_flatten_with_path(new)[0])
+
+    def take(path, leaf):
+        if isinstance(leaf, optax.MaskedNode):
+            return leaf
+        if path not in values:
+            raise ValueError(f"insert_adam_moments: {name} has no {jax.tree_util.keystr(path)} "
+                             "(scanned vs unrolled layers?)")
+        return _like(values[path], leaf)
+
+    return jax.tree_util.tree_map_with_path(take, old, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
 
 def _like(new, old):
@@ -106,5 +168,7 @@ def _like(new, old):
     if tuple(new.shape) != tuple(old.shape):
         raise ValueError(f"insert_adam_moments: shape {tuple(new.shape)} does not match the state's {tuple(old.shape)}")
     new = jnp.asarray(new, dtype=old.dtype)
-    # An uncommitted leaf (e.g. optax's count from a plain init) may go wherever jit puts it.
-    return jax.device_put(new, old.sharding) if isinstance(old, jax.Array) and old.committed else new
+    # An uncommitted array (e.g. optax's count from a plain init) may go wherever jit puts it.
+    placed = isinstance(old, jax.ShapeDtypeStruct) or (isinstance(old, jax.Array) and old.committed)
+    sharding = getattr(old, "sharding", None)
+    return jax.device_put(new, sharding) if placed and sharding is not None else new
