@@ -97,7 +97,13 @@ def test_pytorch_bin_and_half_precision_sources(tmp_path):
     hf = hf_model(cfg, seed=11)
     (tmp_path / "bin").mkdir()
     hf.config.save_pretrained(tmp_path / "bin")
-    torch.save({k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}, tmp_path / "bin" / "pytorch_model.bin")
+    state = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}
+    halves = {"pytorch_model-00001-of-00002.bin": dict(list(state.items())[:10]),
+              "pytorch_model-00002-of-00002.bin": dict(list(state.items())[10:])}
+    for name, part in halves.items():
+        torch.save(part, tmp_path / "bin" / name)
+    weight_map = {k: name for name, part in halves.items() for k in part}
+    (tmp_path / "bin" / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
     from_hf(tmp_path / "bin", tmp_path / "ours")
     _, params, _ = checkpoint.load_params(tmp_path / "ours", partitioning.make_mesh((1, 1, 1)))
     expected = params_matching(hf.to(torch.bfloat16).float(), cfg)["params"]
