@@ -2,7 +2,7 @@
 
     python scripts/convert.py from-hf HF_DIR OUT
     python scripts/convert.py to-hf CKPT OUT [--dtype fp32|fp16|bf16] [--max-shard-size 5GB]
-    python scripts/convert.py from-legacy STEP_DIR OUT --config legacy.json
+    python scripts/convert.py from-legacy STEP_DIR OUT --config legacy.json [--with-opt-state]
     python scripts/convert.py slim CKPT OUT [--dtype bf16|fp16]
 
 Every conversion streams tensor by tensor (memory: about the largest tensor, never the model) and
@@ -38,6 +38,8 @@ def main() -> None:
     p.add_argument("step_dir", help="the step_N directory holding shard_0 … shard_{S-1}")
     p.add_argument("out", help="new Orbax checkpoint directory")
     p.add_argument("--config", required=True, help="the JSON config the checkpoint was trained with (legacy or modern)")
+    p.add_argument("--with-opt-state", action="store_true",
+                   help="carry Adam's count and moments (full checkpoints) into the training optimiser's state")
 
     p = commands.add_parser("slim", help="drop the optimiser state and store params in half precision")
     p.add_argument("ckpt", help="Orbax run directory (latest step) or step directory")
@@ -52,7 +54,7 @@ def main() -> None:
             out = convert.to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
         elif args.command == "from-legacy":
             config, shards = convert.config_for_legacy(args.config)
-            out = convert.from_legacy(args.step_dir, args.out, config, shards)
+            out = convert.from_legacy(args.step_dir, args.out, config, shards, with_opt_state=args.with_opt_state)
         else:
             out = convert.slim(args.ckpt, args.out, dtype=args.dtype)
     except (convert.ConversionError, ValueError) as e:

@@ -249,3 +249,33 @@ def test_init_opt_state_from_orbax_and_from_sources_without_one(tmp_path):
     unrolled = Config(model=dataclasses.replace(CFG, scan_layers=False))
     with pytest.raises(ValueError, match="saved with scan_layers=True"):
         load_init_opt_state(str(tmp_path / "run"), unrolled, mesh, _optimizer_target(unrolled, mesh)[1])
+
+
+def test_from_legacy_with_opt_state_resumes_and_fine_tunes(tmp_path):
+    model = dense_model(CFG, seed=8)
+    write_legacy_checkpoint(tmp_path / "step_12", model, CFG, shards=4, step=12,
+                            moments=(dense_moments(model, 5), dense_moments(model, 6)), adam_count=12, schedule_count=12)
+    config_path = _config_file(tmp_path, 4)
+    config, shards = config_for_legacy(config_path)
+    from_legacy(tmp_path / "step_12", tmp_path / "ours", config, shards, with_opt_state=True)
+
+    mesh = partitioning.make_mesh((1, 2, 4))
+    _, target = _optimizer_target(config, mesh)
+    carried = load_init_opt_state(str(tmp_path / "ours"), config, mesh, target)
+    direct = load_init_opt_state(f"legacy:{tmp_path / 'step_12'}", config, mesh, target)
+    for got, want in zip(jax.tree.leaves(carried), jax.tree.leaves(direct)):
+        assert got.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int(_adam_nodes(carried)[0].count) == 12
+
+    # The training loop's resume path reads it too (OUT as a run directory).
+    params_target, _ = checkpoint.abstract_params(config, mesh)
+    ckpt = checkpoint.Checkpointer(tmp_path / "ours", read_only=True)
+    restored = ckpt.restore(params_target=params_target, opt_state_target=target)
+    ckpt.close()
+    assert restored.step == 12 and int(_adam_nodes(restored.opt_state)[0].count) == 12
+
+    write_legacy_checkpoint(tmp_path / "slim" / "step_1", model, CFG, shards=4, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="slim checkpoint has no optimiser state"):
+        from_legacy(tmp_path / "slim" / "step_1", tmp_path / "out", config, with_opt_state=True)
+    assert not (tmp_path / "out").exists()

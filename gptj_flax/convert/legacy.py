@@ -31,13 +31,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh
 
 from gptj_flax import checkpoint
 from gptj_flax.config import Config, ModelConfig, from_dict, is_legacy
 from gptj_flax.convert.common import ConversionError, atomic_directory
 from gptj_flax.convert.layout import Path as ParamPath
-from gptj_flax.convert.layout import place_on_mesh, streamed_params
+from gptj_flax.convert.layout import StreamedArray, place_on_mesh, streamed_params
 from gptj_flax.convert.orbax_io import write_checkpoint
 
 PIECES = 16  # the original's `pieces`: files per shard
@@ -348,12 +349,49 @@ def config_for_legacy(config_path: str | os.PathLike) -> tuple[Config, int | Non
 
 
 def from_legacy(step_dir: str | os.PathLike, out: str | os.PathLike, config: Config,
-                shards: int | None = None) -> Path:
-    """Legacy ``step_N`` directory → Orbax checkpoint ``out`` at the same step (params, float32)."""
+                shards: int | None = None, with_opt_state: bool = False) -> Path:
+    """Legacy ``step_N`` directory → Orbax checkpoint ``out`` at the same step (params, float32).
+
+    ``with_opt_state``: also write the optimiser state of ``config``'s training optimiser
+    (:func:`gptj_flax.training.make_optimizer`) holding the checkpoint's Adam count and moments,
+    so training continues with them (``--init-from OUT``, or resuming with OUT as the run directory).
+    """
     with LegacyCheckpoint(step_dir, config.model, shards) as legacy, atomic_directory(out) as tmp:
+        opt_state = _streamed_opt_state(legacy, config) if with_opt_state else None
         write_checkpoint(tmp, legacy.step, params=streamed_params(legacy.get, config.model), config=config,
-                         meta={"converted_from": f"legacy:{Path(step_dir).resolve()}"})
+                         opt_state=opt_state, meta={"converted_from": f"legacy:{Path(step_dir).resolve()}"})
     return Path(out)
+
+
+def _streamed_opt_state(legacy: LegacyCheckpoint, config: Config):
+    """The training optimiser's state with Adam's count and moments streamed from ``legacy``.
+
+    Every other leaf (the schedule's count) starts at zero, as in a fresh optax state: fine-tuning
+    restarts the schedule, as the original did.
+    """
+    from gptj_flax.training import make_optimizer
+
+    if not legacy.full:
+        raise ConversionError(f"{legacy.step_dir}: a slim checkpoint has no optimiser state to carry")
+    params = streamed_params(legacy.get, config.model)
+    abstract = jax.eval_shape(make_optimizer(config.train).init,
+                              jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), params))
+    count = legacy.adam_count()
+
+    def stream(node):
+        if isinstance(node, optax.ScaleByAdamState):
+            return optax.ScaleByAdamState(
+                count=StreamedArray(node.count.shape, node.count.dtype, lambda: np.asarray(count), name="adam/count"),
+                mu=streamed_params(lambda path: legacy.moment("mu", path), config.model, _dtype_of(node.mu)),
+                nu=streamed_params(lambda path: legacy.moment("nu", path), config.model, _dtype_of(node.nu)))
+        return StreamedArray(node.shape, node.dtype, lambda: np.zeros(node.shape, node.dtype))
+
+    return jax.tree.map(stream, abstract, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
+
+
+def _dtype_of(moments) -> np.dtype:
+    """The dtype the optimiser keeps a moment tree in (e.g. bf16 ``mu`` to save memory)."""
+    return np.dtype(jax.tree.leaves(moments)[0].dtype)
 
 
 @dataclasses.dataclass
