@@ -198,6 +198,7 @@ class TrainConfig:
     lr: float = 1e-4
     end_lr: float = 1e-5
     weight_decay: float = 0.1
+    adam_mu_dtype: str = "float32"  # "bfloat16" halves Adam's first moment (saves 2 bytes/param)
     z_loss: float = 0.0
     seed: int = 0
     run_dir: str = "runs/default"
@@ -235,6 +236,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"train.{name} must be a non-negative number, got {value!r}")
+        if self.adam_mu_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"train.adam_mu_dtype={self.adam_mu_dtype!r} is not 'float32' or 'bfloat16'")
         if not isinstance(self.val_set, Mapping):
             raise ConfigError(f"train.val_set must be a mapping name -> source, got {type(self.val_set).__name__}")
         object.__setattr__(self, "eval_harness_tasks", tuple(self.eval_harness_tasks))

@@ -10,6 +10,7 @@ checkpoint in train.run_dir; SIGTERM saves and exits 0.
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -40,8 +41,15 @@ def main() -> int:
     try:
         config = load_config(args.config, args.set)
         mesh = partitioning.make_mesh(args.mesh or config.mesh)
+        harness = None
+        if config.train.eval_harness_tasks:
+            from gptj_flax.evaluation.during_training import HarnessDuringTraining
+
+            harness = HarnessDuringTraining(config.train.eval_harness_tasks,
+                                            results_dir=os.path.join(config.train.run_dir, "harness"))
         result = train(config, mesh=mesh, init_from=args.init_from, fresh_opt=args.fresh_opt,
-                       peak_flops=args.peak_flops, stop_after=args.stop_after, progress=not args.no_progress)
+                       peak_flops=args.peak_flops, stop_after=args.stop_after, progress=not args.no_progress,
+                       harness=harness)
     except (ConfigError, TrainingDiverged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -39,6 +39,7 @@ class TrainResult:
     step: int  # optimiser steps completed
     losses: dict[int, float]  # step → training loss
     val: dict[int, dict[str, float]]  # step → {"loss_NAME": …, "ppl_NAME": …}
+    harness: dict[int, dict[str, float]]  # step → {"harness/TASK/METRIC": …} (with a harness hook)
     preempted: bool
     run_dir: str
 
@@ -112,7 +113,7 @@ def evaluate(eval_step: Callable, params: Any, val_sets: dict[str, list[data.Bat
 
 def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = None, fresh_opt: bool = False,
           peak_flops: float | None = None, stop_after: int | None = None, progress: bool = True,
-          tokenizer=None) -> TrainResult:
+          tokenizer=None, harness: Callable[..., dict[str, float]] | None = None) -> TrainResult:
     """Train ``config`` in ``config.train.run_dir``, resuming there if a checkpoint exists.
 
     Args:
@@ -123,6 +124,10 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
       peak_flops: the device's peak FLOP/s for MFU (default: known per device kind).
       stop_after: stop (with a checkpoint) after this many steps in this invocation.
       tokenizer: a tokenizer object; default ``config.train.tokenizer`` or the run's saved one.
+      harness: runs ``train.eval_harness_tasks`` at validation steps, called as
+        ``harness(step, params, model_config=…, mesh=…, tokenizer=…)`` and returning metrics to log
+        (``gptj_flax.evaluation.during_training.HarnessDuringTraining``, which the caller builds:
+        training never imports evaluation).
     """
     tc, mc = config.train, config.model
     mesh = mesh or partitioning.make_mesh(config.mesh)
@@ -136,8 +141,8 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
     seq_len = tc.seq_len or mc.max_len
     if tc.train_set is None:
         raise ValueError("train.train_set is not set: give an .index file, a text/jsonl path or tfds:NAME")
-    if tc.eval_harness_tasks:
-        log.warning("train.eval_harness_tasks=%s: harness tasks are run by scripts/eval.py, not during training",
+    if tc.eval_harness_tasks and harness is None:
+        log.warning("train.eval_harness_tasks=%s but no harness hook was passed to train(); the tasks do not run",
                     list(tc.eval_harness_tasks))
 
     model = GPTJ(mc)
@@ -178,11 +183,16 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
     end = tc.total_steps if stop_after is None else min(tc.total_steps, start + stop_after)
     losses: dict[int, float] = {}
     val: dict[int, dict[str, float]] = {}
+    harness_scores: dict[int, dict[str, float]] = {}
     preempted = False
 
     def save(step: int) -> None:
         ckpt.save(step, params=state.params, opt_state=state.opt_state, config=config,
                   meta={"data": train_batches.state(), "seed": tc.seed}, force=True)
+
+    def run_harness(step: int) -> None:
+        harness_scores[step] = harness(step, state.params, model_config=mc, mesh=mesh, tokenizer=tokenizer)
+        writer.write(step, harness_scores[step])
 
     def record(step: int, metrics, seconds: float) -> None:
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -209,6 +219,8 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
             if start == 0 and val_sets:  # the baseline the run improves on
                 val[0] = evaluate(eval_step, state.params, val_sets, eval_sharding)
                 writer.write(0, {f"val/{k}": v for k, v in val[0].items()})
+            if start == 0 and harness is not None:
+                run_harness(0)
             while step < end:
                 batch = data.to_global_batch(next(train_batches), train_sharding)
                 t0 = time.perf_counter()
@@ -218,9 +230,11 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
                 step += 1
                 pending = (step, metrics, t0)
                 bar.update(1)
-                at_val = bool(val_sets) and (step % tc.val_every == 0 or step == end)
+                at_val_step = step % tc.val_every == 0 or step == end
+                at_val = bool(val_sets) and at_val_step
+                at_harness = harness is not None and at_val_step
                 at_ckpt = step % tc.ckpt_every == 0 or step == end or preemption.requested
-                if at_val or at_ckpt:
+                if at_val or at_harness or at_ckpt:
                     jax.block_until_ready(metrics)
                     record(pending[0], pending[1], time.perf_counter() - pending[2])
                     pending = None
@@ -228,6 +242,8 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
                     val[step] = evaluate(eval_step, state.params, val_sets, eval_sharding)
                     writer.write(step, {f"val/{k}": v for k, v in val[step].items()})
                     log.info("step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in val[step].items()))
+                if at_harness:
+                    run_harness(step)
                 if at_ckpt:
                     save(step)
                 if preemption.requested:
@@ -242,4 +258,5 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
         writer.flush()
     writer.plot()
     writer.close()
-    return TrainResult(step=step, losses=losses, val=val, preempted=preempted, run_dir=tc.run_dir)
+    return TrainResult(step=step, losses=losses, val=val, harness=harness_scores, preempted=preempted,
+                       run_dir=tc.run_dir)

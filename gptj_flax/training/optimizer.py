@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gptj_flax.config import TrainConfig
+from gptj_flax.config import DTYPES, TrainConfig
 
 
 def schedule(train: TrainConfig) -> optax.Schedule:
@@ -44,7 +44,7 @@ def make_optimizer(train: TrainConfig, params=None, freeze: Sequence[str] = ()) 
     """
     adamw = optax.chain(
         optax.clip_by_global_norm(1.0),
-        optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
+        optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, mu_dtype=DTYPES[train.adam_mu_dtype]),
         optax.add_decayed_weights(train.weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
         optax.scale_by_learning_rate(schedule(train)),
     )

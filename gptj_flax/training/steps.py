@@ -78,31 +78,31 @@ def _loss_sums(model: GPTJ, params, micro: Batch, z_loss: float = 0.0):
 def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callable, z_loss: float = 0.0):
     """``train_step(state, batch) -> (state, metrics)``, to be jitted by :func:`compile_train_step`.
 
-    Micro-batches run under ``lax.scan``; per-token losses are summed and gradients accumulated in
-    float32, then divided by the total token count — so k micro-batches give exactly the gradient
-    of one k-times larger batch.
+    Micro-batches run under ``lax.scan`` with gradients accumulated in float32. Each micro-batch's
+    summed loss is divided by the token count of the *whole* batch (known before any forward pass),
+    so the accumulated gradient is already the mean over every token — k micro-batches give exactly
+    the gradient of one k-times larger batch — and no extra pass over the gradients is needed.
     """
-    def micro_grads(params, micro):
+    def micro_grads(params, micro, denom):
         def loss_fn(p):
             objective, loss, tokens = _loss_sums(model, p, micro, z_loss)
-            return objective, (loss, tokens)
+            return objective / denom, (loss, tokens)
 
         return jax.grad(loss_fn, has_aux=True)(params)
 
     def train_step(state: TrainState, batch: Batch):
         batch = _as_accumulated(batch)
+        denom = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
         if batch.tokens.shape[0] == 1:  # no accumulation: spare the float32 accumulator's memory
-            grads, (loss_sum, tokens) = micro_grads(state.params, jax.tree.map(lambda x: x[0], batch))
+            grads, (loss_sum, tokens) = micro_grads(state.params, jax.tree.map(lambda x: x[0], batch), denom)
         else:
             def body(carry, micro):
                 grads, loss_sum, tokens = carry
-                g, (l, n) = micro_grads(state.params, micro)
+                g, (l, n) = micro_grads(state.params, micro, denom)
                 return (jax.tree.map(jnp.add, grads, g), loss_sum + l, tokens + n), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
             (grads, loss_sum, tokens), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), batch)
-        denom = jnp.maximum(tokens, 1.0)
-        grads = jax.tree.map(lambda g: g / denom, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
