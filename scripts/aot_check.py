@@ -26,7 +26,7 @@ def main() -> int:
     for topology in args.topology:
         report = compile_for_topology(config, topology, args.mesh)
         print(report.format(), "\n")
-        fits = fits and report.fits is not False
+        fits = fits and report.fits
     return 0 if fits else 1
 
 

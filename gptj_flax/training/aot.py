@@ -21,7 +21,9 @@ from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
 
 GiB = 2**30
-# HBM per JAX device (a v2/v3 device is one core with its own HBM).
+# Nominal HBM per JAX device (a v2/v3 device is one core with its own HBM). XLA keeps a little for
+# itself (e.g. 15.48 GiB usable of a v3 core's 16) and is the judge: it refuses to compile a step
+# that would not fit.
 HBM_BYTES = {"TPU v2": 8 * GiB, "TPU v3": 16 * GiB, "TPU v4": 32 * GiB, "TPU v5 lite": 16 * GiB,
              "TPU v5e": 16 * GiB, "TPU v5p": 95 * GiB, "TPU v6 lite": 32 * GiB, "TPU v6e": 32 * GiB}
 
@@ -39,22 +41,23 @@ class AotReport:
     temp_bytes: int
     hbm_bytes: int | None
     compile_error: str | None  # XLA refused: e.g. "temporaries (16.22G) exceed available HBM (15.48G)"
-    compiled_flops: float  # per device, one step
+    compiled_flops: float  # per device, one step (XLA's cost analysis)
+    scanned: bool  # nn.scan over layers: the cost analysis sees one layer
     model_flops: float  # 6·N·tokens + attention, per device, one step
 
     @property
     def peak_bytes(self) -> int:
+        """Arguments + outputs − donated + temporaries: an upper bound (XLA may reuse donated buffers)."""
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     @property
-    def fits(self) -> bool | None:
-        if self.compile_error:
-            return False
-        return None if self.hbm_bytes is None else self.peak_bytes <= self.hbm_bytes
+    def fits(self) -> bool:
+        """XLA's verdict: the TPU compiler refuses (RESOURCE_EXHAUSTED) a program that cannot fit."""
+        return not self.compile_error
 
     def format(self) -> str:
         hbm = f"{self.hbm_bytes / GiB:.1f} GiB" if self.hbm_bytes else "unknown"
-        verdict = {True: "FITS", False: "DOES NOT FIT", None: "?"}[self.fits]
+        verdict = "FITS (XLA compiled it for this chip)" if self.fits else "DOES NOT FIT"
         head = [f"topology {self.topology}: {self.n_devices} x {self.device_kind}, mesh {self.mesh}",
                 f"global batch {self.global_batch_tokens:,} tokens per optimiser step"]
         if self.compile_error:
@@ -63,9 +66,10 @@ class AotReport:
             *head,
             f"per device: arguments {self.argument_bytes / GiB:.2f} GiB + outputs {self.output_bytes / GiB:.2f} GiB"
             f" - aliased {self.alias_bytes / GiB:.2f} GiB + temporaries {self.temp_bytes / GiB:.2f} GiB"
-            f" = {self.peak_bytes / GiB:.2f} GiB of {hbm} HBM -> {verdict}",
+            f" = {self.peak_bytes / GiB:.2f} GiB (at most) of {hbm} HBM -> {verdict}",
             f"FLOPs per device per step: compiled {self.compiled_flops:.3e}, model (6N + attention) "
-            f"{self.model_flops:.3e} (ratio {self.compiled_flops / self.model_flops:.2f})",
+            f"{self.model_flops:.3e} (ratio {self.compiled_flops / self.model_flops:.2f}"
+            + ("; XLA counts a scanned layer's body once" if self.scanned else "") + ")",
         ])
 
 
@@ -107,7 +111,7 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
         topology=topology, device_kind=kind, n_devices=len(devices), mesh=shape, global_batch_tokens=n_tokens,
         argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
         hbm_bytes=next((v for k, v in HBM_BYTES.items() if kind.startswith(k)), None), compile_error=None,
-        compiled_flops=0.0, model_flops=config.model.flops_per_token(seq_len) * n_tokens / len(devices),
+        compiled_flops=0.0, scanned=config.model.scan_layers, model_flops=config.model.flops_per_token(seq_len) * n_tokens / len(devices),
     )
     try:
         with partitioning.activate(mesh):
