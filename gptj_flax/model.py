@@ -451,7 +451,7 @@ def cross_entropy(
 
 
 def chunked_loss_sums(hidden: Array, head: dict, targets: Array, weights: Array, z_loss: float = 0.0,
-                      chunk: int = 512) -> tuple[Array, Array, Array]:
+                      chunk: int = 256) -> tuple[Array, Array, Array]:
     """:func:`loss_sums` of ``LMHead(hidden)``, computed ``chunk`` positions at a time.
 
     The full float32 logits of a training batch (batch × length × vocab: 0.8 GiB for two 2048-token
