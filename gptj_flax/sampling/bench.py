@@ -2,7 +2,7 @@
 
 Both sides run the same float32 GPT-J with the same random weights (HuggingFace's initialisation,
 copied into ours), greedy decoding with the KV cache, no EOS, on the CPU. Measured, warm (after
-compilation), best of ``--repeats`` runs taken in turns:
+compilation), best of ``--repeats`` runs, PyTorch in a process of its own:
 
 * prefill latency: prompt in → first new token out (HF: ``generate(max_new_tokens=1)``);
 * decode tokens/s: the remaining ``new_tokens - 1`` tokens of every row, per second;
@@ -14,6 +14,7 @@ generated token (cold: restore, compile, prefill).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import tempfile
 import time
@@ -34,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _hf_model(config):
+    """A random HuggingFace GPT-J of ``config``'s shape (HF's own initialisation), greedy without EOS."""
     import torch
     from transformers import GPTJConfig, GPTJForCausalLM
 
@@ -44,7 +46,10 @@ def _hf_model(config):
         layer_norm_epsilon=config.layer_norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=0,
     )
-    model = GPTJForCausalLM(hf_config).float().eval()
+    return _without_eos(GPTJForCausalLM(hf_config).float().eval())
+
+
+def _without_eos(model):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -88,9 +93,8 @@ def _huggingface(model, prompts: np.ndarray, new_tokens: int):
 def _best_times(functions, repeats: int) -> list[float]:
     """Best of ``repeats`` wall times of each function, run in turns after one warm-up call each.
 
-    Taking turns spreads any load from other processes over both sides, and the best time is the
-    least disturbed by it (PyTorch's thread pool in particular slows down many-fold whenever the
-    cores are shared).
+    The best time is the one least disturbed by other processes on the machine (PyTorch's thread
+    pool in particular slows down many-fold whenever the cores are shared).
     """
     for fn in functions:
         fn()
@@ -101,6 +105,21 @@ def _best_times(functions, repeats: int) -> list[float]:
             fn()
             best[i] = min(best[i], time.perf_counter() - start)
     return best
+
+
+def _huggingface_times(model_dir: str, prompt_ids: np.ndarray, batch_sizes: list[int], new_tokens: int,
+                       repeats: int, threads: int) -> list[list[float]]:
+    """(prefill, full generation) best times per batch size, in a process of its own.
+
+    A fresh process keeps the two runtimes' thread pools apart: threads of one still spinning
+    after its last operation would otherwise take cores from the other.
+    """
+    import torch
+    from transformers import GPTJForCausalLM
+
+    torch.set_num_threads(threads)
+    model = _without_eos(GPTJForCausalLM.from_pretrained(model_dir).float().eval())
+    return [_best_times(list(_huggingface(model, prompt_ids[:batch], new_tokens)), repeats) for batch in batch_sizes]
 
 
 def _load_to_first_token(config, params, prompt: list[int]) -> float:
@@ -148,11 +167,14 @@ def run(args: argparse.Namespace) -> None:
     load_before = os.getloadavg()[0]
     cold = _load_to_first_token(config, params, list(prompt_ids[0]))
     lm = LanguageModel(config, params)
+    ours = [_best_times(list(_ours(lm, prompt_ids[:batch], args.new_tokens)), args.repeats) for batch in batch_sizes]
+    with tempfile.TemporaryDirectory() as model_dir:
+        hf.save_pretrained(model_dir)
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            theirs = pool.apply(_huggingface_times, (model_dir, prompt_ids, batch_sizes, args.new_tokens,
+                                                     args.repeats, args.torch_threads))
     rows = []
-    for batch in batch_sizes:
-        prompts = prompt_ids[:batch]
-        ours_prefill, ours_full, hf_prefill, hf_full = _best_times(
-            [*_ours(lm, prompts, args.new_tokens), *_huggingface(hf, prompts, args.new_tokens)], args.repeats)
+    for batch, (ours_prefill, ours_full), (hf_prefill, hf_full) in zip(batch_sizes, ours, theirs):
         decoded = batch * (args.new_tokens - 1)
         ours_tps, hf_tps = decoded / (ours_full - ours_prefill), decoded / (hf_full - hf_prefill)
         rows.append((batch, ours_tps, hf_tps, ours_prefill, hf_prefill))
