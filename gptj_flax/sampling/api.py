@@ -243,7 +243,8 @@ class LanguageModel:
           temperature: 0 is greedy; otherwise logits are divided by it before sampling.
           top_k, top_p, typical_p, min_p, repetition_penalty: the usual filters; the defaults
             (0, 1, 1, 0, 1) switch them off. Applied in HuggingFace's order (temperature first), or
-            with ``original_order`` temperature last as mesh-transformer-jax did.
+            with ``original_order`` temperature last as mesh-transformer-jax did (a separately
+            compiled program: the order is fixed at compile time).
           stop: a string or a list of strings ending the output (which is cut before them), or one
             such entry per prompt.
           seed: an int (prompt i draws with seed + i) or one per prompt. The same prompt, settings
