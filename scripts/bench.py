@@ -20,6 +20,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 BENCHMARKS = {
     "train": ("gptj_flax.training.bench", "one AdamW train step vs HuggingFace PyTorch, tokens/s and FLOP/s"),
     "data": ("gptj_flax.training.bench_data", "input pipeline tokens/s vs the demo train step's"),
+    "serve": ("gptj_flax.serving.bench", "requests/s, tokens/s and latency of a running server at 1, 8, 32 clients"),
     "sample": ("gptj_flax.sampling.bench", "KV-cache generation vs HuggingFace PyTorch generate"),
 }
 

@@ -1,0 +1,204 @@
+"""``bench.py serve``: requests/s, generated tokens/s and latency of a running server, by concurrency.
+
+Each of N concurrent clients sends ``/v1/completions`` requests one after another for ``--seconds``
+(sampling at temperature 0.8, its own seed each time); generated tokens are counted from the
+responses' ``usage``, the mean batch size from the server's ``/metrics``. At each concurrency an
+unmeasured round of one request per client comes first.
+
+With ``--url`` it measures that server. Without it, it builds a ~25M-parameter random GPT-J and a
+byte-level BPE trained on the standard library's sources in a temporary directory, starts
+``serve()`` on it in a child process (batches of up to ``--max-batch``), measures, and stops it
+with SIGTERM. With a model this size one decode step costs far more than the HTTP around it, and
+a batch of 32 costs far less than 32 single steps: the batching worker is what the table shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+# Prompts stay under 16 tokens: the server's warm-up compiles that prompt bucket for every batch size.
+PROMPT_WORDS = ("def", "return", "import", "class", "self", "for", "while", "print", "yield", "lambda")
+TOKENIZER_VOCAB = 4096
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", help="a running server (default: start one on a random ~25M-parameter model)")
+    parser.add_argument("--api-key", help="sent as Authorization: Bearer, for a server with keys")
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts (default 1,8,32)")
+    parser.add_argument("--seconds", type=float, default=20, help="measured time per concurrency (default 20)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="max_tokens of each request (default 64)")
+    parser.add_argument("--max-batch", type=int, help="--max-batch of the server it starts (not with --url; "
+                                                         "default 32)")
+
+
+@dataclasses.dataclass
+class Round:
+    clients: int
+    requests: int
+    seconds: float
+    tokens: int
+    latencies: list[float]
+    mean_batch: float
+
+    def percentile(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _prompt(i: int) -> str:
+    return " ".join(PROMPT_WORDS[(i + k) % len(PROMPT_WORDS)] for k in range(6))
+
+
+def _batch_totals(metrics: str) -> tuple[float, float]:
+    """(sum, count) of the server's gptj_batch_size histogram."""
+    values = {}
+    for name in ("gptj_batch_size_sum", "gptj_batch_size_count"):
+        match = re.search(rf"^{name} (\S+)$", metrics, re.MULTILINE)
+        values[name] = float(match.group(1)) if match else 0.0
+    return values["gptj_batch_size_sum"], values["gptj_batch_size_count"]
+
+
+async def _round(http: httpx.AsyncClient, clients: int, seconds: float, new_tokens: int, seed: int) -> Round:
+    """Each client sends requests one after another until ``seconds`` have passed (at least one)."""
+    latencies: list[float] = []
+    tokens = 0
+    deadline = time.perf_counter() + seconds
+
+    async def client(c: int) -> None:
+        nonlocal tokens
+        for r in itertools.count():
+            body = {"prompt": _prompt(c + r), "max_tokens": new_tokens, "temperature": 0.8,
+                    "seed": (seed + 1000 * c + r) % 2**31}
+            sent = time.perf_counter()
+            response = await http.post("/v1/completions", json=body)
+            latencies.append(time.perf_counter() - sent)
+            response.raise_for_status()
+            tokens += response.json()["usage"]["completion_tokens"]
+            if time.perf_counter() >= deadline:
+                return
+
+    before = _batch_totals((await http.get("/metrics")).text)
+    start = time.perf_counter()
+    await asyncio.gather(*(client(c) for c in range(clients)))
+    elapsed = time.perf_counter() - start
+    after = _batch_totals((await http.get("/metrics")).text)
+    batches = after[1] - before[1]
+    return Round(clients, len(latencies), elapsed, tokens, latencies,
+                 (after[0] - before[0]) / batches if batches else float("nan"))
+
+
+async def _measure(url: str, api_key: str | None, concurrency: list[int], seconds: float,
+                   new_tokens: int) -> list[Round]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max(concurrency))
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as http:
+        rounds = []
+        for i, clients in enumerate(concurrency):
+            await _round(http, clients, 0, new_tokens, seed=10**6 * (i + 1))  # unmeasured: one request each
+            rounds.append(await _round(http, clients, seconds, new_tokens, seed=i))
+        return rounds
+
+
+def _write_model(directory: str) -> str:
+    """A random ~25M-parameter GPT-J checkpoint and a BPE tokenizer; returns a description."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from gptj_flax.checkpoint import Checkpointer
+    from gptj_flax.config import Config, ModelConfig
+    from gptj_flax.data.corpus import stdlib_sources
+    from gptj_flax.data.tokenizer import train_bpe_tokenizer
+    from gptj_flax.model import GPTJ
+    from gptj_flax.sampling.bench import BENCH_MODEL
+
+    config = ModelConfig(**BENCH_MODEL)
+    params = nn.meta.unbox(GPTJ(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+    checkpointer = Checkpointer(directory)
+    checkpointer.save(0, params=params, config=Config(model=config))
+    checkpointer.close()
+    train_bpe_tokenizer(stdlib_sources()[:300], vocab_size=TOKENIZER_VOCAB).save_pretrained(
+        os.path.join(directory, "tokenizer"))
+    return (f"random GPT-J, {config.param_count() / 1e6:.1f}M parameters ({config.n_layers} layers, d_model "
+            f"{config.d_model}, vocab {config.vocab_size}, context {config.max_len}), {config.dtype}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_server(checkpoint: str, max_batch: int, new_tokens: int) -> tuple[subprocess.Popen, str]:
+    """``serve()`` in a child process (no GIL shared with the clients), configured by environment
+    variables as a deployment would be."""
+    port = _free_port()
+    env = {**os.environ, "CHECKPOINT": checkpoint, "PORT": str(port), "MAX_BATCH": str(max_batch),
+           "WARMUP_TOKENS": str(new_tokens), "LOG_LEVEL": "warning"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from gptj_flax.serving import serve, settings_from; "
+                               "sys.exit(serve(settings_from()))"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 1800
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=10).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("the benchmark server did not become ready")
+
+
+def run(args: argparse.Namespace) -> None:
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    if min(concurrency) < 1 or args.new_tokens < 1 or args.seconds < 0:
+        raise SystemExit("--concurrency and --new-tokens must be >= 1, --seconds >= 0")
+    if args.url and args.max_batch is not None:
+        raise SystemExit("--max-batch sets up the server the benchmark starts; with --url the server is yours")
+    max_batch = 32 if args.max_batch is None else args.max_batch
+
+    def measure(url: str, api_key: str | None) -> list[Round]:
+        return asyncio.run(_measure(url, api_key, concurrency, args.seconds, args.new_tokens))
+
+    if args.url:
+        target = f"server {args.url}"
+        rounds = measure(args.url.rstrip("/"), args.api_key)
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-serve-") as directory:
+            start = time.perf_counter()
+            target = _write_model(directory)
+            process, url = _start_server(directory, max_batch, args.new_tokens)
+            target += f"; server --max-batch {max_batch}, ready in {time.perf_counter() - start:.0f} s"
+            try:
+                rounds = measure(url, None)
+            finally:
+                process.terminate()  # SIGTERM: the server drains and exits
+                process.wait(120)
+    print(f"{target}\n/v1/completions: prompts of ~12 tokens, max_tokens {args.new_tokens}, temperature 0.8; each "
+          f"client sends its next request when answered, for {args.seconds:g} s per row\n")
+    header = ("clients", "requests", "requests/s", "gen tokens/s", "p50 latency s", "p99 latency s", "mean batch")
+    body = [(str(r.clients), str(r.requests), f"{r.requests / r.seconds:.2f}", f"{r.tokens / r.seconds:,.0f}",
+             f"{r.percentile(0.5):.2f}", f"{r.percentile(0.99):.2f}", f"{r.mean_batch:.1f}") for r in rounds]
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(header)]
+    for line in (header, ["-" * w for w in widths], *body):
+        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
+    single = next((r for r in rounds if r.clients == 1), None)
+    if single is not None:
+        for r in rounds:
+            if r.clients > 1:
+                print(f"{r.clients} clients: {(r.tokens / r.seconds) / (single.tokens / single.seconds):.1f}x the "
+                      f"generated tokens/s of 1 client")

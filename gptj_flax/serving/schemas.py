@@ -1,0 +1,122 @@
+"""Request and response bodies. Validation is strict: a wrong type or a value out of range is a 422
+naming the field, never a silent coercion (``"128"`` is not a length; ``true`` is not a number)."""
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TEXT_CHARS = 16384  # the GPT-4chan limit on prompt and pre_prompt
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 4, 256
+SEED_LIMIT = 2**31  # LanguageModel.generate holds per-prompt seeds as int32
+SEED = Field(None, ge=0, lt=SEED_LIMIT, description="random seed; the same seed, prompt and settings give the same "
+                                               "output (default: a fresh random seed)")
+API_KEY = Field(None, min_length=1, max_length=128,
+                description="API key (or send it as `Authorization: Bearer KEY`)")
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class CompleteRequest(StrictModel):
+    """The GPT-4chan `/complete` body: its fields, defaults and limits, plus an optional seed."""
+
+    prompt: str = Field(max_length=MAX_TEXT_CHARS, description="text to continue; its oldest tokens are dropped "
+                                                               "when it does not fit the context with `length`")
+    pre_prompt: str = Field("", max_length=MAX_TEXT_CHARS,
+                            description="text put before the prompt; its first `pre_prompt_length` tokens are kept")
+    api_key: str | None = API_KEY
+    length: int = Field(128, ge=1, le=1024, description="tokens to generate (fewer if the model ends the text)")
+    top_p: float = Field(1.0, ge=0, le=1, allow_inf_nan=False,
+                         description="nucleus sampling; 1 is off, 0 keeps only the most likely token")
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False, description="0 is greedy")
+    typical_p: float = Field(1.0, ge=0, le=1, allow_inf_nan=False,
+                             description="locally typical sampling; 1 is off, 0 keeps only the most typical token")
+    seed: int | None = SEED
+
+
+class CompleteResponse(BaseModel):
+    response: str = Field(description="the generated text only (not the prompt)")
+
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+PromptText = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+
+
+def completion_request_model(max_prompts: int) -> type[StrictModel]:
+    """The OpenAI-style `/v1/completions` body; a list prompt holds at most ``max_prompts`` (the batch size)."""
+
+    class CompletionRequest(StrictModel):
+        """OpenAI's legacy completions request (the fields this server implements)."""
+
+        model: str | None = Field(None, description="must be the served model's id, if given")
+        prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=max_prompts)] = Field(
+            description=f"a text, or a list of up to {max_prompts} texts completed together")
+        max_tokens: int = Field(16, ge=1, le=2**20, description="tokens to generate per prompt; prompt and "
+                                                                "max_tokens must fit the model's context")
+        temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0 is greedy")
+        top_p: float = Field(1.0, ge=0, le=1, allow_inf_nan=False,
+                             description="nucleus sampling; 1 is off, 0 keeps only the most likely token")
+        stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+            None, description="up to 4 strings that end the text (they are not part of it)")
+        seed: int | None = SEED
+        stream: bool = Field(False, description="send the text as server-sent events while it is generated")
+        logprobs: int | None = Field(None, ge=0, le=0, description="0: return each generated token's "
+                                                                   "log-probability (alternatives are not available; "
+                                                                   "not with `stream`)")
+        api_key: str | None = API_KEY
+
+    return CompletionRequest
+
+
+class Logprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: None = None
+    text_offset: list[int]
+
+
+class Choice(BaseModel):
+    text: str
+    index: int
+    logprobs: Logprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "gptj_flax"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["warming_up", "ready", "draining", "failed", "stopped"]
+    model: str
+    queued_prompts: int
+    error: str | None = None
+
+
+class ErrorBody(BaseModel):
+    detail: str

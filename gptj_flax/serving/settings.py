@@ -1,0 +1,114 @@
+"""Server settings: each is a command-line flag and also an environment variable.
+
+As in the GPT-4chan server (pydantic settings), a setting's environment variable is its own name
+in any case — ``QUEUE_SIZE=64``, ``api_keys_file=keys.txt`` — so deployments configured for the
+original keep working. A flag given on the command line wins over the environment, which wins
+over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gptj_flax.config import DTYPES
+
+LOG_FORMATS = ("jsonl", "transcript")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class SettingsError(ValueError):
+    """A setting is missing or out of range; the message names the flag and its variable."""
+
+
+def _setting(default: Any, parse: Callable[[str], Any], help: str, choices: tuple[str, ...] | None = None):
+    return dataclasses.field(default=default, metadata={"parse": parse, "help": help, "choices": choices})
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeSettings:
+    """What the server runs with; each field is a flag (``--queue-size``) and a variable (``QUEUE_SIZE``)."""
+
+    checkpoint: str | None = _setting(None, str, "Orbax run or step directory with its tokenizer (required)")
+    host: str = _setting("127.0.0.1", str, "address to listen on")
+    port: int = _setting(8080, int, "TCP port to listen on")
+    mesh: str | None = _setting(None, str, "data,fsdp,model sizes or a layout name (default: one device)")
+    dtype: str | None = _setting(None, str, "parameter and compute dtype (default: as stored)", tuple(DTYPES))
+    api_keys_file: str | None = _setting(
+        None, str, "file of valid API keys, the first whitespace-separated token of each line; re-read when "
+        "it changes (default: no authentication)")
+    queue_size: int = _setting(1024, int, "prompts that may wait for the model; beyond it requests get 429")
+    max_batch: int = _setting(16, int, "most prompts generated together in one batch (and per request)")
+    batch_window_ms: float = _setting(
+        50.0, float, "how long the worker may wait for more requests to join a batch (only while fewer "
+        "wait than it expects: those queued plus the clients of the batch it just answered)")
+    warmup_tokens: int = _setting(
+        128, int, "tokens generated per warm-up batch before /health reports ready (compiles that length's "
+        "programs for every batch size up to --max-batch)")
+    pre_prompt_length: int = _setting(512, int, "tokens of /complete's pre_prompt that are kept (its first ones)")
+    model_name: str | None = _setting(None, str, "model id in /v1/models and responses (default: the "
+                                      "checkpoint directory's name)")
+    log_file: str | None = _setting(None, str, "append every answered completion here (default: no request log)")
+    log_format: str = _setting("jsonl", str, "request log format: one JSON object per line, or the GPT-4chan "
+                               "transcript", LOG_FORMATS)
+    log_max_bytes: int = _setting(100 * 2**20, int, "rotate the request log at this size (0: never)")
+    log_backups: int = _setting(5, int, "rotated request logs kept")
+    log_level: str = _setting("info", str, "server log level (info includes uvicorn's access log)", LOG_LEVELS)
+
+    def __post_init__(self):
+        def check(ok: bool, name: str, accepted: str):
+            if not ok:
+                raise SettingsError(f"{flag(name)} (or {name.upper()}) must be {accepted}, got {getattr(self, name)!r}")
+
+        check(bool(self.checkpoint), "checkpoint", "the checkpoint directory to serve")
+        check(0 <= self.port <= 65535, "port", "in 0..65535")
+        check(self.queue_size >= 1, "queue_size", ">= 1")
+        check(self.max_batch >= 1, "max_batch", ">= 1")
+        check(self.queue_size >= self.max_batch, "queue_size", f">= --max-batch ({self.max_batch}), or a request "
+              "with that many prompts could never be queued")
+        check(self.batch_window_ms >= 0, "batch_window_ms", ">= 0")
+        check(self.warmup_tokens >= 1, "warmup_tokens", ">= 1")
+        check(self.pre_prompt_length >= 0, "pre_prompt_length", ">= 0")
+        check(self.dtype is None or self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}")
+        check(self.log_format in LOG_FORMATS, "log_format", f"one of {list(LOG_FORMATS)}")
+        check(self.log_max_bytes >= 0, "log_max_bytes", ">= 0")
+        check(self.log_backups >= 0, "log_backups", ">= 0")
+        check(self.log_level in LOG_LEVELS, "log_level", f"one of {list(LOG_LEVELS)}")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or os.path.basename(os.path.normpath(self.checkpoint))
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; each help text names its environment variable and default."""
+    for field in dataclasses.fields(ServeSettings):
+        meta = field.metadata
+        default = "" if field.default is None else f"; default {field.default}"
+        parser.add_argument(flag(field.name), dest=field.name, type=meta["parse"], choices=meta["choices"],
+                            default=None, help=f"{meta['help']} [env {field.name.upper()}{default}]")
+
+
+def settings_from(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None) -> ServeSettings:
+    """Settings from parsed flags (``add_arguments``), then the environment, then the defaults."""
+    environ = os.environ if environ is None else environ
+    env = {k.lower(): v for k, v in environ.items()}
+    values = {}
+    for field in dataclasses.fields(ServeSettings):
+        given = None if args is None else getattr(args, field.name, None)
+        if given is not None:
+            values[field.name] = given
+        elif env.get(field.name):  # an empty variable leaves the default (e.g. LOG_FILE= keeps logging off)
+            try:
+                values[field.name] = field.metadata["parse"](env[field.name])
+            except ValueError:
+                raise SettingsError(f"environment variable {field.name.upper()}={env[field.name]!r} is not a valid "
+                                    f"{field.metadata['parse'].__name__}") from None
+    return ServeSettings(**values)

@@ -1,0 +1,178 @@
+"""Shared by the test_serving* modules (it holds no tests): a tiny checkpoint with its tokenizer, a
+real uvicorn server on a free loopback port in a thread, and a model wrapper that can hold generation."""
+
+import functools
+import os
+import socket
+import tempfile
+import threading
+import time
+
+import flax.linen as nn
+import httpx
+import jax
+import jax.numpy as jnp
+import uvicorn
+
+import gptj_flax
+from gptj_flax.checkpoint import Checkpointer
+from gptj_flax.config import Config, TrainConfig
+from gptj_flax.data.tokenizer import train_bpe_tokenizer
+from gptj_flax.model import GPTJ
+from gptj_flax.serving import DrainingServer, ServeSettings, create_app
+from tests.helpers import tiny_config
+
+# A 64-token context keeps every compiled shape small; the vocabulary is padded past the tokenizer's.
+CONFIG = tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=320, max_len=64)
+CORPUS = [
+    "def add(a, b):\n    return a + b\n\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n",
+    "for i in range(10):\n    print(i, i * i)\n",
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. ",
+    "import os\nimport sys\n\nif __name__ == '__main__':\n    sys.exit(main())\n",
+] * 20
+KEYS = ("sk-alpha-0123456789", "sk-bravo-9876543210")
+STARTUP_TIMEOUT_S = 300
+
+
+def write_checkpoint(directory: str) -> None:
+    """A tiny random GPT-J and a locally trained byte-level BPE tokenizer, as a training run leaves them."""
+    params = nn.meta.unbox(GPTJ(CONFIG).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+    checkpointer = Checkpointer(directory)
+    checkpointer.save(1, params=params, config=Config(model=CONFIG, train=TrainConfig(batch_size=2)))
+    checkpointer.close()
+    tokenizer = train_bpe_tokenizer(CORPUS, vocab_size=300, from_files=False, min_frequency=1)
+    tokenizer.save_pretrained(os.path.join(directory, "tokenizer"))
+
+
+_checkpoint: tempfile.TemporaryDirectory | None = None
+
+
+def checkpoint_dir() -> str:
+    """One checkpoint per test process (removed at exit), shared by every serving test module."""
+    global _checkpoint
+    if _checkpoint is None:
+        _checkpoint = tempfile.TemporaryDirectory(prefix="serving-ckpt-")
+        write_checkpoint(_checkpoint.name)
+    return _checkpoint.name
+
+
+@functools.cache
+def tiny_model():
+    """The loaded model, shared so that its compiled programs are too."""
+    return gptj_flax.load(checkpoint_dir())
+
+
+def write_keys(path, keys=KEYS) -> None:
+    with open(path, "w") as f:
+        for i, key in enumerate(keys):
+            f.write(f"{key}   client-{i} added 2024-01-0{i + 1}\n\n")
+
+
+class HeldModel:
+    """A LanguageModel whose ``generate`` and ``stream`` wait while ``gate`` is closed, recording the
+    prompts of every batch they run; ``piece_delay_s`` slows streaming down, ``fail_next`` fails a batch."""
+
+    def __init__(self, model):
+        self._model = model
+        self.gate = threading.Event()
+        self.gate.set()
+        self.batches: list[list[list[int]]] = []  # every batch's prompts, warm-up included
+        self.streams_closed_early = 0
+        self.piece_delay_s = 0.0
+        self.waiting = False  # a batch has started and is held at the gate
+        self.fail_next = False  # the next batch raises, as a lost device would
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def _enter(self, prompts) -> None:
+        self.batches.append([list(p) for p in prompts])
+        self.waiting = True
+        self.gate.wait()
+        self.waiting = False
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("device lost")
+
+    def generate(self, prompts, *args, **kwargs):
+        self._enter(prompts)
+        return self._model.generate(prompts, *args, **kwargs)
+
+    def stream(self, prompts, *args, **kwargs):
+        self._enter(prompts)
+        pieces = self._model.stream(prompts, *args, **kwargs)
+
+        def slowed():
+            finished = False
+            try:
+                for piece in pieces:
+                    time.sleep(self.piece_delay_s)
+                    yield piece
+                finished = True
+            finally:
+                if not finished:
+                    self.streams_closed_early += 1
+
+        return slowed()
+
+
+def wait_until(condition, timeout_s: float = 30.0, what: str = "condition", interval_s: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class RunningServer:
+    """``create_app(model, settings)`` under a real uvicorn on 127.0.0.1 (a free port), in a thread.
+
+    As a context manager: started and warmed up on entry, stopped on exit. ``drain()`` does what
+    SIGTERM does to the CLI's server.
+    """
+
+    def __init__(self, model, **settings):
+        settings.setdefault("checkpoint", checkpoint_dir())
+        settings.setdefault("warmup_tokens", 16)
+        self.settings = ServeSettings(**settings)
+        self.app = create_app(model, self.settings)
+        self.service = self.app.state.service
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, timeout_graceful_shutdown=30)
+        self.server = DrainingServer(config, self.service)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def health(self) -> int | None:
+        """/health's status code, or None while nothing listens."""
+        try:
+            return httpx.get(self.url + "/health", timeout=10).status_code
+        except httpx.TransportError:
+            return None
+
+    def start(self, wait_ready: bool = True) -> "RunningServer":
+        """Start the thread; wait until /health says ready (or, without ``wait_ready``, until it answers)."""
+        self.thread.start()
+        expected = (200,) if wait_ready else (200, 503)
+        wait_until(lambda: self.health() in expected or not self.thread.is_alive(),
+                   STARTUP_TIMEOUT_S, "the server to start", interval_s=0.1)
+        assert self.thread.is_alive(), f"the server stopped: {self.service.worker.error}"
+        return self
+
+    def __enter__(self) -> "RunningServer":
+        return self.start()
+
+    def drain(self) -> None:
+        self.server.handle_exit(15, None)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        self.sock.close()
+        assert not self.thread.is_alive(), "the server did not stop"
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
