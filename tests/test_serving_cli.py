@@ -54,6 +54,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_until_healthy(process: subprocess.Popen, url: str) -> None:
+    def ready():
+        assert process.poll() is None, process.stdout.read()
+        try:
+            return httpx.get(url + "/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(ready, 300, "the server to warm up", interval_s=0.2)
+
+
 @pytest.mark.slow
 def test_serve_script_serves_then_drains_and_exits_on_sigterm(tmp_path, repo_root):
     write_keys(tmp_path / "keys.txt")
@@ -65,16 +76,8 @@ def test_serve_script_serves_then_drains_and_exits_on_sigterm(tmp_path, repo_roo
         [sys.executable, str(repo_root / "scripts" / "serve.py"), "--port", str(port), "--warmup-tokens", "8"],
         env=env, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-
-    def ready():
-        assert process.poll() is None, process.stdout.read()
-        try:
-            return httpx.get(url + "/health", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
     try:
-        wait_until(ready, 300, "the server to warm up", interval_s=0.2)
+        wait_until_healthy(process, url)
         answered = httpx.post(url + "/complete", json={"prompt": "def add(", "length": 4, "api_key": KEYS[0]})
         assert answered.status_code == 200 and isinstance(answered.json()["response"], str)
         refused = httpx.post(url + "/complete", json={"prompt": "x", "length": 4, "api_key": "sk-not-a-key"})
@@ -107,16 +110,8 @@ def test_serve_script_serves_a_huggingface_directory(tmp_path, repo_root):
         [sys.executable, str(repo_root / "scripts" / "serve.py"), "--checkpoint", f"hf:{hf_dir}", "--port", str(port),
          "--warmup-tokens", "8"], env=env, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-
-    def ready():
-        assert process.poll() is None, process.stdout.read()
-        try:
-            return httpx.get(url + "/health", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
     try:
-        wait_until(ready, 300, "the server to warm up", interval_s=0.2)
+        wait_until_healthy(process, url)
         answered = httpx.post(url + "/complete", json={"prompt": "def add(", "length": 4, "temperature": 0})
         assert answered.status_code == 200, answered.text
         assert answered.json() == {"response": expected}
