@@ -116,7 +116,9 @@ def _huggingface_times(model_dir: str, prompt_ids: np.ndarray, batch_sizes: list
     """
     import torch
     from transformers import GPTJForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     torch.set_num_threads(threads)
     model = _without_eos(GPTJForCausalLM.from_pretrained(model_dir).float().eval())
     return [_best_times(list(_huggingface(model, prompt_ids[:batch], new_tokens)), repeats) for batch in batch_sizes]
@@ -140,6 +142,7 @@ def _load_to_first_token(config, params, prompt: list[int]) -> float:
 def run(args: argparse.Namespace) -> None:
     import jax
     import torch
+    from transformers.utils import logging as hf_logging
 
     from gptj_flax.config import ModelConfig
     from gptj_flax.convert.hf_names import params_from_hf
@@ -151,6 +154,7 @@ def run(args: argparse.Namespace) -> None:
     if args.prompt_tokens < 1 or args.prompt_tokens + args.new_tokens > BENCH_MODEL["max_len"]:
         raise SystemExit(f"need 1 <= --prompt-tokens and prompt + new tokens <= {BENCH_MODEL['max_len']}")
     torch.set_num_threads(args.torch_threads)
+    hf_logging.disable_progress_bar()  # keep the report readable
     config = ModelConfig(**BENCH_MODEL)
     hf = _hf_model(config)
     state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
