@@ -109,10 +109,12 @@ def cache_attention_mask(query_segments: Array, key_segments: Array, index: Arra
 # --------------------------------------------------------------------------------------------
 # KV cache: explicit arrays passed in and returned, no hidden module state
 
-# Logical axes of the stacked keys/values: heads split over "model" like the attention weights,
-# batch over the data-parallel axes like the activations. Heads come before length so that a
-# layer's slice [batch, heads, length, head_dim] feeds the attention matmuls without a transpose.
-CACHE_AXES = ("layers", "batch", "heads", "length", "kv")
+# Logical axes of one layer's cached keys and values: heads split over "model" like the attention
+# weights, batch over the data-parallel axes like the activations. Each is laid out the way its
+# attention matmul reads it — keys [head_dim, length] (q·kᵀ contracts head_dim), values
+# [length, head_dim] — since any other layout makes XLA transpose the whole cache at every step.
+KEY_AXES = ("batch", "heads", "kv", "length")
+VALUE_AXES = ("batch", "heads", "length", "kv")
 
 
 @flax.struct.dataclass
@@ -120,11 +122,12 @@ class KVCache:
     """Keys and values of every layer for ``length`` slots, filled left to right.
 
     Fields:
-      k, v: keys (after rotary) and values in the compute dtype, laid out like the layers:
-        with ``scan_layers`` one stacked [layers, batch, heads, length, head_dim] array, which
-        ``nn.scan`` carries; unrolled, a tuple of one [batch, heads, length, head_dim] array per
-        layer, so each layer reads its keys in place (slicing one layer out of a stacked array
-        costs a copy of it per step on the CPU).
+      k: keys (after rotary) [batch, heads, head_dim, length] per layer, in the compute dtype.
+      v: values [batch, heads, length, head_dim] per layer.
+        Both laid out like the layers: with ``scan_layers`` one array stacked on a leading
+        [layers] axis, which ``nn.scan`` carries; unrolled, a tuple of one array per layer, so each
+        layer reads its cache in place (slicing one layer out of a stacked array costs a copy of
+        it per step on the CPU).
       segment_ids: int32 [batch, length]; 0 marks padding and slots not yet written.
       index: int32 scalar, the next slot to write (shared by the batch: prompts are left-padded
         so every row's newest token sits in the same slot).
@@ -139,22 +142,24 @@ class KVCache:
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, length: int) -> "KVCache":
-        layer = (batch, config.n_heads, length, config.head_dim)
-
-        def zeros():
+        def zeros(*layer_shape):
             if config.scan_layers:
-                return jnp.zeros((config.n_layers, *layer), config.compute_dtype)
-            return tuple(jnp.zeros(layer, config.compute_dtype) for _ in range(config.n_layers))
+                return jnp.zeros((config.n_layers, *layer_shape), config.compute_dtype)
+            return tuple(jnp.zeros(layer_shape, config.compute_dtype) for _ in range(config.n_layers))
 
-        return cls(k=zeros(), v=zeros(), segment_ids=jnp.zeros((batch, length), jnp.int32),
-                   index=jnp.zeros((), jnp.int32))
+        heads, head_dim = config.n_heads, config.head_dim
+        return cls(k=zeros(batch, heads, head_dim, length), v=zeros(batch, heads, length, head_dim),
+                   segment_ids=jnp.zeros((batch, length), jnp.int32), index=jnp.zeros((), jnp.int32))
 
     @classmethod
     def logical_axes(cls, config: ModelConfig) -> "KVCache":
         """The same tree with a logical PartitionSpec per leaf (for ``logical_to_sharding``)."""
         P = jax.sharding.PartitionSpec
-        kv = P(*CACHE_AXES) if config.scan_layers else (P(*CACHE_AXES[1:]),) * config.n_layers
-        return cls(k=kv, v=kv, segment_ids=P("batch", "length"), index=P())
+
+        def per_layer(axes):
+            return P("layers", *axes) if config.scan_layers else (P(*axes),) * config.n_layers
+
+        return cls(k=per_layer(KEY_AXES), v=per_layer(VALUE_AXES), segment_ids=P("batch", "length"), index=P())
 
 
 class LayerKV(NamedTuple):
@@ -168,18 +173,18 @@ class LayerKV(NamedTuple):
 
 
 def write_layer_kv(kv: LayerKV, k: Array, v: Array) -> tuple[LayerKV, Array, Array]:
-    """Store new keys/values [B, heads, T, head_dim] at slot ``kv.index``.
+    """Store new keys [B, heads, head_dim, T] and values [B, heads, T, head_dim] at slot ``kv.index``.
 
-    Returns the updated cache and this layer's keys and values for every slot [B, heads, S, head_dim].
+    Returns the updated cache and this layer's keys and values for every slot, in the same layouts.
     """
-    if kv.layer is None:
-        start, axes, new = (0, 0, kv.index, 0), CACHE_AXES[1:], (k, v)
-    else:
-        start, axes, new = (kv.layer, 0, 0, kv.index, 0), CACHE_AXES, (k[None], v[None])
-    cache_k, cache_v = (
-        nn.with_logical_constraint(lax.dynamic_update_slice(old, x.astype(old.dtype), start), axes)
-        for old, x in zip((kv.k, kv.v), new)
-    )
+    k_start, v_start = (0, 0, 0, kv.index), (0, 0, kv.index, 0)
+    k_axes, v_axes = KEY_AXES, VALUE_AXES
+    if kv.layer is not None:  # stacked: one more leading axis
+        k_start, v_start = (kv.layer, *k_start), (kv.layer, *v_start)
+        k_axes, v_axes = ("layers", *k_axes), ("layers", *v_axes)
+        k, v = k[None], v[None]
+    cache_k = nn.with_logical_constraint(lax.dynamic_update_slice(kv.k, k.astype(kv.k.dtype), k_start), k_axes)
+    cache_v = nn.with_logical_constraint(lax.dynamic_update_slice(kv.v, v.astype(kv.v.dtype), v_start), v_axes)
     kv = kv._replace(k=cache_k, v=cache_v)
     if kv.layer is None:
         return kv, cache_k, cache_v
@@ -210,14 +215,13 @@ class Attention(nn.Module):
             for name in ("q_proj", "k_proj", "v_proj")
         )
         q = nn.with_logical_constraint(apply_rotary(q, sin, cos), ("batch", "length", "heads", "kv"))
-        # keys and values head-major, the cache's layout
-        head_major = ("batch", "heads", "length", "kv")
-        k = nn.with_logical_constraint(apply_rotary(k, sin, cos).transpose(0, 2, 1, 3), head_major)
-        v = nn.with_logical_constraint(v.transpose(0, 2, 1, 3), head_major)
+        # keys and values in the cache's layouts
+        k = nn.with_logical_constraint(apply_rotary(k, sin, cos).transpose(0, 2, 3, 1), KEY_AXES)
+        v = nn.with_logical_constraint(v.transpose(0, 2, 1, 3), VALUE_AXES)
         if kv is not None:
             kv, k, v = write_layer_kv(kv, k, v)
 
-        scores = jnp.einsum("bqhd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("bqhd,bhdk->bhqk", q, k, preferred_element_type=jnp.float32)
         scores = scores / np.sqrt(cfg.head_dim).astype(np.float32)
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)

@@ -76,11 +76,11 @@ def test_cached_prefill_and_steps_give_the_full_forward_logits(params, scan):
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=0, atol=1e-5)
     assert int(cache.index) == 11
-    layer_shape = (2, 8, 16, 8)  # [batch, heads, slots, head_dim]
+    keys, values = (2, 8, 8, 16), (2, 8, 16, 8)  # [batch, heads, head_dim, slots], [batch, heads, slots, head_dim]
     if scan:
-        assert cache.k.shape == (CFG.n_layers, *layer_shape)
+        assert (cache.k.shape, cache.v.shape) == ((CFG.n_layers, *keys), (CFG.n_layers, *values))
     else:
-        assert [k.shape for k in cache.k] == [layer_shape] * CFG.n_layers
+        assert [(k.shape, v.shape) for k, v in zip(cache.k, cache.v)] == [(keys, values)] * CFG.n_layers
 
 
 def test_greedy_with_the_cache_equals_recomputing_the_full_forward(lm, recomputed):
@@ -176,8 +176,8 @@ def test_sharded_generation_equals_single_device(params, lm, shape):
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
     run = sharded.decoder.start(PROMPTS, max_new_tokens=np.full(3, 2), sampling=SamplingParams.build(3),
                                 seeds=np.zeros(3, np.uint32), eos_id=np.full(3, -1))
-    spec = run._state.cache.k[0].sharding.spec  # one layer's [batch, heads, slots, head_dim]
-    assert spec[:2] == (("data", "fsdp"), "model")
+    for cached in (run._state.cache.k[0], run._state.cache.v[0]):  # one layer's keys and values
+        assert cached.sharding.spec[:2] == (("data", "fsdp"), "model")
 
 
 def test_no_recompilation_within_a_bucket(lm):
