@@ -10,6 +10,16 @@ from gptj_flax.config import ModelConfig
 from gptj_flax.convert.hf_names import params_from_hf
 
 
+# A few kinds of short text, repeated: enough for a small local BPE tokenizer and prompts.
+CORPUS = [
+    "def add(a, b):\n    return a + b\n\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n",
+    "for i in range(10):\n    print(i, i * i)\n",
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. ",
+    "import os\nimport sys\n\nif __name__ == '__main__':\n    sys.exit(main())\n",
+] * 20
+
+
 def tiny_config(**overrides) -> ModelConfig:
     base = dict(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=128, max_len=64,
                 dtype="float32", param_dtype="float32")

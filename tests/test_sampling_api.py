@@ -18,18 +18,11 @@ from gptj_flax.checkpoint import CheckpointError, Checkpointer
 from gptj_flax.config import Config, TrainConfig
 from gptj_flax.model import GPTJ
 from gptj_flax.sampling import LanguageModel, SamplingError
-from tests.helpers import tiny_config
+from tests.helpers import CORPUS, tiny_config
 
 TOKENIZER_VOCAB = 300
 # The model's vocabulary is padded past the tokenizer's (as GPT-J's 50400 > 50257).
 CFG = tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=320, max_len=128)
-CORPUS = [
-    "def add(a, b):\n    return a + b\n\n",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n",
-    "for i in range(10):\n    print(i, i * i)\n",
-    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. ",
-    "import os\nimport sys\n\nif __name__ == '__main__':\n    sys.exit(main())\n",
-] * 20
 
 
 def make_tokenizer():

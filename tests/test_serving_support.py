@@ -20,17 +20,10 @@ from gptj_flax.config import Config, TrainConfig
 from gptj_flax.data.tokenizer import train_bpe_tokenizer
 from gptj_flax.model import GPTJ
 from gptj_flax.serving import DrainingServer, ServeSettings, create_app
-from tests.helpers import tiny_config
+from tests.helpers import CORPUS, tiny_config
 
 # A 64-token context keeps every compiled shape small; the vocabulary is padded past the tokenizer's.
 CONFIG = tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=320, max_len=64)
-CORPUS = [
-    "def add(a, b):\n    return a + b\n\n",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n",
-    "for i in range(10):\n    print(i, i * i)\n",
-    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. ",
-    "import os\nimport sys\n\nif __name__ == '__main__':\n    sys.exit(main())\n",
-] * 20
 KEYS = ("sk-alpha-0123456789", "sk-bravo-9876543210")
 STARTUP_TIMEOUT_S = 300
 
