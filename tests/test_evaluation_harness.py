@@ -1,10 +1,15 @@
 """The lm-eval adapter against HuggingFace PyTorch on the same weights, on 1 and 8 devices, and lm-eval
-end to end on local tasks through its own entry point, ``scripts/eval.py harness`` and the training hook."""
+end to end on local tasks through its own ``lm_eval`` command, its entry point with the model registered,
+``scripts/eval.py harness`` and the training hook."""
 
+import glob
 import json
+import math
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -13,9 +18,10 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from gptj_flax.data import load_tokenizer
 from gptj_flax.evaluation.during_training import HarnessDuringTraining
 from gptj_flax.evaluation.harness import GPTJFlaxLM, GenerationSettings, flat_metrics, task_manager
-from tests.evaluation_helpers import CFG, TOKENIZER_VOCAB, make_checkpoint, write_tasks
+from tests.evaluation_helpers import CFG, CHOICE_DOCS, TEXT_DOCS, TOKENIZER_VOCAB, make_checkpoint, write_tasks
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
@@ -66,15 +72,32 @@ def hf_log_probs(model, tokens) -> np.ndarray:
     return torch.log_softmax(logits, -1)[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].numpy()
 
 
+def hf_loglikelihood(model, tokenizer, context, continuation) -> float:
+    """HuggingFace's summed log-probability of ``continuation`` after ``[EOS] + context``, cut from the
+    left to the context size (GPT-J's convention)."""
+    context_ids = tokenizer.encode(context) if context else []
+    continuation_ids = tokenizer.encode(context + continuation)[len(context_ids):]
+    tokens = ([tokenizer.eos_token_id] + context_ids + continuation_ids)[-(CFG.max_len + 1):]
+    return float(hf_log_probs(model, tokens)[-len(continuation_ids):].sum())
+
+
+def rolling_windows(tokens, eos):
+    """lm-eval's disjoint windows over ``tokens``: every token predicted once, after its window's context."""
+    return list(map(make_disjoint_window, get_rolling_token_windows(
+        tokens, prefix_token=eos, max_seq_len=CFG.max_len, context_len=1)))
+
+
+def hf_loglikelihood_rolling(model, tokenizer, text) -> float:
+    return float(sum(hf_log_probs(model, context + prediction)[-len(prediction):].sum()
+                     for context, prediction in rolling_windows(tokenizer.encode(text), tokenizer.eos_token_id)))
+
+
 def test_loglikelihood_is_huggingfaces_sum_of_continuation_log_probs(lm, hf):
-    tokenizer, eos = lm.tokenizer, lm.eot_token_id
+    tokenizer = lm.tokenizer
+    assert tokenizer.eos_token_id == lm.eot_token_id
     out = lm.loglikelihood(requests("loglikelihood", PAIRS), disable_tqdm=True)
     for (context, continuation), (log_prob, greedy) in zip(PAIRS, out):
-        context_ids = tokenizer.encode(context) if context else []
-        continuation_ids = tokenizer.encode(context + continuation)[len(context_ids):]
-        tokens = ([eos] + context_ids + continuation_ids)[-(CFG.max_len + 1):]
-        expected = hf_log_probs(hf, tokens)[-len(continuation_ids):]
-        assert log_prob == pytest.approx(expected.sum(), abs=1e-4)
+        assert log_prob == pytest.approx(hf_loglikelihood(hf, tokenizer, context, continuation), abs=1e-4)
         assert greedy is False  # a random model does not predict the text
     assert len(tokenizer.encode(PAIRS[3][0])) > CFG.max_len  # the truncation case really truncates
 
@@ -96,11 +119,8 @@ def test_loglikelihood_rolling_is_huggingfaces_perplexity_over_the_same_windows(
     out = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in TEXTS]), disable_tqdm=True)
     for text, total in zip(TEXTS, out):
         tokens = lm.tokenizer.encode(text)
-        windows = list(map(make_disjoint_window, get_rolling_token_windows(
-            tokens, prefix_token=lm.eot_token_id, max_seq_len=CFG.max_len, context_len=1)))
-        # every token predicted once: in its window, after the window's context
-        expected = sum(hf_log_probs(hf, context + prediction)[-len(prediction):].sum()
-                       for context, prediction in windows)
+        windows = rolling_windows(tokens, lm.eot_token_id)
+        expected = hf_loglikelihood_rolling(hf, lm.tokenizer, text)
         assert total == pytest.approx(expected, abs=1e-4)
         assert np.exp(-total / len(tokens)) == pytest.approx(np.exp(-expected / len(tokens)), rel=1e-5)
         if len(tokens) < CFG.max_len:  # one window: the whole text after the EOS
@@ -184,6 +204,76 @@ def test_local_tasks_run_through_lm_evals_own_entry_point(run, offline, tmp_path
     assert results["results"]["tiny_text"]["word_perplexity,none"] > 1
     assert results["results"]["tiny_generation"]["exact_match,none"] in (0.0, 0.5, 1.0)
     assert results["config"]["mesh"] == {"data": 1, "fsdp": 1, "model": 2}
+    assert "gptj_flax" in done.stdout and "tiny_choice" in done.stdout  # lm-eval's table
+
+
+HOOK = "_gptj_flax_lm_eval_hook"  # imported at interpreter start by the .pth that installing gptj_flax adds
+
+
+def fresh_python(code: str, cwd) -> list[str]:
+    """Run ``code`` in a new interpreter of this environment (site-packages' .pth files run), away from
+    the source checkout; its output lines."""
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
+def test_installed_hook_costs_nothing_at_interpreter_start(tmp_path):
+    imported = fresh_python(f"import sys; print(*(m in sys.modules for m in ('{HOOK}', 'gptj_flax', 'lm_eval', "
+                            "'jax')))", tmp_path)
+    assert imported == ["True False False False"], (
+        f"{HOOK} is not imported at start: reinstall the project (make install, pip install -e .) so that "
+        "gptj_flax_lm_eval.pth is in site-packages")
+
+
+def test_installed_hook_registers_the_model_lazily_when_lm_eval_is_imported(tmp_path):
+    assert fresh_python(
+        "import sys, lm_eval.api.registry as r; m = r.model_registry; "
+        "print('gptj_flax' in m, 'dummy' in m, 'jax' in sys.modules); print(m.get('gptj_flax'))", tmp_path,
+    ) == ["True True False", "<class 'gptj_flax.evaluation.harness.GPTJFlaxLM'>"]  # lm-eval's own models too
+    # the adapter imported first registers the class itself, and the hook leaves it alone
+    assert fresh_python("import gptj_flax.evaluation.harness as h, lm_eval.api.registry as r; "
+                        "print(r.get_model('gptj_flax') is h.GPTJFlaxLM, r.get_model('dummy').__name__)",
+                        tmp_path) == ["True DummyLM"]
+
+
+@pytest.mark.slow
+def test_lm_evals_own_lm_eval_command_runs_the_model_as_huggingface_scores(run, hf, offline, tmp_path):
+    """The literal ``lm_eval --model gptj_flax …`` of an installed gptj_flax: per-request log-likelihoods,
+    accuracy, word perplexity and bits per byte as HuggingFace PyTorch's on the same weights."""
+    tasks, out = write_tasks(tmp_path / "tasks"), tmp_path / "out"
+    command = [str(Path(sys.executable).parent / "lm_eval"), "--model", "gptj_flax", "--model_args",
+               f"checkpoint={run[0]}", "--tasks", "tiny_choice,tiny_text", "--include_path", tasks,
+               "--batch_size", "4", "--output_path", str(out), "--log_samples"]
+    done = subprocess.run(command, cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [results_file] = glob.glob(str(out / "*" / "results_*.json"))
+    results = json.loads(Path(results_file).read_text())
+
+    def samples(task):
+        [path] = glob.glob(str(out / "*" / f"samples_{task}_*.jsonl"))
+        return sorted(map(json.loads, Path(path).read_text().splitlines()), key=lambda s: s["doc_id"])
+
+    tokenizer = load_tokenizer(os.path.join(run[0], "tokenizer"))
+    correct = []
+    for doc, sample in zip(CHOICE_DOCS, samples("tiny_choice"), strict=True):
+        expected = [hf_loglikelihood(hf, tokenizer, doc["question"], " " + choice) for choice in doc["choices"]]
+        assert [float(ll) for ll, _ in sample["filtered_resps"]] == pytest.approx(expected, abs=1e-4)
+        correct.append(int(np.argmax(expected)) == doc["label"])
+    assert results["results"]["tiny_choice"]["acc,none"] == pytest.approx(np.mean(correct))
+
+    total = 0.0
+    for doc, sample in zip(TEXT_DOCS, samples("tiny_text"), strict=True):
+        expected = hf_loglikelihood_rolling(hf, tokenizer, doc["text"])
+        assert float(sample["filtered_resps"][0]) == pytest.approx(expected, abs=1e-4)
+        total += expected
+    words = sum(len(re.split(r"\s+", doc["text"])) for doc in TEXT_DOCS)
+    text_bytes = sum(len(doc["text"].encode()) for doc in TEXT_DOCS)
+    text_results = results["results"]["tiny_text"]
+    assert text_results["word_perplexity,none"] == pytest.approx(math.exp(-total / words), rel=1e-4)
+    assert text_results["bits_per_byte,none"] == pytest.approx(-total / text_bytes / math.log(2), rel=1e-5)
+    assert results["config"]["model"] == "gptj_flax" and results["config"]["checkpoint"] == run[0]
     assert "gptj_flax" in done.stdout and "tiny_choice" in done.stdout  # lm-eval's table
 
 
