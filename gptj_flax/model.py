@@ -191,6 +191,39 @@ def write_layer_kv(kv: LayerKV, k: Array, v: Array) -> tuple[LayerKV, Array, Arr
     return kv, cache_k[kv.layer], cache_v[kv.layer]
 
 
+def _decode_attention(cfg: ModelConfig, q: Array, k: Array, v: Array, mask: Array,
+                      kv: LayerKV) -> tuple[Array, LayerKV]:
+    """One new token's attention: to the cache as it was, plus the token's own key and value,
+    then the new key and value written into the cache.
+
+    Equal to writing first and attending to the updated cache, but the matmuls read the cache
+    buffers that came into the step and the in-place writes come after them. Attending to the
+    *updated* cache made XLA fuse the cache update into the matmul's operand as well as into the
+    loop carry at batch 1, which cost copies of every layer's cache at every step (~40% of a
+    batch-1 decode step on the CPU).
+    """
+    past_k, past_v = (kv.k, kv.v) if kv.layer is None else (kv.k[kv.layer], kv.v[kv.layer])
+    scale = np.sqrt(cfg.head_dim).astype(np.float32)
+    past = jnp.einsum("bqhd,bhdk->bhqk", q, past_k, preferred_element_type=jnp.float32) / scale
+    # the token's own slot (index) holds nothing yet: its score comes from the new key instead
+    slots = jnp.arange(past.shape[-1])
+    past = jnp.where(mask & (slots != kv.index), past, jnp.finfo(jnp.float32).min)
+    own = jnp.einsum("bqhd,bhdq->bhq", q, k, preferred_element_type=jnp.float32)[..., None] / scale
+    probs = jax.nn.softmax(jnp.concatenate([past, own], axis=-1), axis=-1).astype(cfg.compute_dtype)
+    out = (jnp.einsum("bhqk,bhkd->bqhd", probs[..., :-1], past_v)
+           + probs[..., -1:].transpose(0, 2, 1, 3) * v.transpose(0, 2, 1, 3))
+    # The writes must follow the matmuls that read the old cache, or XLA copies each cache buffer
+    # at every step to keep the old one readable. An optimization barrier is expanded too early in
+    # XLA's CPU pipeline to order them, so the written values depend on the attention's result
+    # instead: 0 * out is zero wherever out is finite, and XLA does not fold float x * 0 (NaN).
+    # It is elementwise between arrays split alike, so it adds no communication on any mesh.
+    zero = 0.0 * out  # [B, 1, H, D]
+    k = k + zero.transpose(0, 2, 3, 1).astype(k.dtype)
+    v = v + zero.transpose(0, 2, 1, 3).astype(v.dtype)
+    kv, _, _ = write_layer_kv(kv, k, v)
+    return out, kv
+
+
 # --------------------------------------------------------------------------------------------
 # Layers
 
@@ -218,14 +251,16 @@ class Attention(nn.Module):
         # keys and values in the cache's layouts
         k = nn.with_logical_constraint(apply_rotary(k, sin, cos).transpose(0, 2, 3, 1), KEY_AXES)
         v = nn.with_logical_constraint(v.transpose(0, 2, 1, 3), VALUE_AXES)
-        if kv is not None:
-            kv, k, v = write_layer_kv(kv, k, v)
-
-        scores = jnp.einsum("bqhd,bhdk->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores / np.sqrt(cfg.head_dim).astype(np.float32)
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
-        out = jnp.einsum("bhqk,bhkd->bqhd", probs, v)
+        if kv is not None and x.shape[1] == 1:
+            out, kv = _decode_attention(cfg, q, k, v, mask, kv)
+        else:
+            if kv is not None:
+                kv, k, v = write_layer_kv(kv, k, v)
+            scores = jnp.einsum("bqhd,bhdk->bhqk", q, k, preferred_element_type=jnp.float32)
+            scores = scores / np.sqrt(cfg.head_dim).astype(np.float32)
+            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
+            out = jnp.einsum("bhqk,bhkd->bqhd", probs, v)
 
         w_out = kernel("out_proj", (cfg.n_heads, cfg.head_dim, cfg.d_model),
                        2.0 / cfg.n_layers / np.sqrt(cfg.d_model), ("heads", "kv", "embed"))

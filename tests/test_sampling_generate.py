@@ -191,6 +191,27 @@ def test_no_recompilation_within_a_bucket(lm):
     assert [bucket(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
 
 
+@pytest.mark.parametrize("batch", [1, 2, 16])
+def test_the_decode_loop_updates_the_cache_in_place(params, batch):
+    """The compiled decode loop never copies a layer's cache: each step only writes its new slot.
+
+    Copies cost as much as reading the whole cache again at every step; at batch 1 XLA once made
+    several per layer (see ``model._decode_attention``).
+    """
+    cfg = dataclasses.replace(CFG, scan_layers=False)
+    decoder = LanguageModel(cfg, unstack_layers(params)).decoder
+    run = decoder.start([[1, 2, 3]] * batch, max_new_tokens=np.full(batch, 4),
+                        sampling=SamplingParams.build(batch, temperature=0.0), seeds=np.zeros(batch, np.uint32),
+                        eos_id=np.full(batch, -1, np.int32))
+    with partitioning.activate(decoder.mesh, decoder.rules):
+        hlo = decoder._decode.lower(decoder.params, run._state, np.int32(4), np.zeros(batch, bool),
+                                    False).compile().as_text()
+    cache_shapes = {f"f32[{','.join(map(str, a.shape))}]" for a in (*run._state.cache.k, *run._state.cache.v)}
+    copies = [line for line in hlo.splitlines() if re.search(r"= f32\[[0-9,]+\]\S* copy\(", line)
+              and line.split("=")[1].split()[0].split("{")[0] in cache_shapes]
+    assert len(cache_shapes) == 2 and not copies, "\n".join(copies[:4])
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda lm: lm.generate([], 4), "no prompts given"),
     (lambda lm: lm.generate([[1, 2], []], 4), "prompt 1 has no tokens"),
