@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
 from gptj_flax.sampling.samplers import (
     SamplingError,
     SamplingParams,
+    first_argmax,
     mask_vocab,
     min_p_filter,
     next_tokens,
@@ -192,3 +193,14 @@ def test_greedy_and_sampled_rows_mix_in_one_batch():
 def test_bad_settings_are_rejected_by_name(settings, message):
     with pytest.raises(SamplingError, match=re.escape(message)):
         SamplingParams.build(2, **settings)
+
+
+def test_first_argmax_is_numpys_argmax():
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((6, 300)).astype(np.float32)
+    logits[1, [0, 7, 299]] = 9.0  # ties: the first index wins
+    logits[2] = -np.inf  # everything removed: index 0, as argmax
+    logits[3] = 4.0  # constant row
+    logits[4, -1] = np.inf
+    logits[5, 0] = 50.0  # token id 0
+    assert np.asarray(first_argmax(jnp.asarray(logits))).tolist() == np.argmax(logits, axis=-1).tolist()

@@ -139,7 +139,8 @@ class Decoder:
         """Choose every running row's next token from ``logits`` [B, V], record it, update finish."""
         keys = jax.vmap(lambda seed: jax.random.fold_in(jax.random.key(seed), state.step))(state.seeds)
         token = next_tokens(logits, state.sampling, state.seen, keys, self.valid_vocab, original_order)
-        logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
+        logprob = (jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
+                   - jax.nn.logsumexp(logits, axis=-1))
         running = state.finish == RUNNING
         token = jnp.where(running, token, 0)
         num_generated = state.num_generated + running

@@ -163,6 +163,17 @@ def typical_filter(logits: Array, mass: Array) -> Array:
     return jnp.where(keep, logits, -jnp.inf)
 
 
+def first_argmax(logits: Array) -> Array:
+    """Each row's first index of its largest value, int32 [B] — ``jnp.argmax`` (NaN aside: a row
+    without a comparable maximum gives 0), as two plain reductions: XLA's CPU backend runs the
+    single (value, index) reduction that ``argmax`` lowers to several times slower, which showed
+    at ~2% of a batch-16 decode step."""
+    vocab = logits.shape[-1]
+    is_max = logits == jnp.max(logits, axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(is_max, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.where(first < vocab, first, 0)
+
+
 def _when_used(used: Array, fn, logits: Array, setting: Array) -> Array:
     """``fn(logits, setting)`` if any row uses the filter, else ``logits`` without running it."""
     return lax.cond(jnp.any(used), fn, lambda x, _: x, logits, setting)
@@ -196,7 +207,7 @@ def next_tokens(logits: Array, params: SamplingParams, seen: Array, keys: Array,
     logits = mask_vocab(logits, valid_vocab)
     logits = _when_used(params.repetition_penalty != 1, lambda x, p: repetition_penalty(x, seen, p),
                         logits, params.repetition_penalty)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(logits)
 
     def draw(logits):
         sampled = jax.vmap(jax.random.categorical)(keys, warp(logits, params, original_order))
