@@ -224,6 +224,10 @@ def test_the_decode_loop_updates_the_cache_in_place(params, batch):
     (lambda lm: lm.generate("text", 4), "this model has no tokenizer"),
     (lambda lm: lm.generate([1, 2], 4, stop="x"), "stop strings need a tokenizer"),
     (lambda lm: lm.generate([1, 2], 4, seed=-1), "seed must be an integer in [0, 2**32)"),
+    (lambda lm: lm.generate([1, 2], 4, seed=2**32), "seed must be an integer in [0, 2**32)"),
+    (lambda lm: lm.generate([1, 2], 4, temperature=1e39), "temperature must be >= 0 (0 is greedy) and within float32"),
+    (lambda lm: lm.generate([1, 2], 4, top_k=2**31), "top_k must be an integer >= 0 (0 is off) and fit in int32"),
+    (lambda lm: lm.generate([1, 2], 2**31), "max_new_tokens must be an integer >= 1 and fit in int32"),
     (lambda lm: lm.generate([1, 2], 4, ignore_eos="yes"), "ignore_eos must be true or false"),
     (lambda lm: lm.generate(3.5, 4), "prompts must be a string, a list of token ids"),
     (lambda lm: lm.score([[1]]), "sequence 0 has 1 token(s); scoring needs at least 2"),
@@ -231,3 +235,14 @@ def test_the_decode_loop_updates_the_cache_in_place(params, batch):
 def test_bad_requests_raise_clear_errors(lm, call, message):
     with pytest.raises(SamplingError, match=re.escape(message)):
         call(lm)
+
+
+def test_seeds_use_the_whole_uint32_range(lm):
+    """Seeds up to 2**32 - 1 are accepted, reproducible and distinct from their value mod 2**31."""
+    def draw(seed):
+        return lm.generate([[5, 6, 7]], 8, temperature=1.0, seed=seed, ignore_eos=True, return_tokens=True)[0].tokens
+
+    top = 2**32 - 1
+    assert draw(top) == draw(top)
+    assert draw(2**31 + 7) == draw([2**31 + 7])
+    assert len({tuple(draw(s)) for s in (7, 2**31 + 7, top)}) == 3

@@ -215,7 +215,7 @@ class LanguageModel:
         batch, single = _as_batch(prompts)
         n = len(batch)
         max_new = per_example("max_new_tokens", max_new_tokens, n, int, lambda x: x >= 1, "an integer >= 1")
-        seeds = per_example("seed", seed, n, int, lambda x: 0 <= x < 2**32, "an integer in [0, 2**32)")
+        seeds = per_example("seed", seed, n, int, lambda x: 0 <= x < 2**32, "an integer in [0, 2**32)", np.int64)
         if isinstance(seed, (int, np.integer)):
             seeds = (seeds.astype(np.int64) + np.arange(n)) % 2**32  # distinct draws for repeated prompts
         sampling = SamplingParams.build(n, temperature=temperature, top_k=top_k, top_p=top_p, typical_p=typical_p,

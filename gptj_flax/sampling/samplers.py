@@ -76,8 +76,10 @@ class SamplingParams:
         return jax.tree.map(lambda x, n: np.concatenate([x, np.repeat(n, batch - len(x))]), self, neutral)
 
 
-def per_example(name: str, value, batch: int, kind: type, valid, accepted: str) -> np.ndarray:
-    """``value`` (a scalar, or a sequence of ``batch`` values) → validated numpy array [batch]."""
+def per_example(name: str, value, batch: int, kind: type, valid, accepted: str, dtype=None) -> np.ndarray:
+    """``value`` (a scalar, or a sequence of ``batch`` values) → validated numpy array [batch] of
+    ``dtype`` (default int32 or float32 by ``kind``); a value the dtype cannot hold is refused."""
+    dtype = np.dtype(dtype or (np.int32 if kind is int else np.float32))
     if isinstance(value, (str, bytes)) or value is None:
         raise SamplingError(f"{name} must be {accepted}, or a list of one per prompt; got {value!r}")
     values = list(value) if isinstance(value, (Sequence, np.ndarray)) else [value] * batch
@@ -90,10 +92,21 @@ def per_example(name: str, value, batch: int, kind: type, valid, accepted: str) 
             raise SamplingError(f"{where} must be {accepted}, got {x!r}")
         if kind is int and int(x) != x:
             raise SamplingError(f"{where} must be {accepted}, got {x!r}")
-        if not math.isfinite(x) or not valid(x):
+        if not (isinstance(x, (int, np.integer)) or math.isfinite(x)) or not valid(x):
             raise SamplingError(f"{where} must be {accepted}, got {x!r}")
+        if kind is int and not np.iinfo(dtype).min <= int(x) <= np.iinfo(dtype).max:
+            raise SamplingError(f"{where} must be {accepted} and fit in {dtype.name}, got {_shown(x)}")
+        with np.errstate(over="ignore"):
+            overflows = kind is float and not np.isfinite(dtype.type(x))
+        if overflows:
+            raise SamplingError(f"{where} must be {accepted} and within {dtype.name}'s range, got {_shown(x)}")
         checked.append(x)
-    return np.asarray(checked, np.int32 if kind is int else np.float32)
+    return np.asarray(checked, dtype)
+
+
+def _shown(x) -> str:
+    text = repr(x)
+    return text if len(text) <= 40 else text[:20] + "…" + text[-8:]
 
 
 # --------------------------------------------------------------------------------------------
