@@ -136,10 +136,15 @@ def test_stream_pieces_add_up_to_generate(lm):
     prompts = ["def ", "import os", "class "]
     batch = lm.generate(prompts, 40, stop=[None, ["os"], ["\n"]], **settings)
     rows = [""] * 3
-    for step in lm.stream(prompts, 40, stop=[None, ["os"], ["\n"]], **settings):
+    stream = lm.stream(prompts, 40, stop=[None, ["os"], ["\n"]], **settings)
+    assert stream.completions is None  # not before the end
+    for step in stream:
         assert isinstance(step, list) and len(step) == 3
         rows = [r + p for r, p in zip(rows, step)]
     assert rows == [c.text for c in batch]
+    # once exhausted, the stream reports what generate does: finish reasons and token counts
+    assert [(c.text, c.finish_reason, c.completion_tokens) for c in stream.completions] == [
+        (c.text, c.finish_reason, c.completion_tokens) for c in batch]
 
 
 def test_score_texts_and_token_ids(lm):

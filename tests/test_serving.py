@@ -124,8 +124,12 @@ def test_v1_completions_streams_server_sent_events(lm, client):
     assert all(line.startswith("data: ") for line in lines if line) and events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
     assert all(c["object"] == "text_completion" and c["choices"][0]["index"] == 0 for c in chunks)
-    assert "".join(c["choices"][0]["text"] for c in chunks) == lm.generate(lm.encode(PROMPTS[3]), LENGTH,
-                                                                           temperature=0).text
+    expected = lm.generate(lm.encode(PROMPTS[3]), LENGTH, temperature=0)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected.text
+    # every chunk but the last carries text; the last says why the choice ended, as OpenAI's do
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert reasons[:-1] == [None] * (len(chunks) - 1) and chunks[-1]["choices"][0]["text"] == ""
+    assert reasons[-1] == {"eos": "stop", "stop": "stop", "length": "length"}[expected.finish_reason]
 
 
 def test_health_models_and_metrics(client, server):

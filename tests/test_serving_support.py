@@ -94,20 +94,41 @@ class HeldModel:
 
     def stream(self, prompts, *args, **kwargs):
         self._enter(prompts)
-        pieces = self._model.stream(prompts, *args, **kwargs)
+        return _SlowedStream(self, self._model.stream(prompts, *args, **kwargs))
 
-        def slowed():
-            finished = False
-            try:
-                for piece in pieces:
-                    time.sleep(self.piece_delay_s)
-                    yield piece
-                finished = True
-            finally:
-                if not finished:
-                    self.streams_closed_early += 1
 
-        return slowed()
+class _SlowedStream:
+    """A model's text stream, each piece delayed by the holder's ``piece_delay_s``; counts the
+    streams closed before their end; ``completions`` as the model's stream reports them."""
+
+    def __init__(self, holder, stream):
+        self._holder, self._stream = holder, stream
+        self._pieces = self._slowed()
+
+    def _slowed(self):
+        finished = False
+        try:
+            for piece in self._stream:
+                time.sleep(self._holder.piece_delay_s)
+                yield piece
+            finished = True
+        finally:
+            if not finished:
+                self._holder.streams_closed_early += 1
+                self._stream.close()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._pieces)
+
+    def close(self):
+        self._pieces.close()
+
+    @property
+    def completions(self):
+        return self._stream.completions
 
 
 def wait_until(condition, timeout_s: float = 30.0, what: str = "condition", interval_s: float = 0.02) -> None:

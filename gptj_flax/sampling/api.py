@@ -162,6 +162,35 @@ class _Batch:
         return out
 
 
+class TextStream(Iterator):
+    """The iterator :meth:`LanguageModel.stream` returns: text pieces while generating, then
+    ``completions`` — a :class:`Completion` per prompt, ``None`` until the last piece is taken (or
+    for good, if the stream is closed early)."""
+
+    def __init__(self, job: _Batch, single: bool):
+        self.completions: list[Completion] | None = None
+        self._pieces = self._run(job, single)
+
+    def _run(self, job: _Batch, single: bool) -> Iterator:
+        new = job.pieces()
+        while True:
+            if single and new[0]:
+                yield new[0]
+            elif not single and any(new):
+                yield new
+            if job.finished:
+                self.completions = job.completions(return_tokens=False, return_logprobs=False)
+                return
+            new = job.advance(1)
+
+    def __next__(self):
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop generating (the rest of the batch is not computed)."""
+        self._pieces.close()
+
+
 class LanguageModel:
     """A GPT-J with its parameters on a mesh and (usually) its tokenizer, ready to sample and score.
 
@@ -266,31 +295,20 @@ class LanguageModel:
 
     def stream(self, prompts, max_new_tokens=128, *, temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0,
                min_p=0.0, repetition_penalty=1.0, stop=None, seed=0, ignore_eos=False,
-               original_order=False) -> Iterator[str] | Iterator[list[str]]:
+               original_order=False) -> "TextStream":
         """Like :meth:`generate`, but yield text as each token is produced.
 
         A single prompt yields strings; a batch yields lists of strings, one (possibly empty) per
         prompt. Text is yielded once final: a possible start of a stop string or an incomplete
         character waits for the next token. The pieces add up to ``generate``'s text for the same
-        arguments.
+        arguments. Once the iterator is exhausted, its ``completions`` attribute holds what
+        ``generate`` would have returned (finish reasons, token counts), one per prompt.
         """
         if self.tokenizer is None:
             raise SamplingError("stream yields text and this model has no tokenizer; use generate with token ids")
         job, single = self._start(prompts, max_new_tokens, temperature, top_k, top_p, typical_p, min_p,
                                   repetition_penalty, stop, seed, ignore_eos, original_order)
-
-        def pieces() -> Iterator:
-            new = job.pieces()
-            while True:
-                if single and new[0]:
-                    yield new[0]
-                elif not single and any(new):
-                    yield new
-                if job.finished:
-                    return
-                new = job.advance(1)
-
-        return pieces()
+        return TextStream(job, single)
 
     def score(self, texts_or_token_ids) -> Scored | list[Scored]:
         """Per-token log-probabilities of the given texts or token-id lists under the model.

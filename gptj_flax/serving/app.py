@@ -358,6 +358,11 @@ async def _events(job: Job, completion_id: str, created: int, model_name: str, l
                 yield _sse({"id": completion_id, "object": "text_completion", "created": created,
                             "model": model_name,
                             "choices": [{"text": piece, "index": index, "logprobs": None, "finish_reason": None}]})
+    for index, reason in enumerate(item.finish_reasons):  # as OpenAI: a last chunk per choice says why it ended
+        if reason is not None:
+            yield _sse({"id": completion_id, "object": "text_completion", "created": created, "model": model_name,
+                        "choices": [{"text": "", "index": index, "logprobs": None,
+                                     "finish_reason": FINISH_REASONS[reason]}]})
     log(texts)
     yield _sse("[DONE]")
 

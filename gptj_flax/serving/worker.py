@@ -57,9 +57,11 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class StreamEnd:
-    """Last item of a streaming job's queue; ``error`` when generation failed."""
+    """Last item of a streaming job's queue; ``error`` when generation failed, else each row's
+    finish reason ("eos", "stop", "length"; ``None`` where the batch was cut short)."""
 
     error: BaseException | None = None
+    finish_reasons: tuple[str | None, ...] = ()
 
 
 class Job:
@@ -280,5 +282,10 @@ class BatchWorker:
                     break
         finally:
             pieces_iter.close()
+        completions = pieces_iter.completions  # None when every client left before the end
+        offset = 0
         for job in jobs:
-            job.send(StreamEnd())
+            reasons = ((None,) * len(job.rows) if completions is None else
+                       tuple(c.finish_reason for c in completions[offset:offset + len(job.rows)]))
+            offset += len(job.rows)
+            job.send(StreamEnd(finish_reasons=reasons))
