@@ -2,7 +2,7 @@
 
 Conversions take minutes to hours and can fail half way (a truncated file, a full disk, Ctrl-C).
 A user must never find an output directory that looks complete but is not, so every converter
-writes into a temporary sibling ``OUT.tmp-XXXX`` and renames it to ``OUT`` only once everything
+writes into a temporary sibling ``OUT.tmp-<8 random hex digits>`` and renames it to ``OUT`` only once everything
 is written; on any failure the temporary directory is removed.
 """
 
