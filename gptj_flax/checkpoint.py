@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 
 from gptj_flax import partitioning
 from gptj_flax.config import Config, ConfigError, from_dict
+from gptj_flax.errors import GptjFlaxError
 from gptj_flax.model import GPTJ
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 TOKENIZER_DIR = "tokenizer"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(GptjFlaxError, ValueError):
     """A checkpoint is missing, incomplete, or does not fit the model it is loaded into."""
 
 

@@ -23,12 +23,14 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from gptj_flax.errors import GptjFlaxError
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 MESH_AXES = ("data", "fsdp", "model")
 
 
-class ConfigError(ValueError):
+class ConfigError(GptjFlaxError, ValueError):
     """A configuration value is missing, malformed or inconsistent."""
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from gptj_flax.errors import GptjFlaxError
+
 # The files a HuggingFace GPT-J tokenizer consists of; whichever exist are carried along.
 TOKENIZER_FILES = (
     "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json",
@@ -24,7 +26,7 @@ TOKENIZER_FILES = (
 )
 
 
-class ConversionError(ValueError):
+class ConversionError(GptjFlaxError, ValueError):
     """An input cannot be converted; the message names the file and what is wrong with it."""
 
 

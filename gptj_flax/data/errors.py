@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from gptj_flax.errors import GptjFlaxError
 
-class DataError(ValueError):
+
+class DataError(GptjFlaxError, ValueError):
     """Input data is missing, malformed or inconsistent.
 
     Messages name the file (and the record or line) at fault, so a user can find it without a

@@ -28,10 +28,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from gptj_flax.errors import GptjFlaxError
+
 Array = jax.Array
 
 
-class SamplingError(ValueError):
+class SamplingError(GptjFlaxError, ValueError):
     """A generation request is malformed: the message names the setting and the accepted range."""
 
 

@@ -15,12 +15,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gptj_flax.config import DTYPES
+from gptj_flax.errors import GptjFlaxError
 
 LOG_FORMATS = ("jsonl", "transcript")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-class SettingsError(ValueError):
+class SettingsError(GptjFlaxError, ValueError):
     """A setting is missing or out of range; the message names the flag and its variable."""
 
 

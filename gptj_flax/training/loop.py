@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from gptj_flax import checkpoint, data, partitioning
 from gptj_flax.config import Config
+from gptj_flax.errors import GptjFlaxError
 from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
 from gptj_flax.training.metrics import MetricsWriter, peak_flops_per_device
@@ -30,7 +31,7 @@ from gptj_flax.training.metrics import MetricsWriter, peak_flops_per_device
 log = logging.getLogger(__name__)
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(GptjFlaxError, RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 

@@ -1,0 +1,79 @@
+"""The errors a user is meant to read, and how every command line shows them.
+
+Each package raises its own subclass of :class:`GptjFlaxError` (``ConfigError``, ``DataError``,
+``CheckpointError`` …) with a message that names the input at fault and how to fix it. Command
+lines run their ``main`` through :func:`run_cli`, which turns any exception into one
+``error: …`` line and a non-zero exit status; ``--debug`` shows the traceback instead.
+
+This module imports nothing from the package, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "GPTJ_FLAX_DEBUG"
+
+# Exit statuses: 1 for an error the message explains, 130 for Ctrl-C (the shell's 128 + SIGINT).
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+class GptjFlaxError(Exception):
+    """A problem with the user's input or environment; the message says what is wrong and what to do."""
+
+
+def add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    """Document ``--debug`` in a command's help (:func:`run_cli` acts on it)."""
+    parser.add_argument(DEBUG_FLAG, action="store_true",
+                        help=f"show the full traceback of an error (or set {DEBUG_ENV}=1)")
+
+
+def debug_requested(argv: Sequence[str] | None = None) -> bool:
+    argv = sys.argv[1:] if argv is None else argv
+    return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def describe(error: BaseException) -> str:
+    """One line for ``error``: its own message for project and OS errors, its type for anything else."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        where = f"{error.filename}: " if error.filename else ""
+        return f"{where}no space left on the device; free some space or write elsewhere"
+    if isinstance(error, GptjFlaxError):
+        return str(error)
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def run_cli(main: Callable[[], int | None], argv: Sequence[str] | None = None) -> int:
+    """Run a command's ``main`` and return its exit status; errors become one ``error:`` line.
+
+    ``argparse`` keeps its own usage errors (status 2). Ctrl-C exits with 130 and no traceback.
+    Under ``--debug`` (or ``GPTJ_FLAX_DEBUG=1``) exceptions propagate with their traceback.
+    """
+    debug = debug_requested(argv)
+    if debug:
+        logging.getLogger().setLevel(logging.DEBUG)
+        status = main()
+        return 0 if status is None else int(status)
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - every failure becomes one readable line
+        print(f"error: {describe(e)}", file=sys.stderr)
+        if not isinstance(e, (GptjFlaxError, OSError)):
+            print(f"(an unexpected error; rerun with {DEBUG_FLAG} for the traceback)", file=sys.stderr)
+        return EXIT_ERROR
+    return 0 if status is None else int(status)
