@@ -18,6 +18,7 @@ import difflib
 import json
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,6 +38,45 @@ class ConfigError(GptjFlaxError, ValueError):
 def _suggest(name: str, known: Sequence[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# JSON's true/false load as Python bools, which are ints: every numeric check refuses them by name.
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_positive_int(field: str, value: Any, *, optional: bool = False, minimum: int = 1) -> None:
+    if optional and value is None:
+        return
+    if not _is_int(value) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else "a non-negative integer"
+        raise ConfigError(f"{field} must be {kind}{' or null' if optional else ''}, got {value!r}")
+
+
+def _check_string(field: str, value: Any, *, optional: bool = False, nonempty: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, str) or (nonempty and not value):
+        kind = "a non-empty string" if nonempty else "a string"
+        raise ConfigError(f"{field} must be {kind}{' or null' if optional else ''}, got {value!r}")
+
+
+def _check_choice(field: str, value: Any, choices: Sequence[str]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{field}={value!r} is not one of {list(choices)}")
+
+
+def _string_list(field: str, value: Any) -> tuple[str, ...]:
+    """A list of strings; a bare string is refused rather than split into its characters."""
+    if isinstance(value, str):
+        raise ConfigError(f"{field} must be a list of strings, got the string {value!r}: write [{json.dumps(value)}]")
+    if not isinstance(value, Sequence) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{field} must be a list of non-empty strings, got {value!r}")
+    return tuple(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +132,11 @@ class ModelConfig:
                 f"model.rotary_dim={self.rotary_dim} exceeds the head dimension "
                 f"d_model/n_heads={self.head_dim}: use rotary_dim <= {self.head_dim}"
             )
-        if not (isinstance(self.layer_norm_eps, (int, float)) and self.layer_norm_eps > 0):
-            raise ConfigError(f"model.layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+        if not (_is_finite_number(self.layer_norm_eps) and self.layer_norm_eps > 0):
+            raise ConfigError(f"model.layer_norm_eps must be a finite positive number, got {self.layer_norm_eps!r}")
         for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ConfigError(f"model.{name}={getattr(self, name)!r} is not one of {sorted(DTYPES)}")
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ConfigError(f"model.remat_policy={self.remat_policy!r} is not one of {list(REMAT_POLICIES)}")
+            _check_choice(f"model.{name}", getattr(self, name), sorted(DTYPES))
+        _check_choice("model.remat_policy", self.remat_policy, REMAT_POLICIES)
         if not isinstance(self.scan_layers, bool):
             raise ConfigError(f"model.scan_layers must be true or false, got {self.scan_layers!r}")
 
@@ -223,27 +261,33 @@ class TrainConfig:
         if (self.batch_size is None) == (self.per_replica_batch is None):
             raise ConfigError("train: set exactly one of train.batch_size (global) or train.per_replica_batch")
         for name in ("grad_accum_steps", "total_steps", "val_every", "val_batches", "ckpt_every", "keep_last"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
-        for name in ("batch_size", "per_replica_batch", "seq_len", "keep_every"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+            _check_positive_int(f"train.{name}", getattr(self, name))
+        for name in ("batch_size", "per_replica_batch", "seq_len", "keep_every", "tpu_size"):
+            _check_positive_int(f"train.{name}", getattr(self, name), optional=True)
         for name in ("warmup_steps", "anneal_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ConfigError(f"train.{name} must be a non-negative integer, got {value!r}")
+            _check_positive_int(f"train.{name}", getattr(self, name), minimum=0)
         for name in ("lr", "end_lr", "weight_decay", "z_loss"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"train.{name} must be a non-negative number, got {value!r}")
-        if self.adam_mu_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"train.adam_mu_dtype={self.adam_mu_dtype!r} is not 'float32' or 'bfloat16'")
+            if not _is_finite_number(value) or value < 0:
+                raise ConfigError(f"train.{name} must be a finite non-negative number, got {value!r}")
+        _check_choice("train.adam_mu_dtype", self.adam_mu_dtype, ("float32", "bfloat16"))
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
+            # jax.random.key folds larger seeds onto smaller ones (2**32 gives seed 0's key)
+            raise ConfigError(f"train.seed must be an integer in [0, 2**32), got {self.seed!r}")
+        _check_string("train.run_dir", self.run_dir, nonempty=True)
+        _check_string("train.train_set", self.train_set, optional=True, nonempty=True)
+        _check_string("train.tokenizer", self.tokenizer, optional=True, nonempty=True)
+        _check_string("train.wandb_project", self.wandb_project, optional=True, nonempty=True)
+        for name in ("name", "comment"):
+            _check_string(f"train.{name}", getattr(self, name))
         if not isinstance(self.val_set, Mapping):
-            raise ConfigError(f"train.val_set must be a mapping name -> source, got {type(self.val_set).__name__}")
-        object.__setattr__(self, "eval_harness_tasks", tuple(self.eval_harness_tasks))
-        object.__setattr__(self, "freeze", tuple(self.freeze))
+            raise ConfigError(f"train.val_set must be a mapping name -> source, got {self.val_set!r}")
+        for key, source in self.val_set.items():
+            if not isinstance(key, str) or not key:
+                raise ConfigError(f"train.val_set: names must be non-empty strings, got {key!r}")
+            _check_string(f"train.val_set.{key}", source, nonempty=True)
+        object.__setattr__(self, "eval_harness_tasks", _string_list("train.eval_harness_tasks", self.eval_harness_tasks))
+        object.__setattr__(self, "freeze", _string_list("train.freeze", self.freeze))
 
     def global_batch_size(self, data_parallel: int) -> int:
         """Sequences per micro-batch over the whole mesh (``data_parallel`` = data × fsdp)."""
@@ -257,6 +301,12 @@ class Config:
     model: ModelConfig
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(batch_size=8))
+
+    def __post_init__(self):
+        if self.train.seq_len is not None and self.train.seq_len > self.model.max_len:
+            raise ConfigError(
+                f"train.seq_len={self.train.seq_len} exceeds model.max_len={self.model.max_len}: the model has "
+                f"no positions past {self.model.max_len}; lower train.seq_len or raise model.max_len")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -379,15 +429,35 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     )
 
 
+# A line holding only a comment; JSON strings cannot span lines, so this never matches inside one.
+_COMMENT_LINE = re.compile(r"^[ \t]*(//|#).*$", re.MULTILINE)
+
+
+def parse_json_config(text: str, source: str) -> Any:
+    """Parse config JSON; lines holding only a ``//`` or ``#`` comment are allowed and skipped."""
+    try:
+        return json.loads(_COMMENT_LINE.sub("", text))  # blanked, not removed: error line numbers stay right
+    except json.JSONDecodeError as e:
+        line = text.splitlines()[e.lineno - 1] if e.lineno <= len(text.splitlines()) else ""
+        hint = ""
+        if line[e.colno - 1:].lstrip().startswith(("//", "#", "/*")):
+            hint = " (comments are allowed only on lines of their own, starting with // or #)"
+        raise ConfigError(f"{source}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}{hint}: "
+                          f"{line.strip()!r}") from None
+
+
 def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
     """Load a JSON config file (modern or legacy), then apply ``section.key=value`` overrides."""
     try:
         with open(path) as f:
-            raw = json.load(f)
+            text = f.read()
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON: {e}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a directory, not a JSON config file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a text file ({e.reason} at byte {e.start})") from None
+    raw = parse_json_config(text, str(path))
     try:
         config = from_dict(raw)
         return apply_overrides(config, overrides)
@@ -420,5 +490,38 @@ def apply_overrides(config: Config, overrides: Sequence[str]) -> Config:
 
 
 def save_config(config: Config, path: str | os.PathLike) -> None:
-    with open(path, "w") as f:
+    """Write ``config`` as modern JSON; a crash mid-write leaves any previous file intact."""
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(config.to_dict(), f, indent=2)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Command lines
+
+def cli_path(text: str) -> str:
+    """A path argument made absolute against the current directory.
+
+    ``hf:DIR`` and ``legacy:DIR`` keep their prefix; URLs (``gs://…``) and ``tfds:NAME`` are no paths.
+    """
+    if "://" in text or text.startswith("tfds:"):
+        return text
+    for prefix in ("hf:", "legacy:"):
+        if text.startswith(prefix) and len(text) > len(prefix):
+            return prefix + cli_path(text[len(prefix):])
+    return os.path.abspath(os.path.expanduser(text))
+
+
+def join_negative_values(argv: Sequence[str], options: Sequence[str] = ("--mesh",)) -> list[str]:
+    """``--mesh -1,8,1`` → ``--mesh=-1,8,1``: argparse would read a value starting with "-" as an option."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in options and i + 1 < len(argv) and re.match(r"-\d", argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out

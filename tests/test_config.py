@@ -155,3 +155,81 @@ def test_file_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="bad.json: not valid JSON"):
         load_config(bad)
+
+
+def _train_config(**train):
+    return {"model": dict(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=128, max_len=64),
+            "train": {"batch_size": 8, **train}}
+
+
+@pytest.mark.parametrize("section, key, value, message", [
+    ("train", "lr", float("nan"), "train.lr must be a finite non-negative number, got nan"),
+    ("train", "lr", float("inf"), "train.lr must be a finite non-negative number, got inf"),
+    ("train", "weight_decay", float("nan"), "train.weight_decay must be a finite"),
+    ("train", "z_loss", float("inf"), "train.z_loss must be a finite"),
+    ("train", "end_lr", float("-inf"), "train.end_lr must be a finite"),
+    ("model", "layer_norm_eps", float("nan"), "model.layer_norm_eps must be a finite positive number"),
+    ("train", "lr", True, "train.lr must be a finite non-negative number, got True"),
+    ("train", "total_steps", True, "train.total_steps must be a positive integer, got True"),
+    ("train", "batch_size", True, "train.batch_size must be a positive integer or null, got True"),
+    ("train", "warmup_steps", False, "train.warmup_steps must be a non-negative integer, got False"),
+    ("model", "n_layers", True, "model.n_layers must be a positive integer, got True"),
+    ("train", "freeze", "wte", 'train.freeze must be a list of strings, got the string \'wte\': write ["wte"]'),
+    ("train", "eval_harness_tasks", "lambada", "train.eval_harness_tasks must be a list of strings"),
+    ("train", "freeze", ["wte", 3], "train.freeze must be a list of non-empty strings, got ['wte', 3]"),
+    ("train", "run_dir", 3, "train.run_dir must be a non-empty string, got 3"),
+    ("train", "run_dir", ["runs/a"], "train.run_dir must be a non-empty string"),
+    ("train", "train_set", 7, "train.train_set must be a non-empty string or null, got 7"),
+    ("train", "tokenizer", {"dir": "x"}, "train.tokenizer must be a non-empty string or null"),
+    ("train", "seed", 1.5, "train.seed must be an integer in [0, 2**32), got 1.5"),
+    ("train", "seed", "1", "train.seed must be an integer in [0, 2**32), got '1'"),
+    ("train", "seed", 2**32, "train.seed must be an integer in [0, 2**32)"),
+    ("train", "val_set", {"pile": 3}, "train.val_set.pile must be a non-empty string, got 3"),
+    ("train", "seq_len", 128, "train.seq_len=128 exceeds model.max_len=64"),
+    ("model", "dtype", ["bfloat16"], "model.dtype=['bfloat16'] is not one of"),
+    ("train", "adam_mu_dtype", {}, "train.adam_mu_dtype={} is not one of"),
+])
+def test_values_that_used_to_pass_validation_are_refused_by_name(section, key, value, message):
+    raw = _train_config()
+    raw[section][key] = value
+    with pytest.raises(ConfigError) as e:
+        from_dict(raw)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("literal, shown", [("NaN", "nan"), ("Infinity", "inf"), ("-Infinity", "-inf"),
+                                             ("1e309", "inf")])
+def test_json_non_finite_literals_are_refused_by_field(tmp_path, literal, shown):
+    path = tmp_path / "c.json"
+    path.write_text('{"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "rotary_dim": 8, "vocab_size": 128},\n'
+                    f' "train": {{"batch_size": 8, "lr": {literal}}}}}')
+    with pytest.raises(ConfigError, match=rf"c.json: train.lr must be a finite non-negative number, got {shown}"):
+        load_config(path)
+
+
+def test_overrides_get_the_same_validation(repo_root):
+    tiny = repo_root / "configs/tiny.json"
+    for override, message in [("train.lr=NaN", "train.lr must be a finite non-negative number, got nan"),
+                              ("train.lr=nan", "train.lr must be a finite non-negative number, got 'nan'"),
+                              ("train.lr=true", "got True"),
+                              ("train.freeze=wte", "train.freeze must be a list of strings, got the string 'wte'"),
+                              ("train.seed=-1", "train.seed must be an integer in [0, 2**32), got -1"),
+                              ("train.seq_len=65", "train.seq_len=65 exceeds model.max_len=64")]:
+        with pytest.raises(ConfigError) as e:
+            load_config(tiny, [override])
+        assert message in str(e.value), override
+    assert load_config(tiny, ['train.freeze=["wte"]']).train.freeze == ("wte",)
+
+
+def test_comment_lines_are_accepted_and_a_trailing_comment_is_named_by_line(tmp_path, repo_root):
+    body = (repo_root / "configs/tiny.json").read_text().splitlines()
+    commented = tmp_path / "commented.json"
+    commented.write_text("\n".join(["// a tiny model", "# for tests", body[0], "  // the model", *body[1:]]))
+    assert load_config(commented) == load_config(repo_root / "configs/tiny.json")
+    trailing = tmp_path / "trailing.json"
+    trailing.write_text('{"model": {"n_layers": 2, // two\n "d_model": 64}}')
+    with pytest.raises(ConfigError) as e:
+        load_config(trailing)
+    assert "trailing.json: not valid JSON at line 1, column 27" in str(e.value)
+    assert "comments are allowed only on lines of their own" in str(e.value)
+    assert '\'{"model": {"n_layers": 2, // two\'' in str(e.value)
