@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import jax
@@ -33,11 +34,24 @@ def mesh_config(spec: MeshConfig | str | tuple[int, int, int] | None) -> MeshCon
 def make_mesh(spec: MeshConfig | str | tuple[int, int, int] | None = None, devices=None) -> Mesh:
     """A mesh over axes (data, fsdp, model) with Auto axis types (linen's constraints need Auto).
 
-    With fewer devices requested than exist (e.g. (1,1,1) on 8), the first ones are used.
+    With fewer devices requested than exist (e.g. (2,1,1) on 8), the first ones are used, with a
+    warning; a one-device mesh is taken as deliberate (it is the default for sampling).
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_config(spec).resolve(len(devices))
-    n = shape[0] * shape[1] * shape[2]
+    config = mesh_config(spec)
+    try:
+        shape = config.resolve(len(devices))
+    except ConfigError as e:
+        needed = math.prod(s for s in config.shape if s != -1)
+        if devices[0].platform == "cpu" and needed > len(devices):
+            raise ConfigError(
+                f"{e}; on CPU, get {needed} virtual devices by starting with "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}") from None
+        raise
+    n = math.prod(shape)
+    if 1 < n < len(devices):
+        log.warning("mesh %s uses %d of the %d devices; the other %d stay idle (put -1 on one axis to use them all)",
+                    shape, n, len(devices), len(devices) - n)
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:n])
 
 
