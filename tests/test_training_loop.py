@@ -12,33 +12,16 @@ import jax
 import numpy as np
 import pytest
 
-from gptj_flax import checkpoint, data, partitioning
-from gptj_flax.config import from_dict, save_config
-from gptj_flax.data.corpus import write_stdlib_corpus
+from gptj_flax import checkpoint, partitioning
 from gptj_flax.training import TrainingDiverged, train
+from tests.training_helpers import make_config, make_corpus, write_config
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "train_worker.py")
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    train_txt, val_txt = write_stdlib_corpus(str(root), max_bytes=400_000)
-    tokenizer = data.train_bpe_tokenizer([train_txt], vocab_size=256)
-    data.save_tokenizer(tokenizer, str(root / "tokenizer"))
-    return {"train": train_txt, "val": val_txt, "tokenizer": str(root / "tokenizer")}
-
-
-def make_config(corpus, run_dir, **train_overrides):
-    train_section = dict(batch_size=8, total_steps=20, warmup_steps=3, anneal_steps=17, lr=3e-3, end_lr=3e-4,
-                         run_dir=str(run_dir), train_set=corpus["train"], val_set={"stdlib": corpus["val"]},
-                         tokenizer=corpus["tokenizer"], val_every=10, val_batches=2, ckpt_every=10, grad_accum_steps=2)
-    train_section.update(train_overrides)
-    return from_dict({
-        "model": dict(n_layers=2, d_model=32, n_heads=8, rotary_dim=4, vocab_size=256, max_len=32, dtype="float32"),
-        "mesh": dict(data=2, fsdp=2, model=2),
-        "train": train_section,
-    })
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def params_of(run_dir, mesh_shape):
@@ -87,14 +70,9 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
     run = tmp_path / "nan"
     train(make_config(corpus, run, total_steps=4, ckpt_every=2), progress=False)
     # step 5 runs on finite weights (its loss is fine); its update with lr=1e30 breaks step 6
-    with pytest.raises(TrainingDiverged, match=r"loss became (nan|inf) at step 6.*last good checkpoint \(step 4\)"):
+    with pytest.raises(TrainingDiverged, match=r"loss became (nan|inf) at step 6.*last checkpoint saved \(step 4\)"):
         train(make_config(corpus, run, total_steps=8, lr=1e30, end_lr=1e30, warmup_steps=0), progress=False)
     assert checkpoint.Checkpointer(run, read_only=True).latest_step() == 4
-
-
-def _write_config(config, path):
-    save_config(config, path)
-    return str(path)
 
 
 @pytest.mark.slow
@@ -103,7 +81,7 @@ def test_sigterm_saves_exits_zero_and_resumes_with_the_same_losses(corpus, tmp_p
     reference = train(make_config(corpus, tmp_path / "ref", total_steps=steps, val_set={}, ckpt_every=1000),
                       progress=False)
     run = tmp_path / "preempted"
-    cfg = _write_config(make_config(corpus, run, total_steps=steps, val_set={}, ckpt_every=1000), tmp_path / "c.json")
+    cfg = write_config(make_config(corpus, run, total_steps=steps, val_set={}, ckpt_every=1000), tmp_path / "c.json")
     cmd = [sys.executable, "scripts/train.py", "--config", cfg, "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run / "metrics.jsonl"
@@ -171,8 +149,8 @@ def _run_workers(config_path, out_path, n_proc, local_devices, mesh, stop_after,
 @pytest.mark.slow
 def test_two_processes_match_one_and_their_checkpoint_restores_elsewhere(corpus, tmp_path, repo_root):
     overrides = dict(total_steps=8, ckpt_every=5, val_set={})
-    single_cfg = _write_config(make_config(corpus, tmp_path / "single", **overrides), tmp_path / "single.json")
-    multi_cfg = _write_config(make_config(corpus, tmp_path / "multi", **overrides), tmp_path / "multi.json")
+    single_cfg = write_config(make_config(corpus, tmp_path / "single", **overrides), tmp_path / "single.json")
+    multi_cfg = write_config(make_config(corpus, tmp_path / "multi", **overrides), tmp_path / "multi.json")
 
     single = _run_workers(single_cfg, str(tmp_path / "single.out"), 1, 8, "2,2,2", 8, repo_root)
     multi = _run_workers(multi_cfg, str(tmp_path / "multi.out"), 2, 4, "2,2,2", 5, repo_root)

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from gptj_flax import partitioning
-from gptj_flax.config import TrainConfig
+from gptj_flax.config import ConfigError, TrainConfig
 from gptj_flax.data import Batch
 from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
@@ -86,7 +86,7 @@ def test_freezing_by_pattern_and_schedule_restart():
     adam = [s for s in jax.tree.leaves(restarted, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
             if isinstance(s, optax.ScaleByAdamState)]
     assert adam and all(int(s.count) == 2 for s in adam)
-    with pytest.raises(ValueError, match="match no parameter"):
+    with pytest.raises(ConfigError, match=r"train.freeze patterns \['encoder/\*'\] match no parameter"):
         optimizer.make_optimizer(TRAIN, params, freeze=["encoder/*"])
 
 

@@ -2,15 +2,18 @@
 
 Every process of a multi-host run executes this same function; each reads only its own share of
 every batch and the shares are assembled into global arrays. Metrics are fetched one step late so
-the host prepares batch n+1 while the devices run step n.
+the host prepares batch n+1 while the devices run step n. One trainer at a time owns a run
+directory (``train.lock``); SIGTERM or a first Ctrl-C finishes the step, saves and returns.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,17 +25,18 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from gptj_flax import checkpoint, data, partitioning
-from gptj_flax.config import Config
+from gptj_flax.config import Config, ConfigError
 from gptj_flax.errors import GptjFlaxError
 from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
+from gptj_flax.training.lock import exclusive_run_dir
 from gptj_flax.training.metrics import MetricsWriter, peak_flops_per_device
 
 log = logging.getLogger(__name__)
 
 
 class TrainingDiverged(GptjFlaxError, RuntimeError):
-    """The loss became NaN or infinite; the last good checkpoint is kept."""
+    """The loss became NaN or infinite; the run stops without saving the broken state."""
 
 
 @dataclasses.dataclass
@@ -41,27 +45,42 @@ class TrainResult:
     losses: dict[int, float]  # step → training loss
     val: dict[int, dict[str, float]]  # step → {"loss_NAME": …, "ppl_NAME": …}
     harness: dict[int, dict[str, float]]  # step → {"harness/TASK/METRIC": …} (with a harness hook)
-    preempted: bool
+    preempted: bool  # stopped early by SIGTERM or Ctrl-C, after saving
     run_dir: str
+    interrupted: bool = False  # the early stop was a Ctrl-C (SIGINT)
+    saved_step: int | None = None  # the last checkpoint this call wrote; None if it wrote none
 
 
-class _Preemption:
-    """SIGTERM (a TPU VM being preempted) → finish the current step, save, exit cleanly."""
+class _StopRequests:
+    """SIGTERM (a TPU VM being preempted) or a first Ctrl-C → finish the current step, save, return.
+
+    A second Ctrl-C ends the process at once: the first one hands SIGINT back to the kernel's
+    default action, which works even while the main thread waits inside XLA.
+    """
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self.interrupted = False
+        self._previous = {}
 
     def __enter__(self):
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
         return self
 
     def _handle(self, signum, frame):
-        log.warning("SIGTERM received: finishing this step, then saving and exiting")
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            self.interrupted = True
+            log.warning("Ctrl-C: finishing this step, then saving and exiting; press Ctrl-C again to quit at once "
+                        "without saving")
+        else:
+            log.warning("SIGTERM received: finishing this step, then saving and exiting")
         self.requested = True
 
     def __exit__(self, *exc):
-        signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 def _restore_or_init(config: Config, model: GPTJ, tx, mesh: Mesh, ckpt: checkpoint.Checkpointer,
@@ -112,6 +131,16 @@ def evaluate(eval_step: Callable, params: Any, val_sets: dict[str, list[data.Bat
     return out
 
 
+def _holding_run_dir(train_fn):
+    """Run ``train_fn(config, …)`` while holding ``config.train.run_dir``'s lock."""
+    @functools.wraps(train_fn)
+    def locked(config: Config, *args, **kwargs):
+        with exclusive_run_dir(config.train.run_dir):
+            return train_fn(config, *args, **kwargs)
+    return locked
+
+
+@_holding_run_dir
 def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = None, fresh_opt: bool = False,
           peak_flops: float | None = None, stop_after: int | None = None, progress: bool = True,
           tokenizer=None, harness: Callable[..., dict[str, float]] | None = None) -> TrainResult:
@@ -123,25 +152,29 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
         the run directory holds no checkpoint yet).
       fresh_opt: with ``init_from``, discard its optimiser moments.
       peak_flops: the device's peak FLOP/s for MFU (default: known per device kind).
-      stop_after: stop (with a checkpoint) after this many steps in this invocation.
+      stop_after: stop (with a checkpoint) after this many steps in this invocation; 0 runs none.
       tokenizer: a tokenizer object; default ``config.train.tokenizer`` or the run's saved one.
       harness: runs ``train.eval_harness_tasks`` at validation steps, called as
         ``harness(step, params, model_config=…, mesh=…, tokenizer=…)`` and returning metrics to log
         (``gptj_flax.evaluation.during_training.HarnessDuringTraining``, which the caller builds:
         training never imports evaluation).
+
+    Raises :class:`~gptj_flax.training.lock.RunDirLocked` if another trainer holds the run directory.
     """
     tc, mc = config.train, config.model
+    if stop_after is not None and stop_after < 0:
+        raise ValueError(f"stop_after must be >= 0, got {stop_after}")
     mesh = mesh or partitioning.make_mesh(config.mesh)
     shape = partitioning.mesh_shape(mesh)
     mc.validate_for_mesh(shape)
     data_parallel = shape["data"] * shape["fsdp"]
     batch_size = tc.global_batch_size(data_parallel)
     if batch_size % data_parallel:
-        raise ValueError(f"train.batch_size={batch_size} is not divisible by the {data_parallel} data-parallel "
-                         f"shards of mesh {shape}")
+        raise ConfigError(f"train.batch_size={batch_size} is not divisible by the {data_parallel} data-parallel "
+                          f"shards (data x fsdp) of mesh {shape}: use a multiple of {data_parallel}")
     seq_len = tc.seq_len or mc.max_len
     if tc.train_set is None:
-        raise ValueError("train.train_set is not set: give an .index file, a text/jsonl path or tfds:NAME")
+        raise ConfigError("train.train_set is not set: give an .index file, a text/jsonl path or tfds:NAME")
     if tc.eval_harness_tasks and harness is None:
         log.warning("train.eval_harness_tasks=%s but no harness hook was passed to train(); the tasks do not run",
                     list(tc.eval_harness_tasks))
@@ -176,7 +209,10 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
     train_step = steps.compile_train_step(model, tx, mesh, shardings, lr_fn, tc.z_loss, accumulated=True)
     eval_step = steps.compile_eval_step(model, mesh, shardings.params, accumulated=False)
 
-    writer = MetricsWriter(tc.run_dir, wandb_project=tc.wandb_project, run_name=tc.name, config=config.to_dict())
+    # Rows past the restored step were written by a run that died before its next checkpoint; the
+    # step-0 baseline is recomputed when there is no checkpoint at all.
+    writer = MetricsWriter(tc.run_dir, wandb_project=tc.wandb_project, run_name=tc.name, config=config.to_dict(),
+                           drop_from_step=start + 1 if start else 0)
     tokens_per_step = tc.grad_accum_steps * batch_size * seq_len
     peak = peak_flops_per_device(peak_flops)
     flops_per_step = mc.flops_per_token(seq_len) * tokens_per_step
@@ -186,10 +222,13 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
     val: dict[int, dict[str, float]] = {}
     harness_scores: dict[int, dict[str, float]] = {}
     preempted = False
+    saved_step = None
 
     def save(step: int) -> None:
+        nonlocal saved_step
         ckpt.save(step, params=state.params, opt_state=state.opt_state, config=config,
                   meta={"data": train_batches.state(), "seed": tc.seed}, force=True)
+        saved_step = step
 
     def run_harness(step: int) -> None:
         harness_scores[step] = harness(step, state.params, model_config=mc, mesh=mesh, tokenizer=tokenizer)
@@ -198,9 +237,12 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
     def record(step: int, metrics, seconds: float) -> None:
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not math.isfinite(metrics["loss"]):
+            ckpt.wait()  # a save still in flight is part of what the run keeps
+            latest = ckpt.latest_step()
+            kept = f"the last checkpoint saved (step {latest})" if latest is not None else "no checkpoint (none was saved)"
             raise TrainingDiverged(
                 f"loss became {metrics['loss']} at step {step} (grad norm {metrics['grad_norm']}); the run stops "
-                f"here and keeps its last good checkpoint (step {ckpt.latest_step()}) in {tc.run_dir}. "
+                f"here, without saving, and {tc.run_dir} keeps {kept}. "
                 "Lower train.lr, raise train.warmup_steps or check the data.")
         losses[step] = metrics["loss"]
         row = {"train/loss": metrics["loss"], "train/grad_norm": metrics["grad_norm"], "train/lr": metrics["lr"],
@@ -214,50 +256,52 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
     bar = tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=not progress or jax.process_index() != 0)
     pending = None  # (step, metrics, start time) of the step whose metrics are not fetched yet
-    try:
-        with _Preemption() as preemption, partitioning.activate(mesh):
-            step = start
-            if start == 0 and val_sets:  # the baseline the run improves on
-                val[0] = evaluate(eval_step, state.params, val_sets, eval_sharding)
-                writer.write(0, {f"val/{k}": v for k, v in val[0].items()})
-            if start == 0 and harness is not None:
-                run_harness(0)
-            while step < end:
-                batch = data.to_global_batch(next(train_batches), train_sharding)
-                t0 = time.perf_counter()
-                state, metrics = train_step(state, batch)
+    # Installed until the final save has finished: a first Ctrl-C never abandons a save.
+    with _StopRequests() as stop:
+        try:
+            with partitioning.activate(mesh):
+                step = start
+                if start == 0 and val_sets:  # the baseline the run improves on
+                    val[0] = evaluate(eval_step, state.params, val_sets, eval_sharding)
+                    writer.write(0, {f"val/{k}": v for k, v in val[0].items()})
+                if start == 0 and harness is not None:
+                    run_harness(0)
+                while step < end:
+                    batch = data.to_global_batch(next(train_batches), train_sharding)
+                    t0 = time.perf_counter()
+                    state, metrics = train_step(state, batch)
+                    if pending is not None:
+                        record(pending[0], pending[1], t0 - pending[2])
+                    step += 1
+                    pending = (step, metrics, t0)
+                    bar.update(1)
+                    at_val_step = step % tc.val_every == 0 or step == end
+                    at_val = bool(val_sets) and at_val_step
+                    at_harness = harness is not None and at_val_step
+                    at_ckpt = step % tc.ckpt_every == 0 or step == end or stop.requested
+                    if at_val or at_harness or at_ckpt:
+                        jax.block_until_ready(metrics)
+                        record(pending[0], pending[1], time.perf_counter() - pending[2])
+                        pending = None
+                    if at_val:
+                        val[step] = evaluate(eval_step, state.params, val_sets, eval_sharding)
+                        writer.write(step, {f"val/{k}": v for k, v in val[step].items()})
+                        log.info("step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in val[step].items()))
+                    if at_harness:
+                        run_harness(step)
+                    if at_ckpt:
+                        save(step)
+                    if stop.requested:
+                        preempted = True
+                        break
                 if pending is not None:
-                    record(pending[0], pending[1], t0 - pending[2])
-                step += 1
-                pending = (step, metrics, t0)
-                bar.update(1)
-                at_val_step = step % tc.val_every == 0 or step == end
-                at_val = bool(val_sets) and at_val_step
-                at_harness = harness is not None and at_val_step
-                at_ckpt = step % tc.ckpt_every == 0 or step == end or preemption.requested
-                if at_val or at_harness or at_ckpt:
-                    jax.block_until_ready(metrics)
+                    jax.block_until_ready(pending[1])
                     record(pending[0], pending[1], time.perf_counter() - pending[2])
-                    pending = None
-                if at_val:
-                    val[step] = evaluate(eval_step, state.params, val_sets, eval_sharding)
-                    writer.write(step, {f"val/{k}": v for k, v in val[step].items()})
-                    log.info("step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in val[step].items()))
-                if at_harness:
-                    run_harness(step)
-                if at_ckpt:
-                    save(step)
-                if preemption.requested:
-                    preempted = True
-                    break
-            if pending is not None:
-                jax.block_until_ready(pending[1])
-                record(pending[0], pending[1], time.perf_counter() - pending[2])
-    finally:
-        bar.close()
-        ckpt.close()
-        writer.flush()
+        finally:
+            bar.close()
+            ckpt.close()
+            writer.flush()
     writer.plot()
     writer.close()
     return TrainResult(step=step, losses=losses, val=val, harness=harness_scores, preempted=preempted,
-                       run_dir=tc.run_dir)
+                       run_dir=tc.run_dir, interrupted=preempted and stop.interrupted, saved_step=saved_step)

@@ -1,6 +1,8 @@
 """Where training metrics go: JSONL, TensorBoard event files, W&B when configured, a PNG at the end.
 
-Only process 0 writes; every other process gets a writer that does nothing.
+Only process 0 writes; every other process gets a writer that does nothing. A resumed run first
+drops what was recorded after the checkpoint it resumes from (those steps run again), so
+``metrics.jsonl`` holds each step once and TensorBoard hides the superseded points.
 """
 
 from __future__ import annotations
@@ -44,8 +46,42 @@ def peak_flops_per_device(override: float | None = None) -> float | None:
     return None
 
 
+def drop_records_from(path: str, first_dropped: int) -> int:
+    """Rewrite the JSONL file ``path`` without rows of step >= ``first_dropped``, nor a torn last line.
+
+    Returns how many lines were dropped. The file is replaced atomically (a temporary file, renamed).
+    """
+    if not os.path.exists(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+                step = int(row["step"])
+            except (ValueError, KeyError, TypeError):  # a line cut short by a crash mid-write
+                dropped += 1
+                continue
+            if step >= first_dropped:
+                dropped += 1
+            else:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
 class MetricsWriter:
-    def __init__(self, run_dir: str, *, wandb_project: str | None = None, run_name: str = "", config: dict | None = None):
+    """``drop_from_step``: the first step this run records again; older runs' rows from there on are
+    removed from ``metrics.jsonl`` and purged from TensorBoard's view."""
+
+    def __init__(self, run_dir: str, *, wandb_project: str | None = None, run_name: str = "",
+                 config: dict | None = None, drop_from_step: int | None = None):
         self.enabled = jax.process_index() == 0
         self.run_dir = run_dir
         self.history: list[dict] = []
@@ -53,10 +89,16 @@ class MetricsWriter:
         if not self.enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        jsonl = os.path.join(run_dir, "metrics.jsonl")
+        if drop_from_step is not None:
+            dropped = drop_records_from(jsonl, drop_from_step)
+            if dropped:
+                log.info("dropped %d metrics rows of steps >= %d from %s: those steps run again", dropped,
+                         drop_from_step, jsonl)
+        self._jsonl = open(jsonl, "a")
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=drop_from_step)
         if wandb_project:
             try:
                 import wandb
@@ -112,7 +154,8 @@ class MetricsWriter:
         ax.set_ylabel("loss (nats/token)")
         ax.set_title(os.path.basename(os.path.normpath(self.run_dir)))
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # nothing recorded yet (e.g. --stop-after 0): no legend
+            ax.legend()
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)

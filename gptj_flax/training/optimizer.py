@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gptj_flax.config import DTYPES, TrainConfig
+from gptj_flax.config import DTYPES, ConfigError, TrainConfig
 
 
 def schedule(train: TrainConfig) -> optax.Schedule:
@@ -54,8 +54,8 @@ def make_optimizer(train: TrainConfig, params=None, freeze: Sequence[str] = ()) 
         raise ValueError("freezing parameters needs the params tree to resolve the patterns")
     mask = frozen_mask(params, freeze)
     if not any(jax.tree.leaves(mask)):
-        raise ValueError(f"--freeze patterns {list(freeze)} match no parameter; paths look like "
-                         f"{', '.join(_path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)[:3])}")
+        raise ConfigError(f"train.freeze patterns {list(freeze)} match no parameter; paths look like "
+                          f"{', '.join(_path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)[:3])}")
     labels = jax.tree.map(lambda frozen: "frozen" if frozen else "train", mask)
     return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
 

@@ -1,0 +1,100 @@
+"""Stopping a trainer: Ctrl-C saves (a second one quits at once), and a crash's repeated steps are not recorded twice."""
+
+import json
+import logging
+import signal
+import time
+
+import pytest
+
+from gptj_flax import checkpoint
+from gptj_flax.training import train
+from gptj_flax.training.lock import LOCK_NAME
+from gptj_flax.training.metrics import MetricsWriter, drop_records_from
+from tests.training_helpers import make_config, make_corpus, start_trainer, train_losses, wait_for, write_config
+
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"), max_bytes=200_000)
+
+
+def _config(corpus, run_dir, ckpt_every=1000):
+    return make_config(corpus, run_dir, total_steps=STEPS, val_set={}, ckpt_every=ckpt_every)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """Training losses of an uninterrupted run (they do not depend on how often it saves)."""
+    return train(_config(corpus, tmp_path_factory.mktemp("reference") / "run"), progress=False).losses
+
+
+def _assert_each_step_once_with_the_reference_losses(run, reference):
+    rows = train_losses(run)
+    assert [step for step, _ in rows] == list(range(1, STEPS + 1))
+    for step, loss in rows:
+        assert abs(loss - reference[step]) <= 1e-6, step
+
+
+def test_records_past_the_resumed_step_are_dropped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "train/loss": 1.0 / s} for s in range(1, 8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 8, "train/lo')  # torn by a crash
+    assert drop_records_from(str(path), 6) == 3
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    writer = MetricsWriter(str(tmp_path), drop_from_step=3)
+    writer.write(3, {"train/loss": 0.5})
+    writer.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_the_current_step_exits_130_and_resumes_with_the_same_losses(corpus, reference, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "train.log"
+    proc = start_trainer(write_config(_config(corpus, run), tmp_path / "c.json"), log)
+    wait_for(lambda: len(train_losses(run)) >= 5, proc, log, what="five steps")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=300) == 130, log.read_text()[-3000:]
+    out = log.read_text()
+    stopped = checkpoint.Checkpointer(run, read_only=True).latest_step()
+    assert stopped is not None and 5 <= stopped < STEPS, out[-3000:]
+    assert f"step {stopped}: interrupted, saved in {run}" in out and "Traceback" not in out
+    assert [step for step, _ in train_losses(run)] == list(range(1, stopped + 1))  # saved where it stopped
+
+    resumed = train(_config(corpus, run), progress=False)
+    assert min(resumed.losses) == stopped + 1
+    _assert_each_step_once_with_the_reference_losses(run, reference)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_quits_at_once(corpus, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "train.log"
+    proc = start_trainer(write_config(_config(corpus, run), tmp_path / "c.json"), log)
+    wait_for(lambda: len(train_losses(run)) >= 3, proc, log, what="three steps")
+    proc.send_signal(signal.SIGINT)
+    wait_for(lambda: "press Ctrl-C again" in log.read_text(), proc, log, what="the first Ctrl-C's notice")
+    second = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == -signal.SIGINT, log.read_text()[-3000:]  # killed, not the graceful 130
+    assert time.monotonic() - second < 5
+
+
+@pytest.mark.slow
+def test_after_a_crash_and_a_resume_metrics_hold_each_step_once(corpus, reference, tmp_path, caplog):
+    run, log = tmp_path / "run", tmp_path / "train.log"
+    proc = start_trainer(write_config(_config(corpus, run, ckpt_every=10), tmp_path / "c.json"), log)
+    wait_for(lambda: (run / "10").is_dir() and len(train_losses(run)) >= 13, proc, log, what="step 13")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    latest = checkpoint.Checkpointer(run, read_only=True).latest_step()
+    recorded = [step for step, _ in train_losses(run)]
+    assert latest is not None and max(recorded) > latest  # steps past the checkpoint, which will run again
+    assert json.loads((run / LOCK_NAME).read_text())["pid"] == proc.pid  # the dead trainer's lock is left
+
+    with caplog.at_level(logging.WARNING):
+        resumed = train(_config(corpus, run, ckpt_every=10), progress=False)
+    assert min(resumed.losses) == latest + 1
+    assert f"taking over the stale lock of pid {proc.pid}" in caplog.text
+    _assert_each_step_once_with_the_reference_losses(run, reference)
