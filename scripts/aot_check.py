@@ -8,15 +8,19 @@
 import argparse
 import sys
 
+from gptj_flax.config import cli_path, join_negative_values
+from gptj_flax.errors import add_debug_flag, run_cli
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", required=True, type=cli_path)
     parser.add_argument("--topology", required=True, action="append",
                         help="a TPU slice such as v3:2x2, v4:2x2x1, v5e:2x4 (repeatable)")
     parser.add_argument("--mesh", help="data,fsdp,model sizes (default: the config's)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    args = parser.parse_args()
+    add_debug_flag(parser)
+    args = parser.parse_args(join_negative_values(sys.argv[1:]))
 
     from gptj_flax.config import load_config
     from gptj_flax.training.aot import compile_for_topology
@@ -31,4 +35,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

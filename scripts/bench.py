@@ -13,6 +13,8 @@ import importlib
 import os
 import sys
 
+from gptj_flax.errors import add_debug_flag, run_cli
+
 # Benchmarks that build a multi-device mesh, and the devices they need on a CPU-only machine (the
 # data benchmark compares with the demo's 2x2x2 mesh). The others run on JAX's default single CPU
 # device, as a user's program would: with 8 virtual devices on this 2-core machine, batch-16
@@ -32,6 +34,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     subparsers = {name: commands.add_parser(name, help=summary) for name, (_, summary) in BENCHMARKS.items()}
+    for subparser in subparsers.values():
+        add_debug_flag(subparser)
     chosen = next((arg for arg in sys.argv[1:] if arg in BENCHMARKS), None)
     if chosen is not None:
         if chosen in VIRTUAL_CPU_DEVICES:
@@ -44,4 +48,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -18,16 +18,20 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 
+from gptj_flax.config import cli_path, join_negative_values  # noqa: E402
+from gptj_flax.errors import EXIT_INTERRUPTED, add_debug_flag, run_cli  # noqa: E402
+
 jax.config.update("jax_num_cpu_devices", 8)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/demo_cpu.json")
+    parser.add_argument("--config", default="configs/demo_cpu.json", type=cli_path)
     parser.add_argument("--mesh", help="data,fsdp,model sizes (default: the config's 2,2,2)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     parser.add_argument("--prompt", default="def ", help="what the sample starts from")
-    args = parser.parse_args()
+    add_debug_flag(parser)
+    args = parser.parse_args(join_negative_values(sys.argv[1:]))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     import gptj_flax
@@ -42,6 +46,9 @@ def main() -> int:
           f"model of {config.model.param_count():,} parameters")
     prepare_demo_data(os.path.dirname(config.train.train_set), config.model.vocab_size)
     result = train(config, mesh=mesh)
+    if result.preempted:
+        print(f"stopped at step {result.step}, saved in {result.run_dir}; run the same command again to continue")
+        return EXIT_INTERRUPTED if result.interrupted else 0
 
     rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
     val = [(r["step"], r["val/ppl_stdlib"]) for r in rows if "val/ppl_stdlib" in r]
@@ -56,4 +63,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -12,30 +12,43 @@ lm-eval's own command line with this model registered: ``python -m gptj_flax.eva
 
 import argparse
 import json
+import os
 import sys
+
+from gptj_flax.config import cli_path, join_negative_values
+from gptj_flax.errors import add_debug_flag, run_cli
+
+
+def tokenizer_source(text: str) -> str:
+    """A local tokenizer directory made absolute; a bare hub name (``gpt2``) left as it is."""
+    return cli_path(text) if os.path.exists(text) or os.sep in text or text.startswith(("~", ".")) else text
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, help="run directory (latest step) or a step directory")
+    parser.add_argument("--checkpoint", required=True, type=cli_path,
+                        help="run directory (latest step) or a step directory")
     parser.add_argument("--step", type=int, help="this step instead of the latest")
     parser.add_argument("--mesh", help="data,fsdp,model sizes or a layout name (default: one device)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="compute dtype (default: the checkpoint's config)")
-    parser.add_argument("--tokenizer", help="tokenizer directory (default: the one saved with the checkpoint)")
+    parser.add_argument("--tokenizer", type=tokenizer_source,
+                        help="tokenizer directory (default: the one saved with the checkpoint)")
+    add_debug_flag(parser)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_debug_flag(parser)
     commands = parser.add_subparsers(dest="command", required=True)
 
     harness = commands.add_parser("harness", help="run lm-eval tasks, write the results JSON")
     add_model_arguments(harness)
     harness.add_argument("--tasks", required=True, nargs="+", help="lm-eval task names (space or comma separated)")
-    harness.add_argument("--output", required=True, help="results JSON to write")
+    harness.add_argument("--output", required=True, type=cli_path, help="results JSON to write")
     harness.add_argument("--batch-size", type=int, default=16, help="requests per compiled call")
     harness.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
     harness.add_argument("--limit", type=float, help="examples per task (a count, or a fraction if < 1)")
-    harness.add_argument("--include-path", help="a directory of extra task YAML files")
+    harness.add_argument("--include-path", type=cli_path, help="a directory of extra task YAML files")
     harness.add_argument("--no-builtin-tasks", action="store_true",
                          help="index only --include-path's tasks (skips reading lm-eval's ~13,000 task files)")
     harness.add_argument("--max-gen-toks", type=int, default=256, help="generation length when a task sets none")
@@ -46,22 +59,24 @@ def parse_args() -> argparse.Namespace:
 
     perplexity = commands.add_parser("perplexity", help="token-weighted loss and perplexity over a dataset")
     add_model_arguments(perplexity)
-    perplexity.add_argument("--data", required=True, nargs="+",
+    perplexity.add_argument("--data", required=True, nargs="+", type=cli_path,
                             help=".index / .tfrecords file, text or jsonl files or directories, or tfds:NAME[@SPLIT]")
     perplexity.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
     perplexity.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     perplexity.add_argument("--max-batches", type=int, help="only the first this many batches")
-    perplexity.add_argument("--tfds-data-dir", help="where prepared TFDS datasets live")
-    perplexity.add_argument("--output", help="also write the result as JSON here")
+    perplexity.add_argument("--tfds-data-dir", type=cli_path, help="where prepared TFDS datasets live")
+    perplexity.add_argument("--output", type=cli_path, help="also write the result as JSON here")
     perplexity.add_argument("--no-progress", action="store_true")
 
     compare = commands.add_parser("compare", help="two lm-eval results files side by side, with significance")
-    compare.add_argument("a", help="results JSON of model A")
-    compare.add_argument("b", help="results JSON of model B")
+    compare.add_argument("a", type=cli_path, help="results JSON of model A")
+    compare.add_argument("b", type=cli_path, help="results JSON of model B")
     compare.add_argument("--names", nargs=2, metavar=("A", "B"), help="column names (default: the file names)")
-    compare.add_argument("--markdown", help="also write the table to this file")
-    compare.add_argument("--plot", default="comparison.png", help="bar chart PNG to write (default: %(default)s)")
-    return parser.parse_args()
+    compare.add_argument("--markdown", type=cli_path, help="also write the table to this file")
+    compare.add_argument("--plot", default="comparison.png", type=cli_path,
+                         help="bar chart PNG to write (default: %(default)s)")
+    add_debug_flag(compare)
+    return parser.parse_args(join_negative_values(sys.argv[1:]))
 
 
 def run_harness(args: argparse.Namespace) -> None:
@@ -106,8 +121,6 @@ def run_perplexity(args: argparse.Namespace) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> None:
-    import os
-
     from gptj_flax.evaluation import compare
 
     name_a, name_b = args.names or [os.path.splitext(os.path.basename(p))[0] for p in (args.a, args.b)]
@@ -123,13 +136,9 @@ def run_compare(args: argparse.Namespace) -> None:
 
 def main() -> int:
     args = parse_args()
-    try:
-        {"harness": run_harness, "perplexity": run_perplexity, "compare": run_compare}[args.command](args)
-    except ValueError as e:  # bad input (checkpoint, data, results file): the message says what to fix
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    {"harness": run_harness, "perplexity": run_perplexity, "compare": run_compare}[args.command](args)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

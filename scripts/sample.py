@@ -12,19 +12,21 @@ import sys
 import time
 
 import gptj_flax
+from gptj_flax.config import cli_path, join_negative_values
+from gptj_flax.errors import add_debug_flag, run_cli
 from gptj_flax.sampling import SamplingError
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="run directory (latest step) or a step directory")
+    parser.add_argument("checkpoint", type=cli_path, help="run directory (latest step) or a step directory")
     parser.add_argument("--step", type=int, default=None, help="load this step instead of the latest")
     parser.add_argument("--mesh", default=None, help="data,fsdp,model sizes or a layout name (default: one device)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="parameter and compute dtype (default: as stored / the config's)")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prompt", help="complete this prompt and exit")
-    mode.add_argument("--prompt-file", help="complete the text of this file and exit")
+    mode.add_argument("--prompt-file", type=cli_path, help="complete the text of this file and exit")
     mode.add_argument("--interactive", action="store_true", help="read prompts from the terminal in a loop")
     parser.add_argument("--num-samples", type=int, default=1, help="completions per prompt (one batch)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -39,7 +41,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     parser.add_argument("--original-order", action="store_true",
                         help="apply temperature after top-k/top-p, as mesh-transformer-jax did")
-    args = parser.parse_args()
+    add_debug_flag(parser)
+    args = parser.parse_args(join_negative_values(sys.argv[1:]))
     if args.num_samples < 1:
         parser.error(f"--num-samples must be >= 1, got {args.num_samples}")
     return args
@@ -72,10 +75,7 @@ def main() -> None:
         else:
             with open(args.prompt_file) as f:
                 prompt = f.read()
-        try:
-            complete(lm, prompt, args, settings)
-        except SamplingError as e:
-            raise SystemExit(f"error: {e}") from None
+        complete(lm, prompt, args, settings)
         return
     while True:
         try:
@@ -94,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

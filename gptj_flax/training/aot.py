@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gptj_flax import partitioning
 from gptj_flax.config import Config
+from gptj_flax.errors import GptjFlaxError
 from gptj_flax.data import Batch
 from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
@@ -73,14 +74,18 @@ class AotReport:
         ])
 
 
+class TopologyError(GptjFlaxError, RuntimeError):
+    """The TPU slice cannot be described here (libtpu missing, or an unknown name)."""
+
+
 def topology_devices(topology: str):
     from jax.experimental import topologies
 
     try:
         return topologies.get_topology_desc(topology, "tpu").devices
     except Exception as e:  # libtpu missing or an unknown name: say which
-        raise RuntimeError(f"cannot describe TPU topology {topology!r} ({e}); install the extra: pip install "
-                           "-e '.[tpu]', and name a slice like v3:2x2, v4:2x2x1 or v5e:2x4") from None
+        raise TopologyError(f"cannot describe TPU topology {topology!r} ({e}); install the extra: pip install "
+                            "-e '.[tpu]', and name a slice like v3:2x2, v4:2x2x1 or v5e:2x4") from None
 
 
 def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotReport:

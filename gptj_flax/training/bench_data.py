@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from gptj_flax import data, partitioning
-from gptj_flax.config import load_config
+from gptj_flax.config import cli_path, load_config
 from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
 
@@ -42,7 +42,7 @@ def demo_step_tokens_per_s(config_path: str = "configs/demo_cpu.json", repeats: 
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--config", default="configs/demo_cpu.json", help="the train step to compare with")
+    parser.add_argument("--config", default="configs/demo_cpu.json", type=cli_path, help="the train step to compare with")
     parser.add_argument("--batches", type=int, default=128, help="batches read from each pipeline")
 
 
