@@ -33,10 +33,13 @@ def load_tokenizer(dir_or_name: str | os.PathLike):
         raise DataError(f"tokenizer directory not found: {name}")  # a path: don't ask the hub about it
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(name))
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a damaged tokenizer.json fails with KeyError, TypeError …
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if not isinstance(e, (OSError, ValueError)) or not reason:
+            reason = f"{type(e).__name__}: {reason}" if reason else type(e).__name__
         raise DataError(
             f"cannot load a tokenizer from {name!r}: give a directory written by "
-            f"save_tokenizer / save_pretrained, or a HuggingFace hub name such as 'gpt2' ({e})"
+            f"save_tokenizer / save_pretrained, or a HuggingFace hub name such as 'gpt2' ({reason})"
         ) from None
     eos_token_id(tokenizer)  # fail now, not at the first document
     return tokenizer
