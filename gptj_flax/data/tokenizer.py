@@ -22,6 +22,7 @@ import numpy as np
 from gptj_flax.data.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
+MIN_BPE_VOCAB = 256 + 1  # every byte, and EOS
 
 
 def load_tokenizer(dir_or_name: str | os.PathLike):
@@ -69,8 +70,12 @@ def train_bpe_tokenizer(
     """Train a GPT-2-style byte-level BPE on local text; ``<|endoftext|>`` is reserved (id 0) as EOS.
 
     ``files_or_texts`` are file paths (``from_files=True``) or the texts themselves. Byte-level
-    means every input is representable, so no unknown token is ever needed.
+    means every input is representable, so no unknown token is ever needed. ``vocab_size`` is the most
+    ids the result has; the 256 byte tokens and EOS are always there, so it is at least 257.
     """
+    if not isinstance(vocab_size, int) or vocab_size < MIN_BPE_VOCAB:
+        raise DataError(f"cannot train a byte-level BPE of vocab_size={vocab_size!r}: its 256 byte tokens and "
+                        f"{EOS_TOKEN} alone are {MIN_BPE_VOCAB} ids; ask for at least {MIN_BPE_VOCAB}")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
