@@ -8,9 +8,11 @@ writes data/mycorpus_00000_<n>.tfrecords …, data/mycorpus.index and data/mycor
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from gptj_flax.data import DataError, create_tfrecords
+from gptj_flax.data import create_tfrecords
+from gptj_flax.errors import add_debug_flag, run_cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -31,24 +33,30 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="write the corpus this many times, each pass in a new order on new record boundaries")
     p.add_argument("--sequences-per-file", type=int, default=10_000, help="records per TFRecord file (bounds file size)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    return p.parse_args(argv)
+    add_debug_flag(p)
+    args = p.parse_args(argv)
+    # Absolute paths: messages name files unambiguously, and the index lists paths valid from anywhere.
+    args.inputs = [os.path.abspath(path) for path in args.inputs]
+    args.output_dir = os.path.abspath(args.output_dir)
+    if os.path.exists(args.tokenizer):  # otherwise a hub name such as gpt2
+        args.tokenizer = os.path.abspath(args.tokenizer)
+    return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        result = create_tfrecords(
-            args.inputs, args.output_dir, name=args.name, tokenizer=args.tokenizer, seq_len=args.seq_len,
-            normalize_with_ftfy=args.normalize_with_ftfy, min_unique_tokens=args.min_unique_tokens, seed=args.seed,
-            preserve_data_order=args.preserve_data_order, n_repack_epochs=args.n_repack_epochs,
-            sequences_per_file=args.sequences_per_file, jsonl_key=args.jsonl_key, progress=not args.quiet,
-        )
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def run(args: argparse.Namespace) -> int:
+    result = create_tfrecords(
+        args.inputs, args.output_dir, name=args.name, tokenizer=args.tokenizer, seq_len=args.seq_len,
+        normalize_with_ftfy=args.normalize_with_ftfy, min_unique_tokens=args.min_unique_tokens, seed=args.seed,
+        preserve_data_order=args.preserve_data_order, n_repack_epochs=args.n_repack_epochs,
+        sequences_per_file=args.sequences_per_file, jsonl_key=args.jsonl_key, progress=not args.quiet,
+    )
     print(f"{result.documents} documents ({result.dropped_documents} dropped), {result.tokens} tokens → "
           f"{result.sequences} sequences in {len(result.files)} files\nindex: {result.index_path}")
     return 0
+
+
+def main(argv=None) -> int:
+    return run_cli(lambda: run(parse_args(argv)), argv)
 
 
 if __name__ == "__main__":

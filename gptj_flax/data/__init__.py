@@ -9,7 +9,10 @@ The trainer's entry points::
     checkpoint_extra = it.state()         # JSON-able; pass back as state= to resume exactly
     val = make_eval_sets(config.val_set, seq_len=…, batch_size=…, n_batches=config.val_batches, …)
 
-Module map: ``tokenizer`` (load/save/train), ``text`` (documents from txt/jsonl files),
+Both take ``vocab_size=`` (the model's) to refuse token ids the model has no embedding for.
+
+Module map: ``tokenizer`` (load/save/train), ``compression`` (plain/gzip/zstd/xz files, truncation
+detected), ``text`` (documents from txt/jsonl files),
 ``tfrecord`` (the legacy record format, index files, layouts), ``sources`` (everything as indexed
 shards of sequences), ``iterator`` (global order, per-process shares, state), ``batch`` (the batch
 format and global arrays), ``create`` (text → TFRecords), ``threads`` (ndjson thread dumps →

@@ -61,11 +61,12 @@ def create_tfrecords(
                               ("seed", seed, 0)):
         if not isinstance(value, int) or value < low:
             raise DataError(f"{label} must be an integer >= {low}, got {value!r}")
+    files = text_io.readable_text_files(inputs)
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
     eos = eos_token_id(tokenizer)
     width = seq_len + 1
-    documents = text_io.iter_documents(inputs, jsonl_key=jsonl_key, normalize_with_ftfy=normalize_with_ftfy)
+    documents = text_io.iter_documents(files, jsonl_key=jsonl_key, normalize_with_ftfy=normalize_with_ftfy)
 
     # 1. Tokenise everything once; documents stay separable (for shuffling) as (flat ids, lengths).
     parts, doc_lengths, dropped = [], [], 0

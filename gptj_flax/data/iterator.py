@@ -260,16 +260,18 @@ def make_train_iterator(
     source, *, seq_len: int, batch_size: int, grad_accum: int | None = None, seed: int = 0, tokenizer=None,
     process_index: int | None = None, process_count: int | None = None, state: Mapping | None = None,
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER, tfds_data_dir: str | None = None, progress: bool = True,
+    vocab_size: int | None = None,
 ) -> DataIterator:
     """Training batches of ``source`` (see :func:`~gptj_flax.data.sources.open_source`) for this process.
 
     ``batch_size`` is global; this process gets rows ``[p·B/P, (p+1)·B/P)`` with ``p, P`` from
     ``jax.process_index() / jax.process_count()`` unless given (see ``process_share`` to match a
     mesh's device order). ``state`` is a previous :meth:`DataIterator.state` to resume from.
+    ``vocab_size``: the model's; token ids outside ``[0, vocab_size)`` raise :class:`DataError`.
     """
     process_index, process_count = _process(process_index, process_count)
     opened = open_source(source, seq_len=seq_len, tokenizer=tokenizer, tfds_data_dir=tfds_data_dir,
-                         progress=progress and process_index == 0)
+                         progress=progress and process_index == 0, vocab_size=vocab_size)
     return DataIterator(opened, batch_size=batch_size, grad_accum=grad_accum, seed=seed, shuffle_buffer=shuffle_buffer,
                         process_index=process_index, process_count=process_count, state=state)
 
@@ -277,7 +279,7 @@ def make_train_iterator(
 def make_eval_batches(
     source, *, seq_len: int, batch_size: int, n_batches: int | None = None, tokenizer=None,
     process_index: int | None = None, process_count: int | None = None, tfds_data_dir: str | None = None,
-    progress: bool = True,
+    progress: bool = True, vocab_size: int | None = None,
 ) -> list[Batch]:
     """The first ``n_batches · batch_size`` sequences of ``source`` (all of it if None), each exactly once.
 
@@ -285,7 +287,7 @@ def make_eval_batches(
     last batch is completed with padding rows (loss mask 0), so evaluation neither drops nor repeats
     data. The same source gives the same batches every evaluation. Rows are laid out in lanes as in
     training (row ``r`` of batch ``k`` is sequence ``r·T + k`` of ``T`` batches), so a process reads
-    only its own contiguous stretch.
+    only its own contiguous stretch. ``vocab_size`` as in :func:`make_train_iterator`.
     """
     process_index, process_count = _process(process_index, process_count)
     if not isinstance(batch_size, int) or batch_size < 1 or batch_size % process_count:
@@ -293,7 +295,7 @@ def make_eval_batches(
     if n_batches is not None and (not isinstance(n_batches, int) or n_batches < 1):
         raise DataError(f"n_batches must be a positive integer or None, got {n_batches!r}")
     opened = open_source(source, seq_len=seq_len, tokenizer=tokenizer, tfds_data_dir=tfds_data_dir,
-                         progress=progress and process_index == 0)
+                         progress=progress and process_index == 0, vocab_size=vocab_size)
     used = opened.num_sequences if n_batches is None else min(opened.num_sequences, n_batches * batch_size)
     n_steps = -(-used // batch_size)
     local = batch_size // process_count

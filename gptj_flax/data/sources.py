@@ -16,13 +16,19 @@ Packing: documents are concatenated, each followed by EOS, and cut into consecut
 ``seq_len + 1``-token sequences; the final short one is padded and its real length recorded, never
 dropped. Sources that know their EOS id (our own records, text) report it so that batches carry
 per-document segment ids; legacy records, whose boundaries are unknown, are one segment per row.
+
+Vocabulary: given the model's ``vocab_size``, a source refuses a tokenizer with more ids than the
+model has embedding rows, reads its first sequences when opened, and checks every sequence read
+afterwards: an id outside ``[0, vocab_size)`` (records made with another tokenizer) is a
+:class:`DataError` naming the file, the id and ``vocab_size``, not a NaN loss at the first step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,6 +42,9 @@ from gptj_flax.data.tokenizer import encode_documents, eos_token_id, load_tokeni
 IN_MEMORY_SHARD_SEQUENCES = 256
 TOKENIZE_BATCH_DOCUMENTS = 1024
 TFRECORD_SUFFIXES = (".tfrecords", ".tfrecord")
+# Sequences read from a source's first shard when it is opened, so that foreign token ids fail
+# before the model is compiled rather than at the first batch.
+VOCAB_PROBE_SEQUENCES = 64
 
 
 class Shard(Protocol):
@@ -79,6 +88,52 @@ class TFRecordShard:
         return tfrecord.read_windows(self.layout, self.seq_len, self.windows_per_record, start, count)
 
 
+def check_token_ids(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    """Refuse ids the model has no embedding row for, naming ``where`` they came from."""
+    if not tokens.size:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if high >= vocab_size:
+        raise DataError(
+            f"{where}: token id {high} (the largest of the sequences read) is not below "
+            f"model.vocab_size={vocab_size}: these data were tokenised with a larger vocabulary than the model's. "
+            f"Recreate them with the model's tokenizer, or set model.vocab_size to at least {high + 1}")
+    if low < 0:
+        raise DataError(f"{where}: token id {low} is negative; these records do not hold token ids")
+
+
+def check_tokenizer_fits(tokenizer, vocab_size: int) -> None:
+    """Refuse a tokenizer whose ids run past the model's ``vocab_size`` embedding rows."""
+    n_ids = len(tokenizer)
+    if n_ids > vocab_size:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise DataError(
+            f"tokenizer {name} has {n_ids} ids but model.vocab_size is {vocab_size}: ids {vocab_size}..{n_ids - 1} "
+            f"have no embedding row (the loss would be NaN from the first step). Set model.vocab_size to at least "
+            f"{n_ids}, or use a tokenizer of at most {vocab_size} ids")
+
+
+@dataclass(frozen=True)
+class VocabCheckedShard:
+    """A shard whose every read is checked with :func:`check_token_ids`."""
+
+    shard: Shard
+    vocab_size: int
+
+    @property
+    def name(self) -> str:
+        return self.shard.name
+
+    @property
+    def num_sequences(self) -> int:
+        return self.shard.num_sequences
+
+    def read(self, start: int, count: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for tokens, lengths in self.shard.read(start, count):
+            check_token_ids(tokens, self.vocab_size, self.name)
+            yield tokens, lengths
+
+
 @dataclass(frozen=True)
 class Source:
     """An indexed dataset of ``seq_len + 1``-token sequences."""
@@ -101,6 +156,7 @@ class Source:
 
 def open_source(
     spec, *, seq_len: int, tokenizer=None, tfds_data_dir: str | None = None, progress: bool = True,
+    vocab_size: int | None = None,
 ) -> Source:
     """Open a dataset by path or name.
 
@@ -108,7 +164,17 @@ def open_source(
     file; ``tfds:NAME[/CONFIG][:VERSION][@SPLIT]`` (a prepared TFDS dataset in ``tfds_data_dir``,
     split ``train`` by default); text/jsonl files or directories (one path or a list); or an
     already open :class:`Source`. Text and TFDS need ``tokenizer`` (an object, a directory or a hub name).
+    ``vocab_size`` (the model's) makes token ids outside ``[0, vocab_size)`` an error (module docstring).
     """
+    if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1):
+        raise DataError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    if vocab_size is not None and tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        check_tokenizer_fits(tokenizer, vocab_size)  # a name is loaded (and checked) only if the source needs it
+    source = _open(spec, seq_len, tokenizer, tfds_data_dir, progress, vocab_size)
+    return source if vocab_size is None else _vocab_checked(source, vocab_size)
+
+
+def _open(spec, seq_len: int, tokenizer, tfds_data_dir: str | None, progress: bool, vocab_size: int | None) -> Source:
     if isinstance(spec, Source):
         if spec.seq_len != seq_len:
             raise DataError(f"source {spec.name} was opened for seq_len={spec.seq_len}, not {seq_len}")
@@ -118,7 +184,7 @@ def open_source(
     if isinstance(spec, (str, os.PathLike)):
         name = os.fspath(spec)
         if name.startswith("tfds:"):
-            return _tfds_source(name, seq_len, _tokenizer(tokenizer, name), tfds_data_dir, progress)
+            return _tfds_source(name, seq_len, _tokenizer(tokenizer, name, vocab_size), tfds_data_dir, progress)
         if name.endswith(".index"):
             return _index_source(name, seq_len, progress)
         if name.endswith(TFRECORD_SUFFIXES):
@@ -129,16 +195,30 @@ def open_source(
     else:
         paths = [os.fspath(p) for p in spec]
         name = ", ".join(paths)
-    files = text_io.find_text_files(paths)
-    tok = _tokenizer(tokenizer, name)
+    files = text_io.readable_text_files(paths)
+    tok = _tokenizer(tokenizer, name, vocab_size)
     documents = text_io.iter_documents(files)
     return pack_source(name, documents, tok, seq_len, progress=progress)
 
 
-def _tokenizer(tokenizer, source_name: str):
+def _tokenizer(tokenizer, source_name: str, vocab_size: int | None):
     if tokenizer is None:
         raise DataError(f"source {source_name} is raw text: pass a tokenizer (an object, a directory or a hub name)")
-    return load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+    tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+    if vocab_size is not None:
+        check_tokenizer_fits(tokenizer, vocab_size)
+    return tokenizer
+
+
+def _vocab_checked(source: Source, vocab_size: int) -> Source:
+    """``source`` with every shard read checked against ``vocab_size``, its first sequences checked now."""
+    shards = tuple(VocabCheckedShard(s.shard if isinstance(s, VocabCheckedShard) else s, vocab_size)
+                   for s in source.shards)
+    first = next((s for s in shards if s.num_sequences), None)
+    if first is not None:
+        for _ in first.read(0, min(first.num_sequences, VOCAB_PROBE_SEQUENCES)):
+            pass
+    return dataclasses.replace(source, shards=shards)
 
 
 def _index_source(index_path: str, seq_len: int, progress: bool) -> Source:

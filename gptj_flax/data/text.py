@@ -1,38 +1,32 @@
 """Raw documents from text files: ``.txt`` and ``.jsonl``, optionally ``.zst`` / ``.gz`` / ``.xz``.
 
-A ``.txt`` file (or any other file named explicitly or by a glob, e.g. source code) is one string; a ``.jsonl`` file holds one JSON object per line whose ``"text"``
-field (or the line itself, if it is a JSON string) is one string. Every string is split on the
-literal ``<|endoftext|>`` — the separator the original tools and GPT-2-era corpora use — and each
-piece is a document. Whitespace-only pieces (e.g. after a trailing separator) carry no text and are
-skipped.
+A ``.txt`` file (or any other file named explicitly or by a glob, e.g. source code) is one string; a
+``.jsonl`` file holds one JSON object per line whose ``"text"`` field (or the line itself, if it is a
+JSON string) is one string. Every string is split on the literal ``<|endoftext|>`` — the separator
+the original tools and GPT-2-era corpora use — and each piece is a document. Whitespace-only pieces
+(e.g. after a trailing separator) carry no text and are skipped. Files are read through
+:mod:`~gptj_flax.data.compression`, so a truncated, corrupt or empty compressed file is an error
+naming it.
 """
 
 from __future__ import annotations
 
 import glob
-import gzip
 import io
 import json
-import lzma
 import os
 from collections.abc import Iterable, Iterator, Sequence
 
-import zstandard
-
+from gptj_flax.data import compression
 from gptj_flax.data.errors import DataError
 from gptj_flax.data.tokenizer import EOS_TOKEN
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
-COMPRESSION_SUFFIXES = (".zst", ".gz", ".xz")
+COMPRESSION_SUFFIXES = tuple(compression.SUFFIXES)
 
 
 def is_text_file(path: str | os.PathLike) -> bool:
-    name = os.fspath(path).lower()
-    for suffix in COMPRESSION_SUFFIXES:
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-            break
-    return name.endswith(TEXT_SUFFIXES)
+    return compression.strip_suffix(os.fspath(path)).lower().endswith(TEXT_SUFFIXES)
 
 
 def find_text_files(inputs: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
@@ -69,17 +63,13 @@ def find_text_files(inputs: str | os.PathLike | Sequence[str | os.PathLike]) -> 
     return files
 
 
-def _open_text(path: str) -> io.TextIOBase:
-    lower = path.lower()
-    if lower.endswith(".zst"):
-        # Multi-frame files (pzstd, concatenated archives) are common: read across frames.
-        raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
-        return io.TextIOWrapper(raw, encoding="utf-8")
-    if lower.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    if lower.endswith(".xz"):
-        return lzma.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+def readable_text_files(inputs: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """:func:`find_text_files`, each file opened once so that a missing, unreadable or misnamed one
+    fails now (before a tokenizer is loaded or any work is done), naming the file."""
+    files = find_text_files(inputs)
+    for path in files:
+        compression.check_readable(path)
+    return files
 
 
 def split_documents(text: str) -> list[str]:
@@ -88,13 +78,10 @@ def split_documents(text: str) -> list[str]:
 
 
 def _file_strings(path: str, jsonl_key: str) -> Iterator[str]:
-    base = path.lower()
-    for suffix in COMPRESSION_SUFFIXES:
-        if base.endswith(suffix):
-            base = base[: -len(suffix)]
+    jsonl = compression.strip_suffix(path).lower().endswith(".jsonl")
     try:
-        with _open_text(path) as f:
-            if not base.endswith(".jsonl"):
+        with io.TextIOWrapper(compression.open_decompressed(path), encoding="utf-8") as f:
+            if not jsonl:
                 yield f.read()
                 return
             for line_number, line in enumerate(f, start=1):
@@ -118,8 +105,8 @@ def _file_strings(path: str, jsonl_key: str) -> Iterator[str]:
                 yield value
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except (OSError, EOFError, lzma.LZMAError, zstandard.ZstdError) as e:
-        raise DataError(f"{path}: cannot read ({e})") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
 def iter_documents(

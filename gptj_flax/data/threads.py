@@ -42,6 +42,9 @@ Malformed input is counted and reported with its line number, never fatal unless
   ``>>no`` links that answer it. It is still counted, so a dump of such posts is visible.
   An empty ``"com"`` is an ordinary empty post and not a problem.
 
+Inputs that yield no thread at all (an empty dump, or one of malformed lines only) are an error, as
+is a compressed dump that is truncated, corrupt or empty (see :mod:`~gptj_flax.data.compression`).
+
 Streaming and parallelism: the main process reads the decompressed dump in chunks of about
 ``chunk_bytes`` (cut at line ends), worker processes convert chunks, and at most two chunks per
 worker are in flight; results are consumed in input order, so the output is byte-identical for any
@@ -55,7 +58,6 @@ import concurrent.futures
 import dataclasses
 import gzip
 import json
-import lzma
 import multiprocessing
 import os
 import random
@@ -67,6 +69,7 @@ from html.parser import HTMLParser
 import numpy as np
 import zstandard
 
+from gptj_flax.data import compression
 from gptj_flax.data import text as text_io
 from gptj_flax.data import tfrecord
 from gptj_flax.data.create import CreateResult
@@ -247,55 +250,6 @@ def convert_chunk(task: tuple[int, bytes]) -> ChunkResult:
 # --------------------------------------------------------------------------------------------
 # Reading dumps
 
-_MAGIC = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\x00", "xz"))
-_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".xz": "xz"}
-_READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zstandard.ZstdError)
-_RAW_READ_BYTES = 1 << 16  # compressed bytes per read: bounds one read's output by the compression ratio
-
-
-def _open_dump(path: str):
-    """``(open raw file, its format)``: ``"gzip"``, ``"zstd"``, ``"xz"`` or ``None`` (plain), from the
-    first bytes; a compression suffix on a file that does not start like one is an error."""
-    if not os.path.isfile(path):
-        raise DataError(f"input not found: {path}" if not os.path.exists(path) else f"input is not a file: {path}")
-    try:
-        raw = open(path, "rb")
-        head = raw.read(6)
-        raw.seek(0)
-    except OSError as e:
-        raise DataError(f"{path}: cannot read ({e})") from None
-    detected = next((name for magic, name in _MAGIC if head.startswith(magic)), None)
-    claimed = _SUFFIXES.get(os.path.splitext(path)[1].lower())
-    if claimed and detected is None:
-        raw.close()
-        raise DataError(f"{path}: named like a {claimed} file but is not {claimed}-compressed "
-                        f"(it starts with {head!r}); rename it or recompress it")
-    return raw, detected
-
-
-def _decompressed_blocks(raw, compression: str | None, block_bytes: int) -> Iterator[bytes]:
-    """The file's content, decompressed, in blocks; a truncated file raises ``EOFError``."""
-    if compression is None:
-        yield from iter(lambda: raw.read(block_bytes), b"")
-        return
-    if compression in ("gzip", "xz"):  # both raise EOFError on a truncated stream
-        with (gzip.GzipFile(fileobj=raw, mode="rb") if compression == "gzip" else lzma.LZMAFile(raw)) as stream:
-            yield from iter(lambda: stream.read(block_bytes), b"")
-        return
-    # zstd, frame by frame (pzstd and concatenated archives hold several). zstandard's stream_reader
-    # reads a truncated frame as a clean end of file, which would silently lose the dump's tail.
-    frame = None
-    for block in iter(lambda: raw.read(_RAW_READ_BYTES), b""):
-        while block:
-            frame = frame or zstandard.ZstdDecompressor().decompressobj()
-            out = frame.decompress(block)
-            if out:
-                yield out
-            block, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
-    if frame is not None:
-        raise EOFError("the file ends inside a zstd frame: truncated")
-
-
 @dataclasses.dataclass(frozen=True)
 class _Chunk:
     path: str
@@ -306,17 +260,17 @@ class _Chunk:
 
 def _read_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
     """Whole lines of ``path``'s decompressed content, at least ``chunk_bytes`` at a time (but the last)."""
-    raw, compression = _open_dump(path)
     line = 1
     buffered: list[bytes] = []
     size = 0
-    with raw:
-        blocks = _decompressed_blocks(raw, compression, chunk_bytes)
+    with compression.open_decompressed(path) as stream:
         while True:
             try:
-                block = next(blocks, b"")
-            except _READ_ERRORS as e:
-                raise DataError(f"{path}: cannot decompress after line {line - 1} ({e})") from None
+                block = stream.read(chunk_bytes)
+            except DataError as e:
+                complete = line - 1 + sum(b.count(b"\n") for b in buffered)
+                where = f"the last complete line read was line {complete}" if complete else "no complete line was read"
+                raise DataError(f"{e} ({where})") from None
             if line == 1 and not buffered:
                 block = block.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM is not part of line 1
             if block:
@@ -327,7 +281,7 @@ def _read_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
             data = b"".join(buffered)
             cut = data.rfind(b"\n") + 1 if block else len(data)
             if cut:
-                yield _Chunk(path, line, data[:cut], raw.tell())
+                yield _Chunk(path, line, data[:cut], stream.raw.compressed_position)
                 line += data.count(b"\n", 0, cut)
             if not block:
                 return
@@ -537,7 +491,7 @@ def prepare_threads(
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise DataError(f"{label} must be an integer >= {low}, got {value!r}")
     for path in paths:
-        _open_dump(path)[0].close()  # every input exists and is readable before any work starts
+        compression.check_readable(path)  # every input exists and is readable before any work starts
     sizes = [os.path.getsize(p) for p in paths]
     if tfrecords_dir is not None and isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
@@ -585,6 +539,10 @@ def prepare_threads(
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix(lines_per_s=f"{lines / elapsed:,.0f}", threads=threads, malformed=malformed_lines)
         source = ", ".join(paths)
+        if threads == 0:
+            why = (f"every one of its {lines} lines is malformed ({', '.join(sorted(counts))})" if lines
+                   else "it holds no lines")
+            raise DataError(f"no threads in {source}: {why}; nothing to write")
         tfrecords = record_sink.finish(source) if record_sink else None
         if text_sink:
             text_sink.finish()

@@ -22,6 +22,7 @@ import numpy as np
 from gptj_flax.data.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
+MIN_BPE_VOCAB = 256 + 1  # every byte, and EOS
 
 
 def load_tokenizer(dir_or_name: str | os.PathLike):
@@ -33,10 +34,13 @@ def load_tokenizer(dir_or_name: str | os.PathLike):
         raise DataError(f"tokenizer directory not found: {name}")  # a path: don't ask the hub about it
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(name))
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a damaged tokenizer.json fails with KeyError, TypeError …
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if not isinstance(e, (OSError, ValueError)) or not reason:
+            reason = f"{type(e).__name__}: {reason}" if reason else type(e).__name__
         raise DataError(
             f"cannot load a tokenizer from {name!r}: give a directory written by "
-            f"save_tokenizer / save_pretrained, or a HuggingFace hub name such as 'gpt2' ({e})"
+            f"save_tokenizer / save_pretrained, or a HuggingFace hub name such as 'gpt2' ({reason})"
         ) from None
     eos_token_id(tokenizer)  # fail now, not at the first document
     return tokenizer
@@ -66,8 +70,12 @@ def train_bpe_tokenizer(
     """Train a GPT-2-style byte-level BPE on local text; ``<|endoftext|>`` is reserved (id 0) as EOS.
 
     ``files_or_texts`` are file paths (``from_files=True``) or the texts themselves. Byte-level
-    means every input is representable, so no unknown token is ever needed.
+    means every input is representable, so no unknown token is ever needed. ``vocab_size`` is the most
+    ids the result has; the 256 byte tokens and EOS are always there, so it is at least 257.
     """
+    if not isinstance(vocab_size, int) or vocab_size < MIN_BPE_VOCAB:
+        raise DataError(f"cannot train a byte-level BPE of vocab_size={vocab_size!r}: its 256 byte tokens and "
+                        f"{EOS_TOKEN} alone are {MIN_BPE_VOCAB} ids; ask for at least {MIN_BPE_VOCAB}")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -75,7 +75,8 @@ def perplexity(path: str | os.PathLike, source, *, mesh: Mesh | str | tuple[int,
     share, n_shares = data.process_share(sharding, (batch_size, seq_len + 1), 0)
     batches = data.make_eval_batches(source, seq_len=seq_len, batch_size=batch_size, n_batches=max_batches,
                                      tokenizer=tokenizer, process_index=share, process_count=n_shares,
-                                     tfds_data_dir=tfds_data_dir, progress=progress)
+                                     tfds_data_dir=tfds_data_dir, progress=progress,
+                                     vocab_size=model_config.vocab_size)
     eval_step = steps.compile_eval_step(GPTJ(model_config), mesh, jax.tree.map(lambda x: x.sharding, params))
 
     loss_sum = tokens = 0.0

@@ -199,10 +199,11 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
     share, n_shares = data.process_share(train_sharding, (tc.grad_accum_steps, batch_size, seq_len + 1), 1)
     train_batches = data.make_train_iterator(
         tc.train_set, seq_len=seq_len, batch_size=batch_size, grad_accum=tc.grad_accum_steps, seed=tc.seed,
-        tokenizer=tokenizer, process_index=share, process_count=n_shares, state=meta.get("data"), progress=progress)
+        tokenizer=tokenizer, process_index=share, process_count=n_shares, state=meta.get("data"), progress=progress,
+        vocab_size=mc.vocab_size)
     val_sets = data.make_eval_sets(tc.val_set, seq_len=seq_len, batch_size=batch_size, n_batches=tc.val_batches,
                                    tokenizer=tokenizer, process_index=share, process_count=n_shares,
-                                   progress=progress)
+                                   progress=progress, vocab_size=mc.vocab_size)
 
     shardings = steps.state_shardings(model, tx, mesh)
     lr_fn = optimizer.schedule(tc)

@@ -8,6 +8,7 @@ import pytest
 from data_helpers import make_documents, real_tokens, run_script
 from gptj_flax.data import DataError, DataWarning, create_tfrecords
 from gptj_flax.data.sources import open_source
+from gptj_flax.errors import EXIT_ERROR
 
 
 def expected_stream(tokenizer, docs):
@@ -138,4 +139,4 @@ def test_no_documents_is_an_error(tmp_path, tokenizer, tokenizer_dir, repo_root,
         create_tfrecords(tmp_path / "blank.txt", tmp_path / "out", tokenizer=tokenizer, progress=False)
     rc = run_script(repo_root, "create_tfrecords", [str(tmp_path / "blank.txt"), "--output-dir", str(tmp_path / "o"),
                                                     "--tokenizer", str(tokenizer_dir), "--quiet"])
-    assert rc == 2 and "no documents" in capsys.readouterr().err
+    assert rc == EXIT_ERROR and "no documents" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from gptj_flax.data.threads import (
     BAD_JSON, BAD_UTF8, NO_POSTS, POST_WITHOUT_COM, POST_WITHOUT_NO, html_to_text, prepare_threads,
     write_synthetic_dump,
 )
+from gptj_flax.errors import EXIT_ERROR
 
 # A dump covering what real ones hold, one line per entry (bytes: line 6 is deliberately not UTF-8).
 DUMP_LINES = [
@@ -196,7 +197,7 @@ def test_malformed_lines_reported_strict_stops(tmp_path, dump, repo_root, capsys
 
     strict_out = tmp_path / "strict.txt"
     rc = run_script(repo_root, "prepare_threads", [str(dump), "--output", str(strict_out), "--strict", "--quiet"])
-    assert rc == 2
+    assert rc == EXIT_ERROR
     assert f"error: {messages[0]} (--strict: stopping)" in capsys.readouterr().err
     assert not strict_out.exists() and not os.path.exists(f"{strict_out}.partial")
     with pytest.raises(DataError, match=r"line 2: bad JSON \(Expecting value at column 12\)"):
@@ -223,12 +224,12 @@ def test_unreadable_inputs_name_the_file(tmp_path, dump, repo_root, capsys):
         prepare_threads(fake, text_output=out, progress=False)
     truncated = tmp_path / "truncated.ndjson.zst"
     truncated.write_bytes(zstandard.ZstdCompressor().compress(dump.read_bytes() * 50)[:-40])
-    with pytest.raises(DataError, match=r"truncated\.ndjson\.zst: cannot decompress after line \d+"):
+    with pytest.raises(DataError, match=r"truncated\.ndjson\.zst: truncated: .*\(no complete line was read\)"):
         prepare_threads(truncated, text_output=out, workers=1, progress=False)
     cut = tmp_path / "cut.ndjson.gz"
     cut.write_bytes(gzip.compress(dump.read_bytes())[:-12])
-    assert run_script(repo_root, "prepare_threads", [str(cut), "--output", str(out), "--quiet"]) == 2
-    assert f"error: {cut}: cannot decompress after line" in capsys.readouterr().err
+    assert run_script(repo_root, "prepare_threads", [str(cut), "--output", str(out), "--quiet"]) == EXIT_ERROR
+    assert f"error: {cut}: truncated: the gzip data stops before its end marker" in capsys.readouterr().err
     assert not out.exists() and not os.path.exists(f"{out}.partial")
 
 

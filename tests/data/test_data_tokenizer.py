@@ -37,6 +37,15 @@ def test_train_from_files(tmp_path):
         train_bpe_tokenizer([tmp_path / "missing.txt"])
 
 
+def test_vocab_size_is_an_upper_bound_never_exceeded(tmp_path):
+    texts = ["hello world, hello tokenizer " * 50, "".join(map(chr, range(32, 1000)))]
+    assert len(train_bpe_tokenizer(texts, vocab_size=257, from_files=False, min_frequency=1)) == 257
+    assert len(train_bpe_tokenizer(texts, vocab_size=300, from_files=False, min_frequency=1)) <= 300
+    # Asking for 256 used to give 257 ids, one more than a 256-row model has.
+    with pytest.raises(DataError, match=r"vocab_size=256: its 256 byte tokens and <\|endoftext\|> alone are 257 ids"):
+        train_bpe_tokenizer(texts, vocab_size=256, from_files=False)
+
+
 def test_missing_tokenizer_directory_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="tokenizer directory not found"):
         load_tokenizer(tmp_path / "nope")
