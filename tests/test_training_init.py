@@ -14,14 +14,14 @@ from gptj_flax.training import make_optimizer, steps, train
 from tests.helpers import hf_model, hf_state_numpy, tiny_config
 from tests.legacy_writer import dense_model, dense_moments, hf_state_dict, write_legacy_checkpoint
 
-MODEL = dict(n_layers=2, d_model=32, n_heads=8, rotary_dim=4, vocab_size=256, max_len=32, dtype="float32")
+MODEL = dict(n_layers=2, d_model=32, n_heads=8, rotary_dim=4, vocab_size=320, max_len=32, dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     train_txt, _ = write_stdlib_corpus(str(root), max_bytes=200_000)
-    data.save_tokenizer(data.train_bpe_tokenizer([train_txt], vocab_size=256), str(root / "tokenizer"))
+    data.save_tokenizer(data.train_bpe_tokenizer([train_txt], vocab_size=320), str(root / "tokenizer"))
     return train_txt, str(root / "tokenizer")
 
 

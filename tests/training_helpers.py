@@ -14,12 +14,12 @@ from gptj_flax.config import Config, from_dict, save_config
 from gptj_flax.data.corpus import write_stdlib_corpus
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-MODEL = dict(n_layers=2, d_model=32, n_heads=8, rotary_dim=4, vocab_size=256, max_len=32, dtype="float32")
+MODEL = dict(n_layers=2, d_model=32, n_heads=8, rotary_dim=4, vocab_size=320, max_len=32, dtype="float32")
 
 
 def make_corpus(root: pathlib.Path, max_bytes: int = 400_000) -> dict[str, str]:
     train_txt, val_txt = write_stdlib_corpus(str(root), max_bytes=max_bytes)
-    tokenizer = data.train_bpe_tokenizer([train_txt], vocab_size=256)
+    tokenizer = data.train_bpe_tokenizer([train_txt], vocab_size=320)
     data.save_tokenizer(tokenizer, str(root / "tokenizer"))
     return {"train": train_txt, "val": val_txt, "tokenizer": str(root / "tokenizer")}
 
