@@ -21,7 +21,11 @@ LOG_FORMATS = ("jsonl", "transcript")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-class SettingsError(GptjFlaxError, ValueError):
+class ServingError(GptjFlaxError):
+    """The server cannot start as configured; the message says what to change."""
+
+
+class SettingsError(ServingError, ValueError):
     """A setting is missing or out of range; the message names the flag and its variable."""
 
 
