@@ -16,13 +16,15 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from gptj_flax.serving import bench
+from gptj_flax.serving import bench, schemas
 from gptj_flax.serving.auth import key_id
 from gptj_flax.serving.schemas import MAX_TEXT_CHARS, SEED_LIMIT
-from tests.test_serving_support import KEYS, HeldModel, RunningServer, tiny_model, wait_until, write_keys
+from tests.test_serving_support import KEYS, HeldModel, RunningServer, secret, tiny_model, wait_until, write_keys
+from tests.test_serving_support import no_key_leaks  # noqa: F401 - the autouse leak scan
 
 LENGTH = 12
 CONTEXT = 64
@@ -193,6 +195,7 @@ def test_a_wrong_type_or_out_of_range_field_is_a_422_naming_it(client, path, bod
 
 
 def test_bad_keys_malformed_bodies_and_overlong_prompts(client, server):
+    secret("sk-wrong")
     for path in ("/complete", "/v1/completions"):
         for headers, body_key in [({}, None), ({}, "sk-wrong"), ({"Authorization": "Bearer sk-wrong"}, None),
                                   ({"Authorization": f"Basic {KEYS[0]}"}, None), ({"Authorization": "Bearer"}, None)]:
@@ -226,7 +229,7 @@ def test_bad_keys_malformed_bodies_and_overlong_prompts(client, server):
 def test_keys_file_is_reloaded_and_keys_never_reach_a_log(client, server, caplog):
     caplog.set_level(logging.DEBUG)
     keys_file = server.settings.api_keys_file
-    extra = "sk-charlie-5555555555"
+    extra = secret("sk-charlie-5555555555")
     try:
         write_keys(keys_file, [KEYS[0]])
         assert complete(client, "x", temperature=0).status_code == 200
@@ -246,8 +249,8 @@ def test_keys_file_is_reloaded_and_keys_never_reach_a_log(client, server, caplog
     assert {key_id(KEYS[0]), key_id(KEYS[1]), key_id(extra)} <= {r["key_id"] for r in records}
     assert set(records[-1]) == {"time", "key_id", "endpoint", "prompt", "pre_prompt", "settings", "response",
                                 "latency_s"}
-    for secret in (*KEYS, extra):
-        assert secret not in log_text and secret not in caplog.text
+    for key in (*KEYS, extra):
+        assert key not in log_text and key not in caplog.text
 
 
 def test_transcript_log_rotates_by_size(lm, tmp_path):
@@ -428,6 +431,21 @@ def test_shutdown_finishes_work_in_flight_and_refuses_new_requests(lm):
 
 
 # -- whole-API checks ------------------------------------------------------------------------------
+OVERFLOW = "__1e309__"  # stands for the literal 1e309, which Python's json reads as inf
+# What JSON as Python parses it holds beyond the schema's types: non-finite numbers and lone surrogates.
+POISONS = [float("nan"), float("inf"), float("-inf"), OVERFLOW, "\ud800", "text \udfff", ["\udbff"]]
+BODY_FIELDS = {"/complete": sorted(schemas.CompleteRequest.model_fields),
+               "/v1/completions": sorted(schemas.completion_request_model(1).model_fields)}
+
+
+def poisoned_json(body, field: str, poison, shape: str) -> bytes:
+    """``body`` with ``poison`` as ``field``'s value (or in a list there), optionally inside an array body."""
+    body = dict(body) if isinstance(body, dict) else {}
+    body[field] = [poison] if shape == "in a list" else poison
+    text = json.dumps([body] if shape == "in an array body" else body)  # NaN, Infinity; surrogates as \uXXXX
+    return text.replace(f'"{OVERFLOW}"', "1e309").encode()
+
+
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(lm, tmp_path):
     write_keys(tmp_path / "keys.txt")
     with RunningServer(lm, max_batch=1, api_keys_file=str(tmp_path / "keys.txt")) as server:
@@ -448,6 +466,18 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(lm, tmp_path
                     case.call_and_validate(headers=BEARER, excluded_checks=[positive_data_acceptance])
 
                 call()
+            if operation.body:
+                @given(case=operation.as_strategy(generation_mode=GenerationMode.POSITIVE),
+                       field=st.sampled_from(BODY_FIELDS[operation.path]), poison=st.sampled_from(POISONS),
+                       shape=st.sampled_from(["as the value", "in a list", "in an array body"]))
+                @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+                          suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+                def call_poisoned(case, field, poison, shape):
+                    case.body = poisoned_json(case.body, field, poison, shape)  # bytes go out as they are
+                    response = case.call_and_validate(headers=BEARER, excluded_checks=[positive_data_acceptance])
+                    assert response.status_code == 422, (field, shape, response.text)  # every field is typed
+
+                call_poisoned()
         assert server.health() == 200
         assert not re.search(r'status="5\d\d"', httpx.get(server.url + "/metrics").text)
 

@@ -1,7 +1,10 @@
 """Shared by the test_serving* modules (it holds no tests): a tiny checkpoint with its tokenizer, a
-real uvicorn server on a free loopback port in a thread, and a model wrapper that can hold generation."""
+real uvicorn server on a free loopback port in a thread, a model wrapper that can hold generation,
+and the leak scan: an autouse fixture (``no_key_leaks``, imported by every serving test module)
+that fails a test if any API key it used appears in a log record or a response body."""
 
 import functools
+import logging
 import os
 import socket
 import tempfile
@@ -12,6 +15,8 @@ import flax.linen as nn
 import httpx
 import jax
 import jax.numpy as jnp
+import pytest
+import requests
 import uvicorn
 
 import gptj_flax
@@ -57,9 +62,146 @@ def tiny_model():
 
 
 def write_keys(path, keys=KEYS) -> None:
+    """A keys file as an operator writes one: a comment, then each key with a note, blank lines between."""
     with open(path, "w") as f:
+        f.write("# API keys, one per line; the rest of a line is a note\n")
         for i, key in enumerate(keys):
             f.write(f"{key}   client-{i} added 2024-01-0{i + 1}\n\n")
+
+
+# -- the leak scan ------------------------------------------------------------------------------------
+SECRETS: set[str] = set(KEYS)  # every key text a serving test sends, valid or not
+
+
+def secret(text: str) -> str:
+    """Register ``text`` (a key a test uses) with the leak scan; returns it."""
+    SECRETS.add(text)
+    return text
+
+
+class LeakScan:
+    """What one test's logs and HTTP clients saw: every log record of any logger (formatted, with its
+    traceback), every response's headers and body as its client received it, and the outputs that
+    tests hand over with :meth:`add` (a server process's stdout and stderr)."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, object]] = []  # (where, str or a bytearray still being filled)
+        self.records: list[logging.LogRecord] = []
+
+    def add(self, where: str, text) -> None:
+        self.seen.append((where, text))
+
+    def texts(self) -> list[tuple[str, str]]:
+        return [(where, bytes(text).decode("utf-8", "replace") if isinstance(text, bytearray) else text)
+                for where, text in list(self.seen)]
+
+    def leaks(self) -> list[str]:
+        return [f"a key registered with secret() ({sorted(SECRETS).index(key)}) in {where}"
+                for where, text in self.texts() for key in SECRETS if key in text]
+
+    def forget(self) -> None:
+        self.seen.clear()
+        self.records.clear()
+
+
+_scan: LeakScan | None = None
+
+
+def scanned(text: str, where: str = "a server process's output") -> str:
+    """Hand ``text`` to the current test's leak scan; returns it."""
+    if _scan is not None:
+        _scan.add(where, text)
+    return text
+
+
+def _formatted(record: logging.LogRecord) -> str:
+    try:
+        return logging.Formatter("%(name)s %(levelname)s %(message)s").format(record)
+    except Exception:  # noqa: BLE001 - a record that cannot be formatted is still scanned
+        return f"{record.msg} {record.args}"
+
+
+class _RecordedStream(httpx.SyncByteStream):
+    def __init__(self, stream, body: bytearray):
+        self._stream, self._body = stream, body
+
+    def __iter__(self):
+        for chunk in self._stream:
+            self._body += chunk
+            yield chunk
+
+    def close(self):
+        self._stream.close()
+
+
+class _AsyncRecordedStream(httpx.AsyncByteStream):
+    def __init__(self, stream, body: bytearray):
+        self._stream, self._body = stream, body
+
+    async def __aiter__(self):
+        async for chunk in self._stream:
+            self._body += chunk
+            yield chunk
+
+    async def aclose(self):
+        await self._stream.aclose()
+
+
+def _headers_text(response) -> str:
+    return "\n".join(f"{name}: {value}" for name, value in response.headers.items())
+
+
+@pytest.fixture(autouse=True)
+def no_key_leaks(monkeypatch):
+    """Record every log record and response body of the test; fail it if a registered key is in one."""
+    global _scan
+    scan = _scan = LeakScan()
+    handle = logging.Logger.handle
+
+    def recording_handle(logger, record):
+        scan.records.append(record)
+        scan.add(f"a log record of {record.name}", _formatted(record))
+        return handle(logger, record)
+
+    def recorded(response, client: str):
+        body = bytearray()
+        scan.add(f"a response's headers ({client})", _headers_text(response))
+        scan.add(f"a response body ({client})", body)
+        return body
+
+    sync_request = httpx.HTTPTransport.handle_request
+    async_request = httpx.AsyncHTTPTransport.handle_async_request
+    requests_send = requests.adapters.HTTPAdapter.send
+
+    def handle_request(transport, request):
+        response = sync_request(transport, request)
+        response.stream = _RecordedStream(response.stream, recorded(response, "httpx"))
+        return response
+
+    async def handle_async_request(transport, request):
+        response = await async_request(transport, request)
+        response.stream = _AsyncRecordedStream(response.stream, recorded(response, "httpx async"))
+        return response
+
+    def send(adapter, request, **kwargs):
+        response = requests_send(adapter, request, **kwargs)
+        recorded(response, "requests").extend(response.content)  # reading it here keeps it for the caller
+        return response
+
+    monkeypatch.setattr(logging.Logger, "handle", recording_handle)
+    monkeypatch.setattr(httpx.HTTPTransport, "handle_request", handle_request)
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", handle_async_request)
+    monkeypatch.setattr(requests.adapters.HTTPAdapter, "send", send)
+    package_logger = logging.getLogger("gptj_flax")
+    level = package_logger.level
+    package_logger.setLevel(logging.DEBUG)  # the server's info and debug records are scanned too
+    try:
+        yield scan
+    finally:
+        package_logger.setLevel(level)
+        _scan = None
+    leaks = scan.leaks()
+    assert not leaks, "API keys leaked: " + "; ".join(leaks)
 
 
 class HeldModel:

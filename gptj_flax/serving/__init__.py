@@ -7,8 +7,9 @@ loads the checkpoint and runs it under uvicorn until a signal drains it.
 """
 
 from gptj_flax.serving.app import Service, create_app
-from gptj_flax.serving.server import DrainingServer, serve
-from gptj_flax.serving.settings import ServeSettings, SettingsError, add_arguments, settings_from
+from gptj_flax.serving.auth import KeysFileError
+from gptj_flax.serving.server import LOG_FORMAT, DrainingServer, serve
+from gptj_flax.serving.settings import ServeSettings, ServingError, SettingsError, add_arguments, settings_from
 
-__all__ = ["DrainingServer", "ServeSettings", "Service", "SettingsError", "add_arguments", "create_app", "serve",
-           "settings_from"]
+__all__ = ["LOG_FORMAT", "DrainingServer", "KeysFileError", "ServeSettings", "Service", "ServingError",
+           "SettingsError", "add_arguments", "create_app", "serve", "settings_from"]

@@ -3,8 +3,9 @@
 
 Status codes: 400 malformed JSON, 401 missing or wrong API key, 404 unknown model, 413 a prompt
 that cannot fit the context (or an over-large body), 422 a field of the wrong type or out of range
-(the error names it), 429 queue full (with ``Retry-After``), 503 warming up or shutting down.
-Bad input never reaches the model, so it never produces a 500.
+(the error names it and the problem, never the value sent), 429 queue full (with ``Retry-After``),
+503 warming up, shutting down, or an unusable API keys file. Bad input never reaches the model, so
+it never produces a 500; no request body is ever logged.
 """
 
 import asyncio
@@ -18,15 +19,14 @@ from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gptj_flax.serving import schemas
-from gptj_flax.serving.auth import KeyStore, bearer_token, key_id
+from gptj_flax.serving.auth import KeyStore, KeysUnavailable, bearer_token, key_id
 from gptj_flax.serving.metrics import Metrics
 from gptj_flax.serving.request_log import RequestLog
-from gptj_flax.serving.settings import ServeSettings
+from gptj_flax.serving.settings import ServeSettings, ServingError
 from gptj_flax.serving.worker import READY, WARMING_UP, BatchWorker, Job, NotAccepting, QueueFull, Row, StreamEnd
 
 logger = logging.getLogger(__name__)
@@ -64,18 +64,18 @@ SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
 class Service:
     """What one app serves with: the model, its worker, keys, metrics, request log, and drain state."""
 
-    def __init__(self, model, settings: ServeSettings):
+    def __init__(self, model, settings: ServeSettings, keys: KeyStore | None = None,
+                 request_log: RequestLog | None = None):
         if model.tokenizer is None:
-            raise ValueError("serving needs a tokenizer: save one beside the checkpoint (tokenizer/)")
+            raise ServingError(f"{settings.checkpoint} has no tokenizer; serving needs one saved beside the "
+                               "checkpoint (tokenizer/)")
         self.model, self.settings = model, settings
         self.name = settings.served_model_name
         self.context = int(model.config.max_len)
         self.start_token = int(model.eos_token_id) if model.eos_token_id is not None else 0
         self.metrics = Metrics()
-        self.keys = KeyStore(settings.api_keys_file) if settings.api_keys_file else None
-        self.request_log = None if not settings.log_file else RequestLog(
-            settings.log_file, log_format=settings.log_format, max_bytes=settings.log_max_bytes,
-            backups=settings.log_backups)
+        self.keys = keys if keys is not None else open_keys(settings)
+        self.request_log = request_log if request_log is not None else open_request_log(settings)
         self.worker = BatchWorker(model, max_batch=settings.max_batch, queue_size=settings.queue_size,
                                   batch_window_s=settings.batch_window_ms / 1000, warmup_tokens=settings.warmup_tokens,
                                   metrics=self.metrics)
@@ -101,7 +101,11 @@ class Service:
         if self.keys is None:
             return None
         key = body_key or bearer_token(request.headers.get("authorization"))
-        if not self.keys.is_valid(key):
+        try:
+            valid = self.keys.is_valid(key)
+        except KeysUnavailable:  # the keys file changed into something unusable; its error is logged once
+            raise HTTPException(503, "the server cannot check API keys at the moment; try again later") from None
+        if not valid:
             logger.info("refused %s: %s API key", request.url.path, "no" if key is None else "an invalid")
             raise HTTPException(401, "a valid API key is required (the api_key field or Authorization: Bearer)",
                                 headers={"WWW-Authenticate": "Bearer"})
@@ -145,6 +149,29 @@ class Service:
     def close(self) -> None:
         if self.request_log is not None:
             self.request_log.close()
+
+
+def open_keys(settings: ServeSettings) -> KeyStore | None:
+    """The settings' API keys file, read and checked (``KeysFileError`` names what is wrong)."""
+    return KeyStore(settings.api_keys_file) if settings.api_keys_file else None
+
+
+def open_request_log(settings: ServeSettings) -> RequestLog | None:
+    return None if not settings.log_file else RequestLog(
+        settings.log_file, log_format=settings.log_format, max_bytes=settings.log_max_bytes,
+        backups=settings.log_backups)
+
+
+def validation_errors(exc: RequestValidationError) -> list[dict]:
+    """Each error's field and problem, without the value sent (it may be a key, or not JSON at all)."""
+    return [{"loc": [part if isinstance(part, int) else str(part) for part in error["loc"]],
+             "msg": str(error["msg"]), "type": str(error["type"])} for error in exc.errors()]
+
+
+def json_response(content: Any, status_code: int) -> Response:
+    # ASCII escapes keep any character JSON-encodable, even one that has no UTF-8 form.
+    return Response(json.dumps(content, ensure_ascii=True, allow_nan=False), status_code,
+                    media_type="application/json")
 
 
 async def _client_gone(request: Request) -> None:
@@ -215,13 +242,16 @@ def _sse(payload: Any) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def create_app(model, settings: ServeSettings) -> FastAPI:
+def create_app(model, settings: ServeSettings, keys: KeyStore | None = None,
+               request_log: RequestLog | None = None) -> FastAPI:
     """The app serving ``model`` (a :class:`~gptj_flax.sampling.LanguageModel`).
 
     Its lifespan starts the batch worker (which warms the model up before ``/health`` says ready)
     and, at shutdown, lets it finish its queue. ``app.state.service`` is the :class:`Service`.
+    ``keys`` and ``request_log``, if already opened from ``settings``, are used instead of
+    opening them again.
     """
-    service = Service(model, settings)
+    service = Service(model, settings, keys, request_log)
     CompletionRequest = schemas.completion_request_model(settings.max_batch)
 
     @contextlib.asynccontextmanager
@@ -238,12 +268,13 @@ def create_app(model, settings: ServeSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
-        """Malformed JSON is a 400 (as a body that is not UTF-8 already is); a bad field, FastAPI's 422."""
+        """Malformed JSON is a 400 (as a body that is not UTF-8 already is); a bad field, a 422 in
+        FastAPI's shape (``loc``, ``msg``, ``type``) without the ``input`` it would echo."""
         for error in exc.errors():
             if error.get("type") == "json_invalid":
-                return JSONResponse({"detail": f"malformed JSON at character {error['loc'][-1]}: "
-                                               f"{error.get('ctx', {}).get('error', 'cannot parse')}"}, 400)
-        return await request_validation_exception_handler(request, exc)
+                return json_response({"detail": f"malformed JSON at character {error['loc'][-1]}: "
+                                                f"{error.get('ctx', {}).get('error', 'cannot parse')}"}, 400)
+        return json_response({"detail": validation_errors(exc)}, 422)
 
     @app.post("/complete", response_model=schemas.CompleteResponse, responses=ERRORS)
     async def complete(body: schemas.CompleteRequest, request: Request):

@@ -1,5 +1,11 @@
 """Request and response bodies. Validation is strict: a wrong type or a value out of range is a 422
-naming the field, never a silent coercion (``"128"`` is not a length; ``true`` is not a number)."""
+naming the field, never a silent coercion (``"128"`` is not a length; ``true`` is not a number).
+
+JSON as Python reads it also has ``NaN``, ``Infinity`` (and ``1e309``, which overflows to it) and
+strings holding lone UTF-16 surrogates (``"\\ud800"``), which no UTF-8 text can: float fields must
+be finite, and every text field has a length limit, which makes pydantic check it as Unicode text
+(it refuses a lone surrogate only in constrained strings).
+"""
 
 from typing import Annotated, Literal
 
@@ -7,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_TEXT_CHARS = 16384  # the GPT-4chan limit on prompt and pre_prompt
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 4, 256
-SEED_LIMIT = 2**31  # LanguageModel.generate holds per-prompt seeds as int32
+SEED_LIMIT = 2**32  # LanguageModel.generate takes seeds in [0, 2**32)
 SEED = Field(None, ge=0, lt=SEED_LIMIT, description="random seed; the same seed, prompt and settings give the same "
                                                "output (default: a fresh random seed)")
 API_KEY = Field(None, min_length=1, max_length=128,
@@ -49,7 +55,7 @@ def completion_request_model(max_prompts: int) -> type[StrictModel]:
     class CompletionRequest(StrictModel):
         """OpenAI's legacy completions request (the fields this server implements)."""
 
-        model: str | None = Field(None, description="must be the served model's id, if given")
+        model: str | None = Field(None, max_length=256, description="must be the served model's id, if given")
         prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=max_prompts)] = Field(
             description=f"a text, or a list of up to {max_prompts} texts completed together")
         max_tokens: int = Field(16, ge=1, le=2**20, description="tokens to generate per prompt; prompt and "

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import os
+import socket
 
 import uvicorn
 
-from gptj_flax.serving.app import Service, create_app
-from gptj_flax.serving.settings import ServeSettings
+from gptj_flax.convert.hf_load import HF_PREFIX
+from gptj_flax.serving.app import Service, create_app, open_keys, open_request_log
+from gptj_flax.serving.settings import ServeSettings, ServingError
 from gptj_flax.serving.worker import FAILED
 
 logger = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class DrainingServer(uvicorn.Server):
@@ -40,22 +47,61 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A socket listening on ``host:port``, so that a port in use is found before the model loads
+    (and no second server can take the port while this one loads)."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ServingError(f"cannot listen on {where}: {e.strerror} (set --host or GPTJ_FLAX_HOST)") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart despite TIME_WAIT
+        sock.bind(address)
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        hint = ("; another process is listening there: stop it or choose another --port (GPTJ_FLAX_PORT)"
+                if e.errno == errno.EADDRINUSE else "")
+        raise ServingError(f"cannot listen on {where}: {e.strerror}{hint}") from None
+    bound = sock.getsockname()[1]  # the port chosen for --port 0
+    logger.info("listening on http://%s; requests are answered once the model is loaded and warmed up",
+                f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}")
+    return sock
+
+
+def check_checkpoint(checkpoint: str) -> None:
+    local = checkpoint.removeprefix(HF_PREFIX)
+    if "://" not in local and not os.path.exists(local):
+        raise ServingError(f"checkpoint not found: {local} (set --checkpoint or GPTJ_FLAX_CHECKPOINT)")
+
+
 def serve(settings: ServeSettings) -> int:
-    """Load the checkpoint, then serve until drained after a signal. Returns the exit status."""
+    """Check the files and the port, load the checkpoint, then serve until drained after a signal.
+
+    Everything that can be wrong with the settings (a missing checkpoint or keys file, a bad key,
+    a port in use) raises a :class:`~gptj_flax.errors.GptjFlaxError` before the model loads.
+    Returns the exit status.
+    """
     # force: importing JAX's checkpointing stack may already have configured the root logger
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        force=True)
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, force=True)
     from gptj_flax import load  # Orbax checkpoints and HuggingFace directories (hf:DIR) alike
 
-    try:
+    check_checkpoint(settings.checkpoint)
+    keys = open_keys(settings)
+    with contextlib.ExitStack() as cleanup:
+        sock = listening_socket(settings.host, settings.port)
+        cleanup.callback(sock.close)
+        request_log = open_request_log(settings)
+        if request_log is not None:
+            cleanup.callback(request_log.close)
         model = load(settings.checkpoint, mesh=settings.mesh, dtype=settings.dtype)
         logger.info("loaded %s", model)
-        app = create_app(model, settings)
-    except (OSError, ValueError) as e:  # the package's errors (checkpoint, config, tokenizer) are ValueErrors
-        logger.error("cannot serve %s: %s", settings.checkpoint, e)
-        return 1
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
-    DrainingServer(config, app.state.service).run()
+        app = create_app(model, settings, keys=keys, request_log=request_log)
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+        DrainingServer(config, app.state.service).run(sockets=[sock])
     if app.state.service.worker.state == FAILED:
         logger.error("exiting: %s", app.state.service.worker.error)
         return 1

@@ -1,27 +1,42 @@
 """Server settings: each is a command-line flag and also an environment variable.
 
-As in the GPT-4chan server (pydantic settings), a setting's environment variable is its own name
-in any case — ``QUEUE_SIZE=64``, ``api_keys_file=keys.txt`` — so deployments configured for the
-original keep working. A flag given on the command line wins over the environment, which wins
-over the default.
+A setting's variable is its name with the ``GPTJ_FLAX_`` prefix, in any case: ``GPTJ_FLAX_PORT=9000``,
+``GPTJ_FLAX_API_KEYS_FILE=keys.txt``. The prefix keeps generic variables (``HOST``, ``PORT``) that
+other tools set from reconfiguring the server. The four settings the GPT-4chan server read from
+the environment (``QUEUE_SIZE``, ``LOG_FILE``, ``API_KEYS_FILE``, ``PRE_PROMPT_LENGTH``, in any case)
+are still taken without the prefix, with a deprecation notice. A flag given on the command line
+wins over the environment, which wins over the default. Paths are made absolute as they are read.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from gptj_flax.config import DTYPES
+from gptj_flax.convert.hf_load import HF_PREFIX
 from gptj_flax.errors import GptjFlaxError
+
+logger = logging.getLogger(__name__)
 
 LOG_FORMATS = ("jsonl", "transcript")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ENV_PREFIX = "GPTJ_FLAX_"
+# The GPT-4chan server's own settings, which its deployments set without a prefix.
+LEGACY_ENV = ("queue_size", "log_file", "api_keys_file", "pre_prompt_length")
+PATH_SETTINGS = ("checkpoint", "api_keys_file", "log_file")
 
 
-class SettingsError(GptjFlaxError, ValueError):
+class ServingError(GptjFlaxError):
+    """The server cannot start as configured; the message says what to change."""
+
+
+class SettingsError(ServingError, ValueError):
     """A setting is missing or out of range; the message names the flag and its variable."""
 
 
@@ -31,7 +46,8 @@ def _setting(default: Any, parse: Callable[[str], Any], help: str, choices: tupl
 
 @dataclasses.dataclass(frozen=True)
 class ServeSettings:
-    """What the server runs with; each field is a flag (``--queue-size``) and a variable (``QUEUE_SIZE``)."""
+    """What the server runs with; each field is a flag (``--queue-size``) and a variable
+    (``GPTJ_FLAX_QUEUE_SIZE``). Local paths are made absolute."""
 
     checkpoint: str | None = _setting(None, str, "Orbax run or step directory with its tokenizer (required)")
     host: str = _setting("127.0.0.1", str, "address to listen on")
@@ -39,8 +55,9 @@ class ServeSettings:
     mesh: str | None = _setting(None, str, "data,fsdp,model sizes or a layout name (default: one device)")
     dtype: str | None = _setting(None, str, "parameter and compute dtype (default: as stored)", tuple(DTYPES))
     api_keys_file: str | None = _setting(
-        None, str, "file of valid API keys, the first whitespace-separated token of each line; re-read when "
-        "it changes (default: no authentication)")
+        None, str, "file of valid API keys: the first whitespace-separated token of each line, at least 16 "
+        "characters; blank lines and lines starting with # are skipped; re-read when it changes (default: no "
+        "authentication)")
     queue_size: int = _setting(1024, int, "prompts that may wait for the model; beyond it requests get 429")
     max_batch: int = _setting(16, int, "most prompts generated together in one batch (and per request)")
     batch_window_ms: float = _setting(
@@ -62,7 +79,11 @@ class ServeSettings:
     def __post_init__(self):
         def check(ok: bool, name: str, accepted: str):
             if not ok:
-                raise SettingsError(f"{flag(name)} (or {name.upper()}) must be {accepted}, got {getattr(self, name)!r}")
+                raise SettingsError(f"{flag(name)} (or {env_name(name)}) must be {accepted}, "
+                                    f"got {getattr(self, name)!r}")
+
+        for name in PATH_SETTINGS:  # the frozen dataclass's own way to normalise a field
+            object.__setattr__(self, name, absolute_path(getattr(self, name)))
 
         check(bool(self.checkpoint), "checkpoint", "the checkpoint directory to serve")
         check(0 <= self.port <= 65535, "port", "in 0..65535")
@@ -70,7 +91,8 @@ class ServeSettings:
         check(self.max_batch >= 1, "max_batch", ">= 1")
         check(self.queue_size >= self.max_batch, "queue_size", f">= --max-batch ({self.max_batch}), or a request "
               "with that many prompts could never be queued")
-        check(self.batch_window_ms >= 0, "batch_window_ms", ">= 0")
+        check(math.isfinite(self.batch_window_ms) and self.batch_window_ms >= 0, "batch_window_ms",
+              "a finite number >= 0")
         check(self.warmup_tokens >= 1, "warmup_tokens", ">= 1")
         check(self.pre_prompt_length >= 0, "pre_prompt_length", ">= 0")
         check(self.dtype is None or self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}")
@@ -88,28 +110,54 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def absolute_path(path: str | None) -> str | None:
+    """``path`` made absolute (``~`` expanded), also after an ``hf:`` prefix; URLs (``gs://…``) as given."""
+    if not path or "://" in path:
+        return path
+    if path.startswith(HF_PREFIX):
+        return HF_PREFIX + os.path.abspath(os.path.expanduser(path[len(HF_PREFIX):]))
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; each help text names its environment variable and default."""
     for field in dataclasses.fields(ServeSettings):
         meta = field.metadata
         default = "" if field.default is None else f"; default {field.default}"
+        legacy = f" (or {field.name.upper()}, deprecated)" if field.name in LEGACY_ENV else ""
         parser.add_argument(flag(field.name), dest=field.name, type=meta["parse"], choices=meta["choices"],
-                            default=None, help=f"{meta['help']} [env {field.name.upper()}{default}]")
+                            default=None, help=f"{meta['help']} [env {env_name(field.name)}{legacy}{default}]")
+
+
+def _from_environment(name: str, env: Mapping[str, tuple[str, str]]) -> tuple[str, str] | None:
+    """The variable that sets ``name`` and its value: the prefixed one, else a GPT-4chan name."""
+    for candidate in (env_name(name), name.upper()) if name in LEGACY_ENV else (env_name(name),):
+        variable, value = env.get(candidate, (candidate, ""))
+        if value:  # an empty variable leaves the default (GPTJ_FLAX_LOG_FILE= keeps logging off)
+            if candidate != env_name(name):
+                logger.warning("environment variable %s is deprecated: set %s instead", variable, env_name(name))
+            return variable, value
+    return None
 
 
 def settings_from(args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None) -> ServeSettings:
     """Settings from parsed flags (``add_arguments``), then the environment, then the defaults."""
     environ = os.environ if environ is None else environ
-    env = {k.lower(): v for k, v in environ.items()}
+    env = {k.upper(): (k, v) for k, v in environ.items()}
     values = {}
     for field in dataclasses.fields(ServeSettings):
         given = None if args is None else getattr(args, field.name, None)
         if given is not None:
             values[field.name] = given
-        elif env.get(field.name):  # an empty variable leaves the default (e.g. LOG_FILE= keeps logging off)
+        elif (found := _from_environment(field.name, env)) is not None:
+            variable, value = found
             try:
-                values[field.name] = field.metadata["parse"](env[field.name])
+                values[field.name] = field.metadata["parse"](value)
             except ValueError:
-                raise SettingsError(f"environment variable {field.name.upper()}={env[field.name]!r} is not a valid "
+                raise SettingsError(f"environment variable {variable}={value!r} is not a valid "
                                     f"{field.metadata['parse'].__name__}") from None
     return ServeSettings(**values)
