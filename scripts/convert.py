@@ -1,21 +1,27 @@
 """Convert GPT-J weights between HuggingFace, legacy mesh-transformer-jax and gptj_flax (Orbax) checkpoints.
 
-    python scripts/convert.py from-hf HF_DIR OUT
+    python scripts/convert.py from-hf HF_DIR OUT [--no-tokenizer]
     python scripts/convert.py to-hf CKPT OUT [--dtype fp32|fp16|bf16] [--max-shard-size 5GB]
     python scripts/convert.py from-legacy STEP_DIR OUT --config legacy.json [--with-opt-state]
     python scripts/convert.py slim CKPT OUT [--dtype bf16|fp16]
 
 Every conversion streams tensor by tensor (memory: about the largest tensor, never the model) and
 writes OUT atomically: an interrupted or failed run leaves no OUT behind. CKPT is an Orbax run
-directory (its latest step) or one step directory.
+directory (its latest step) or one step directory; its data is verified against its checksums as
+it is read. Paths may be relative to the current directory.
 """
 
 import argparse
+import logging
 import sys
 
 from gptj_flax import convert
+from gptj_flax.checkpoint import absolute_path
 from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE, HF_DTYPES
 from gptj_flax.convert.slim import SLIM_DTYPES
+from gptj_flax.errors import add_debug_flag, run_cli
+
+PATH_ARGUMENTS = ("src", "out", "ckpt", "step_dir", "config")
 
 
 def main() -> None:
@@ -26,6 +32,8 @@ def main() -> None:
     p.add_argument("src", help="directory with config.json and safetensors or pytorch_model.bin weights")
     p.add_argument("out", help="new Orbax checkpoint directory")
     p.add_argument("--unrolled", action="store_true", help="store layer_0 … layer_N instead of scanned layers")
+    p.add_argument("--no-tokenizer", action="store_true",
+                   help="convert the weights alone; without it SRC's tokenizer files are carried and must load")
 
     p = commands.add_parser("to-hf", help="Orbax checkpoint -> HuggingFace GPT-J directory")
     p.add_argument("ckpt", help="Orbax run directory (latest step) or step directory")
@@ -45,22 +53,25 @@ def main() -> None:
     p.add_argument("ckpt", help="Orbax run directory (latest step) or step directory")
     p.add_argument("out", help="new Orbax checkpoint directory")
     p.add_argument("--dtype", choices=sorted(SLIM_DTYPES), default="bf16")
+    for each in (parser, *commands.choices.values()):  # accepted before or after the command
+        add_debug_flag(each)
 
     args = parser.parse_args()
-    try:
-        if args.command == "from-hf":
-            out = convert.from_hf(args.src, args.out, scan_layers=not args.unrolled)
-        elif args.command == "to-hf":
-            out = convert.to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
-        elif args.command == "from-legacy":
-            config, shards = convert.config_for_legacy(args.config)
-            out = convert.from_legacy(args.step_dir, args.out, config, shards, with_opt_state=args.with_opt_state)
-        else:
-            out = convert.slim(args.ckpt, args.out, dtype=args.dtype)
-    except (convert.ConversionError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    for name in PATH_ARGUMENTS:  # resolved once, against the directory the command was started in
+        if getattr(args, name, None):
+            setattr(args, name, str(absolute_path(getattr(args, name))))
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    if args.command == "from-hf":
+        out = convert.from_hf(args.src, args.out, scan_layers=not args.unrolled, tokenizer=not args.no_tokenizer)
+    elif args.command == "to-hf":
+        out = convert.to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    elif args.command == "from-legacy":
+        config, shards = convert.config_for_legacy(args.config)
+        out = convert.from_legacy(args.step_dir, args.out, config, shards, with_opt_state=args.with_opt_state)
+    else:
+        out = convert.slim(args.ckpt, args.out, dtype=args.dtype)
     print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -1,7 +1,7 @@
 """Train or fine-tune GPT-J.
 
     python scripts/train.py --config configs/gptj_6b.json [--set train.lr=3e-5 …] [--mesh 1,-1,8]
-                            [--init-from hf:DIR | legacy:DIR | CKPT] [--fresh-opt]
+                            [--init-from hf:DIR | legacy:DIR | CKPT] [--fresh-opt] [--resume-step STEP]
 
 Run the same command on every host of a TPU VM slice (JAX finds the other hosts itself); elsewhere
 add --coordinator HOST:PORT --num-processes N --process-id I. The run resumes from the latest
@@ -41,6 +41,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peak-flops", type=float, help="peak FLOP/s per device for MFU (default: by device kind)")
     parser.add_argument("--stop-after", type=non_negative_int,
                         help="stop after this many steps in this invocation (with a save); 0 runs none")
+    parser.add_argument("--resume-step", type=non_negative_int, metavar="STEP",
+                        help="resume from this step of train.run_dir instead of the latest (e.g. the one before a "
+                             "corrupted step); the later steps are moved to RUN_DIR/abandoned/")
     parser.add_argument("--coordinator", help="HOST:PORT of process 0 (multi-host off TPU VMs)")
     parser.add_argument("--num-processes", type=int)
     parser.add_argument("--process-id", type=int)
@@ -70,7 +73,7 @@ def main() -> int:
                                         results_dir=os.path.join(config.train.run_dir, "harness"))
     result = train(config, mesh=mesh, init_from=args.init_from, fresh_opt=args.fresh_opt,
                    peak_flops=args.peak_flops, stop_after=args.stop_after, progress=not args.no_progress,
-                   harness=harness)
+                   harness=harness, resume_step=args.resume_step)
     if result.saved_step is None:
         done = f" (train.total_steps={config.train.total_steps} reached)" if result.step >= config.train.total_steps else ""
         print(f"step {result.step}: no training step ran{done}, nothing saved in {result.run_dir}")

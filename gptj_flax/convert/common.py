@@ -3,7 +3,7 @@
 Conversions take minutes to hours and can fail half way (a truncated file, a full disk, Ctrl-C).
 A user must never find an output directory that looks complete but is not, so every converter
 writes into a temporary sibling ``OUT.tmp-<8 random hex digits>`` and renames it to ``OUT`` only once everything
-is written; on any failure the temporary directory is removed.
+is written; on any failure, Ctrl-C included, the temporary directory is removed.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +34,11 @@ class ConversionError(GptjFlaxError, ValueError):
 
 @contextlib.contextmanager
 def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary directory beside ``out`` that becomes ``out`` only if the block succeeds."""
-    out = Path(out)
+    """Yield a temporary directory beside ``out`` that becomes ``out`` only if the block succeeds.
+
+    The paths are absolute, so the block may hand them to Orbax (which refuses relative ones).
+    """
+    out = Path(os.path.abspath(os.path.expanduser(os.fspath(out))))
     if out.exists():
         raise ConversionError(f"{out} already exists; choose a new output directory or remove it first")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -42,9 +47,20 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_ignoring_ctrl_c(tmp)
         raise
     tmp.rename(out)
+
+
+def _remove_ignoring_ctrl_c(directory: Path) -> None:
+    """Remove ``directory``; a second Ctrl-C must not stop the removal half way."""
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    try:
+        shutil.rmtree(directory, ignore_errors=True)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
 
 
 def copy_tokenizer_files(src: Path | None, dst: Path) -> list[str]:

@@ -10,6 +10,7 @@ checks every name and shape against the config before writing anything. Export w
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,9 @@ import numpy as np
 from gptj_flax import checkpoint
 from gptj_flax.config import Config, ConfigError, ModelConfig
 from gptj_flax.convert import safetensors_io
-from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files, progress
+from gptj_flax.convert.common import (
+    TOKENIZER_FILES, ConversionError, atomic_directory, copy_tokenizer_files, progress,
+)
 from gptj_flax.convert.hf_names import (
     IGNORED_HF_SUFFIXES, hf_name, hf_names, hf_shape, hf_to_ours, ours_to_hf,
 )
@@ -32,6 +35,8 @@ HF_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16":
 _HF_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' own default for save_pretrained
 GPTJ_EOS = 50256  # GPT-2 BPE's <|endoftext|>, GPT-J's bos and eos
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,15 +197,42 @@ def _weight_files(directory: Path) -> list[tuple[Path, str]]:
 # Converters
 
 
-def from_hf(src: str | os.PathLike, out: str | os.PathLike, *, scan_layers: bool = True) -> Path:
-    """HF GPT-J directory ``src`` → Orbax checkpoint ``out`` (step 0, float32, tokenizer carried)."""
+def from_hf(src: str | os.PathLike, out: str | os.PathLike, *, scan_layers: bool = True,
+            tokenizer: bool = True) -> Path:
+    """HF GPT-J directory ``src`` → Orbax checkpoint ``out`` (step 0, float32, tokenizer carried).
+
+    ``tokenizer``: carry ``src``'s tokenizer files, which must load as a tokenizer (a directory
+    without any is converted with a warning); False converts the weights alone.
+    """
     hf = HFCheckpoint.open(src, scan_layers)
+    carry = _checked_tokenizer(hf.directory) if tokenizer else False
     config = Config(model=hf.model_config)
     with atomic_directory(out) as tmp:
         write_checkpoint(tmp, 0, params=streamed_params(hf.get, config.model), config=config,
                          meta={"converted_from": f"hf:{Path(src).resolve()}"})
-        copy_tokenizer_files(hf.directory, tmp / checkpoint.TOKENIZER_DIR)
+        if carry:
+            copy_tokenizer_files(hf.directory, tmp / checkpoint.TOKENIZER_DIR)
     return Path(out)
+
+
+def _checked_tokenizer(directory: Path) -> bool:
+    """Whether ``directory`` has tokenizer files to carry; files that do not load are refused."""
+    names = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
+    if not names:
+        log.warning("%s has no tokenizer files (%s): converting the weights alone. Give a tokenizer when "
+                    "loading (tokenizer=…) or training (train.tokenizer), or pass --no-tokenizer to say so.",
+                    directory, ", ".join(TOKENIZER_FILES[:3]))
+        return False
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise bare Exceptions for bad files
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConversionError(f"{directory}: its tokenizer files ({', '.join(names)}) do not load as a tokenizer "
+                              f"({reason}); fix or remove them, or pass --no-tokenizer to convert the weights "
+                              "alone") from None
+    return True
 
 
 def to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32",

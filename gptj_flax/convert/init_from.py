@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from gptj_flax import checkpoint, partitioning
@@ -103,12 +102,16 @@ def load_init_opt_state(spec: str, config: Config, mesh: Mesh, target, legacy_sh
         raise ConversionError(
             f"{location}: its optimiser state was saved with scan_layers={stored.config.model.scan_layers}; "
             f"set model.scan_layers={stored.config.model.scan_layers} to carry it, or start a fresh optimiser")
+    ckpt = checkpoint.Checkpointer(stored.directory, read_only=True)
     try:
-        return ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
-            stored.directory / str(stored.step) / "opt_state", args=ocp.args.StandardRestore(target))
-    except (ValueError, KeyError) as e:
+        return ckpt.restore_item(stored.step, "opt_state", target)
+    except checkpoint.CheckpointCorrupted:
+        raise
+    except checkpoint.CheckpointError as e:
         raise ConversionError(f"{location}: its optimiser state does not fit this run's optimiser "
-                              f"(a different optimiser or frozen parameters?), or start a fresh one: {e}") from e
+                              f"(a different optimiser or frozen parameters?), or start a fresh one: {e}") from None
+    finally:
+        ckpt.close()
 
 
 def _is_adam(node) -> bool:

@@ -84,17 +84,42 @@ class _StopRequests:
 
 
 def _restore_or_init(config: Config, model: GPTJ, tx, mesh: Mesh, ckpt: checkpoint.Checkpointer,
-                     init_from: str | None, fresh_opt: bool) -> tuple[steps.TrainState, dict]:
-    """Resume from the run directory's latest checkpoint, else start from ``init_from``, else fresh."""
+                     init_from: str | None, fresh_opt: bool,
+                     resume_step: int | None = None) -> tuple[steps.TrainState, dict]:
+    """Resume from the run directory's latest checkpoint (or ``resume_step``), else start from
+    ``init_from``, else fresh.
+
+    Resuming from an earlier step sets the later ones aside (``RUN_DIR/abandoned/``), so the run
+    continues from it and a later start resumes where this one got to.
+    """
     shardings = steps.state_shardings(model, tx, mesh)
     abstract = _abstract_targets(model, tx, shardings)
     latest = ckpt.latest_step()
     if latest is not None:
-        restored = ckpt.restore(latest, params_target=abstract.params, opt_state_target=abstract.opt_state)
-        state = steps.TrainState(step=jax.device_put(np.int32(latest), shardings.step),
+        if init_from is not None:
+            log.warning("%s holds checkpoints (latest step %d): the run resumes from them and init_from=%s is "
+                        "not used (it only starts a run directory without checkpoints)", ckpt.directory, latest,
+                        init_from)
+        step = latest if resume_step is None else ckpt.resolve_step(resume_step)
+        try:
+            restored = ckpt.restore(step, params_target=abstract.params, opt_state_target=abstract.opt_state)
+        except checkpoint.CheckpointCorrupted as e:
+            if e.previous_step is None:
+                raise
+            raise checkpoint.CheckpointCorrupted(
+                f"{e} To resume from step {e.previous_step}, rerun with --resume-step {e.previous_step} "
+                f"(train(…, resume_step={e.previous_step})); the steps after it are then set aside.",
+                directory=e.directory, step=e.step, item=e.item, previous_step=e.previous_step) from None
+        set_aside = ckpt.set_aside_steps_after(step)
+        if set_aside:
+            log.warning("resuming from step %d: the later step(s) %s were moved to %s", step, set_aside,
+                        ckpt.directory / checkpoint.ABANDONED_DIR)
+        state = steps.TrainState(step=jax.device_put(np.int32(step), shardings.step),
                                  params=restored.params, opt_state=restored.opt_state)
-        log.info("resumed from %s at step %d", ckpt.directory, latest)
+        log.info("resumed from %s at step %d", ckpt.directory, step)
         return state, restored.meta
+    if resume_step is not None:
+        raise checkpoint.CheckpointError(f"resume_step={resume_step}, but {ckpt.directory} holds no checkpoint")
     if init_from is None:
         return steps.create_state(model, tx, mesh, jax.random.key(config.train.seed)), {}
 
@@ -143,13 +168,14 @@ def _holding_run_dir(train_fn):
 @_holding_run_dir
 def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = None, fresh_opt: bool = False,
           peak_flops: float | None = None, stop_after: int | None = None, progress: bool = True,
-          tokenizer=None, harness: Callable[..., dict[str, float]] | None = None) -> TrainResult:
+          tokenizer=None, harness: Callable[..., dict[str, float]] | None = None,
+          resume_step: int | None = None) -> TrainResult:
     """Train ``config`` in ``config.train.run_dir``, resuming there if a checkpoint exists.
 
     Args:
       mesh: default ``config.mesh`` over all devices.
       init_from: ``hf:DIR``, ``legacy:DIR`` or an Orbax checkpoint to fine-tune from (used only when
-        the run directory holds no checkpoint yet).
+        the run directory holds no checkpoint yet; otherwise a warning says the run resumes instead).
       fresh_opt: with ``init_from``, discard its optimiser moments.
       peak_flops: the device's peak FLOP/s for MFU (default: known per device kind).
       stop_after: stop (with a checkpoint) after this many steps in this invocation; 0 runs none.
@@ -158,6 +184,8 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
         ``harness(step, params, model_config=…, mesh=…, tokenizer=…)`` and returning metrics to log
         (``gptj_flax.evaluation.during_training.HarnessDuringTraining``, which the caller builds:
         training never imports evaluation).
+      resume_step: resume from this step of the run directory instead of its latest (e.g. the one
+        before a step refused as corrupted); the later steps are moved to ``RUN_DIR/abandoned/``.
 
     Raises :class:`~gptj_flax.training.lock.RunDirLocked` if another trainer holds the run directory.
     """
@@ -183,15 +211,25 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
     abstract_params = nn.meta.unbox(steps.abstract_state(model, optimizer.make_optimizer(tc)).params)
     tx = optimizer.make_optimizer(tc, abstract_params, tc.freeze)
     ckpt = checkpoint.Checkpointer(tc.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every)
-    state, meta = _restore_or_init(config, model, tx, mesh, ckpt, init_from, fresh_opt)
+    state, meta = _restore_or_init(config, model, tx, mesh, ckpt, init_from, fresh_opt, resume_step)
     start = int(state.step)
 
+    saved, saved_tokenizer = checkpoint.tokenizer_dir(tc.run_dir), None
+    if saved is not None:
+        try:
+            saved_tokenizer = data.load_tokenizer(str(saved))
+        except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise bare Exceptions for bad files
+            if tokenizer is None and not tc.tokenizer:
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise data.DataError(f"{saved} is incomplete or damaged ({reason}); set train.tokenizer to rebuild "
+                                     "it from the tokenizer the run was started with") from None
+            log.warning("%s is incomplete or damaged; writing it again from %s", saved,
+                        "the tokenizer passed in" if tokenizer is not None else f"train.tokenizer={tc.tokenizer}")
     if tokenizer is None:
-        saved = checkpoint.tokenizer_dir(tc.run_dir)
-        source = str(saved) if saved is not None else tc.tokenizer
-        tokenizer = data.load_tokenizer(source) if source else None
-    if tokenizer is not None and checkpoint.tokenizer_dir(tc.run_dir) is None:
-        ckpt.save_tokenizer(tokenizer)
+        if saved_tokenizer is not None:
+            tokenizer = saved_tokenizer
+        elif tc.tokenizer:
+            tokenizer = data.load_tokenizer(tc.tokenizer)
 
     train_sharding = steps.batch_sharding(mesh, accumulated=True)
     eval_sharding = steps.batch_sharding(mesh, accumulated=False)
@@ -204,6 +242,9 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
     val_sets = data.make_eval_sets(tc.val_set, seq_len=seq_len, batch_size=batch_size, n_batches=tc.val_batches,
                                    tokenizer=tokenizer, process_index=share, process_count=n_shares,
                                    progress=progress, vocab_size=mc.vocab_size)
+    # Saved only once the data has accepted it (a tokenizer too large for the model is refused above).
+    if tokenizer is not None and saved_tokenizer is None:
+        ckpt.save_tokenizer(tokenizer)  # atomic; replaces a damaged copy
 
     shardings = steps.state_shardings(model, tx, mesh)
     lr_fn = optimizer.schedule(tc)
