@@ -1,7 +1,7 @@
 """Legacy mesh-transformer-jax checkpoints written exactly as the original writer did, for tests.
 
 Independent of ``gptj_flax.convert``: it starts from a *dense* reference model and shards it the way
-the original's layers held their parameters (GPTJ_REFERENCE.md §4, and mesh-transformer-jax's
+the original's layers held their parameters (docs/reference.md §4, and mesh-transformer-jax's
 ``layers.py`` / ``checkpoint.py``):
 
 - per shard, the state ``{"opt_state": chain state, "params": {module: {name: array}}, "step": n}``

@@ -155,7 +155,7 @@ def test_insert_adam_moments_rejects_a_mismatched_state():
 
 
 def test_the_released_6b_layout_counts(repo_root):
-    """The leaf counts GPTJ_REFERENCE §4 gives for the released 6B checkpoint: 287 slim, 861 full."""
+    """The leaf counts docs/reference.md §4 gives for the released 6B checkpoint: 287 slim, 861 full."""
     six_b = from_dict(json.loads((repo_root / "configs" / "6B_roto_256.json").read_text())).model
     n = len(legacy_params(six_b, 8))
     assert (n + 1, 3 * n + 3) == (287, 861)

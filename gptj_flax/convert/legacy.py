@@ -1,6 +1,6 @@
 """mesh-transformer-jax checkpoints — the released GPT-J-6B and its fine-tunes — read tensor by tensor.
 
-On disk (``GPTJ_REFERENCE.md`` §4): ``step_N/shard_{s}/{i}.npz`` for ``s < S`` (S = the original's
+On disk (``docs/reference.md`` §4): ``step_N/shard_{s}/{i}.npz`` for ``s < S`` (S = the original's
 ``cores_per_replica``) and ``i < 16``. Each shard's training state ``{opt_state, params, step}``
 (slim: ``{params, step}``) was flattened in JAX tree order — dict keys sorted as strings, so layers
 go 0, 1, 10, 11, …, 19, 2, 20, … — cut into 16 contiguous pieces, and piece ``i`` saved with
