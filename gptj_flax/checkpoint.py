@@ -38,19 +38,16 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
-from gptj_flax import partitioning
-from gptj_flax.config import Config, ConfigError, from_dict
+from gptj_flax import model, partitioning
+from gptj_flax.config import Config, ConfigError, ModelConfig, from_dict
 from gptj_flax.errors import GptjFlaxError, debug_requested
-from gptj_flax.model import GPTJ
 
 log = logging.getLogger(__name__)
 
@@ -506,16 +503,18 @@ class Checkpointer:
         return later
 
 
-def abstract_params(config: Config, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES,
-                    dtype: Any = None) -> tuple[Any, Any]:
-    """Restore targets for the model's params: (tree of ShapeDtypeStruct with shardings, shardings)."""
-    model = GPTJ(config.model)
-    abstract = partitioning.abstract_init(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-    shardings = partitioning.logical_to_sharding(nn.get_partition_spec(abstract), mesh, rules)
-    unboxed = nn.meta.unbox(abstract)
-    target = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s), unboxed, shardings)
-    return target["params"], shardings["params"]
+def check_mesh(model_config: ModelConfig, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES) -> None:
+    """Refuse a mesh that does not divide every parameter dimension the rules split, naming the
+    config field to change."""
+    partitioning.check_divisible(model.abstract_params(model_config), mesh, rules, model.AXIS_FIELDS)
+
+
+def param_targets(model_config: ModelConfig, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES,
+                  dtype: Any = None) -> tuple[Any, Any]:
+    """Restore targets for a model's params on ``mesh``: (tree of ShapeDtypeStruct with shardings,
+    shardings), after :func:`check_mesh`."""
+    check_mesh(model_config, mesh, rules)
+    return partitioning.restore_targets(model.abstract_params(model_config), mesh, rules, dtype)
 
 
 def load_params(path: str | os.PathLike, mesh: Mesh | None = None, *, step: int | None = None,
@@ -531,8 +530,7 @@ def load_params(path: str | os.PathLike, mesh: Mesh | None = None, *, step: int 
         step = ckpt.resolve_step(path_step if step is None else step)
         config = ckpt.read_config(step)
         mesh = mesh or partitioning.make_mesh(config.mesh)
-        config.model.validate_for_mesh(partitioning.mesh_shape(mesh))
-        target, _ = abstract_params(config, mesh, rules, dtype)
+        target, _ = param_targets(config.model, mesh, rules, dtype)
         restored = ckpt.restore(step, params_target=target)
     finally:
         ckpt.close()

@@ -143,7 +143,7 @@ def test_init_params_land_on_any_mesh_in_either_layout(converted, mesh_shape, sc
     cfg, hf, root = converted
     config = Config(model=dataclasses.replace(cfg, scan_layers=scan))
     mesh = partitioning.make_mesh(mesh_shape)
-    target, _ = checkpoint.abstract_params(config, mesh)
+    target, _ = checkpoint.param_targets(config.model, mesh)
     expected = params_matching(hf, config.model)["params"]
     for spec in (f"hf:{root / 'hf'}", str(root / "ours")):
         params = load_init_params(spec, config, mesh)
