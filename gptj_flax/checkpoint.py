@@ -1,25 +1,9 @@
 """Orbax checkpoints: one format for training runs, converted weights and everything that loads them.
 
-A checkpoint directory holds one sub-directory per step (Orbax ``CheckpointManager`` layout)::
-
-    RUN_DIR/
-      tokenizer/            tokenizer files (saved once, atomically; travels with the weights)
-      100/params            float32 parameters (or bf16/fp16 when slimmed)
-      100/opt_state         optimiser state (absent in slim checkpoints)
-      100/meta              JSON: step, data-iterator state, RNG key, anything else small
-      100/config            JSON: the full Config (model, mesh, train)
-
-Saves are asynchronous and atomic: Orbax writes into a temporary directory and renames it only when
-every process has finished, so an interrupted save never becomes the latest step. Restores always
-pass ``jax.ShapeDtypeStruct(…, sharding=…)`` targets, so a checkpoint written on any mesh and host
-count loads onto any other.
-
-Integrity: arrays are stored as zarr v3 with TensorStore's ``crc32c`` codec on every chunk, so each
-process checksums the chunks it writes and TensorStore verifies every chunk it reads — on any
-mesh, for any reader, with no extra pass over the data. A chunk that fails refuses the whole step
-(:class:`CheckpointCorrupted`). Orbax 0.12 has no option for chunk codecs, so
-:func:`_checksum_every_chunk` adds the codec to the zarr v3 metadata Orbax builds. Steps written
-before this (zarr v2, no checksums) still load, with a notice that they cannot be verified.
+A run directory holds one sub-directory per step (``params``, ``opt_state``, ``meta``, ``config``)
+and the run's ``tokenizer/``. Saves are asynchronous and atomic, restores always go into sharded
+``ShapeDtypeStruct`` targets (so any mesh loads any checkpoint), and every stored chunk carries a
+crc32c checksum that each read verifies (see :func:`_checksum_every_chunk`).
 """
 
 from __future__ import annotations
@@ -105,6 +89,11 @@ def absolute_path(path: str | os.PathLike) -> epath.Path:
 
 def _checksum_every_chunk() -> None:
     """Give every zarr v3 chunk Orbax writes a ``crc32c`` codec, which TensorStore checks on read.
+
+    Each process checksums the chunks it writes and every reader verifies the chunks it reads, on
+    any mesh, with no extra pass over the data; a chunk that fails refuses the whole step
+    (:class:`CheckpointCorrupted`). Orbax 0.12 has no option for chunk codecs, hence this patch of
+    the metadata it builds. Steps written without checksums (zarr v2) still load, with a notice.
 
     The codec goes last inside Orbax's ``sharding_indexed`` codec (after ``bytes`` and any
     compression), as zarr v3 wants for a checksum; any zarr v3 reader verifies it. It applies to

@@ -526,7 +526,7 @@ def cli_dtype(text: str) -> str:
     try:
         return dtype_name(text)
     except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("dtype ")) from None
+        raise argparse.ArgumentTypeError(str(e).removeprefix("dtype=")) from None
 
 
 def join_negative_values(argv: Sequence[str], options: Sequence[str] = ("--mesh",)) -> list[str]:

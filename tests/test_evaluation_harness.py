@@ -314,6 +314,7 @@ def test_eval_script_harness_writes_the_results_json(run, offline, tmp_path, rep
     assert results["n-samples"]["tiny_choice"]["effective"] == 3
     assert results["config"]["model"] == "gptj_flax" and results["config"]["checkpoint"] == run[0]
     assert "acc" in done.stdout and str(output) in done.stdout
+    assert f"{run[0]} step 0: parameters float32, compute float32" in done.stderr  # the dtypes in effect
     bad = subprocess.run([*command[:4], os.path.join(run[0], "missing"), *command[5:]], env=env,
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 1 and "error:" in bad.stderr and "Traceback" not in bad.stderr
@@ -323,12 +324,12 @@ def test_training_hook_scores_new_parameters_without_recompiling(run, lm, offlin
     tasks = write_tasks(tmp_path / "tasks")
     hook = HarnessDuringTraining(["tiny_choice", "tiny_text"], include_path=tasks, builtin_tasks=False,
                                  batch_size=3, results_dir=tmp_path / "harness")
-    params = lm.params  # a run's live parameters: any layout, already on the mesh
-    first = hook(10, params, model_config=CFG, mesh=lm.mesh, tokenizer=lm.tokenizer)
+    params = lm.params  # live parameters of the model lm.config describes, already on the mesh
+    first = hook(10, params, model_config=lm.config, mesh=lm.mesh, tokenizer=lm.tokenizer)
     compiled = hook._adapter.scorer.compilations()
     shardings = jax.tree.map(lambda x: x.sharding, params)  # a train step keeps them
     halved = jax.jit(lambda p: jax.tree.map(lambda x: 0.5 * x, p), out_shardings=shardings)(params)
-    second = hook(20, halved, model_config=CFG, mesh=lm.mesh, tokenizer=lm.tokenizer)
+    second = hook(20, halved, model_config=lm.config, mesh=lm.mesh, tokenizer=lm.tokenizer)
     assert hook._adapter.scorer.compilations() == compiled
     assert set(first) == set(second) >= {"harness/tiny_choice/acc", "harness/tiny_choice/acc_stderr",
                                          "harness/tiny_text/word_perplexity", "harness/tiny_text/bits_per_byte"}

@@ -8,6 +8,7 @@ with no missing or unexpected keys.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -152,6 +153,8 @@ class HFCheckpoint:
             raw = json.loads(config_path.read_text())
         except json.JSONDecodeError as e:
             raise ConversionError(f"{config_path}: not valid JSON: {e}") from None
+        model_config = model_config_from_hf(raw, config_path, scan_layers)
+
         shapes: dict[str, tuple[int, ...]] = {}
         dtypes: dict[str, str] = {}
         readers: dict[str, Callable[[], np.ndarray]] = {}
@@ -168,7 +171,7 @@ class HFCheckpoint:
                     readers[name] = lambda name=name, f=torch_file: f.read(name)
         compute = None if dtype is None else dtype_name(dtype)
         stored = _stored_dtype(raw, dtypes.get("transformer.wte.weight"), config_path, compute)
-        model_config = model_config_from_hf(raw, config_path, scan_layers, compute or stored)
+        model_config = dataclasses.replace(model_config, dtype=compute or stored)
 
         expected = hf_names(model_config)
         missing = [n for n in expected if n not in shapes]

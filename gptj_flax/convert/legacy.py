@@ -1,21 +1,9 @@
 """mesh-transformer-jax checkpoints — the released GPT-J-6B and its fine-tunes — read tensor by tensor.
 
-On disk: ``step_N/shard_{s}/{i}.npz`` for ``s < S`` (S = the original's
-``cores_per_replica``) and ``i < 16``. Each shard's training state ``{opt_state, params, step}``
-(slim: ``{params, step}``) was flattened in JAX tree order — dict keys sorted as strings, so layers
-go 0, 1, 10, 11, …, 19, 2, 20, … — cut into 16 contiguous pieces, and piece ``i`` saved with
-``np.savez`` (keys ``arr_0, arr_1, …`` restarting in every file). Slim checkpoints store bfloat16
-as numpy void ``V2`` (the raw upper half of a float32).
-
-Reassembly follows how the original computed with each tensor: column-parallel weights (q, k, v,
-fc_in, lm_head) are concatenated by columns, row-parallel ones (embedding rows, out, fc_out) by
-rows; the embedding bias and fc_out bias were added once per shard before a psum, so the dense
-bias is their **sum**; LayerNorms were all-gathered and shard 0's copy used, so the others are
-untrained (scale 1, offset 0) and only shard 0 counts. The embedding bias has no HF or gptj_flax
-counterpart and is folded into every row of the embedding table.
-
-Everything — every file, every array's shape and dtype — is checked against the config from the
-.npz headers before any tensor data is read, and errors name the file.
+Every file and every array's shape and dtype is checked against the config from the .npz headers
+before any tensor data is read, and errors name the file. How the original stored and sharded its
+state is described where it is undone: :func:`legacy_params` (leaf order) and
+:meth:`LegacyCheckpoint._dense` (reassembly).
 """
 
 from __future__ import annotations
@@ -24,6 +12,7 @@ import dataclasses
 import json
 import os
 import re
+import threading
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -45,7 +34,7 @@ PIECES = 16  # the original's `pieces`: files per shard
 _ROOT = "causal_transformer_shard/~/"
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype("V2"))
 
-# How shards combine into the dense tensor (see the module docstring).
+# How shards combine into the dense tensor (see LegacyCheckpoint._dense).
 ROWS, COLS, SUM, FIRST = "rows", "cols", "sum", "first"
 
 
@@ -64,7 +53,15 @@ class LegacyParam:
 
 
 def legacy_params(config: ModelConfig, shards: int) -> list[LegacyParam]:
-    """The original's parameters for ``config`` on ``shards`` shards, in its leaf (tree) order."""
+    """The original's parameters for ``config`` on ``shards`` shards, in its leaf (tree) order.
+
+    On disk a checkpoint is ``step_N/shard_{s}/{i}.npz`` for ``s`` below the original's
+    ``cores_per_replica`` and ``i < 16``. Each shard's state ``{opt_state, params, step}`` (slim:
+    ``{params, step}``) was flattened in JAX tree order — dict keys sorted as strings, so layers go
+    0, 1, 10, 11, …, 2, … — cut into 16 contiguous pieces, and piece ``i`` saved with ``np.savez``
+    (``arr_0, arr_1, …`` restarting in every file). Slim checkpoints store bfloat16 as numpy void
+    ``V2`` (the raw upper half of a float32).
+    """
     d, f, v, s = config.d_model, config.d_ff, config.vocab_size, shards
     params = [
         LegacyParam(_ROOT + "embedding_shard/~/linear", "b", (d,), SUM),
@@ -157,6 +154,9 @@ class LegacyCheckpoint:
         self.params = {p.key: p for p in legacy_params(config, self.shards)}
         n_params = len(self.params)
         self._npz: dict[Path, np.lib.npyio.NpzFile] = {}
+        # Orbax writes params and optimiser state from two threads; numpy's header parsing (ast)
+        # is not safe to run concurrently, so reads take turns.
+        self._reading = threading.Lock()
         # (file, member) of every leaf of every shard, after checking counts, shapes and dtypes.
         self._where: list[list[tuple[Path, str]]] = []
         for shard in range(self.shards):
@@ -266,9 +266,10 @@ class LegacyCheckpoint:
     def _read(self, shard: int, leaf_index: int) -> np.ndarray:
         path, member = self._where[shard][leaf_index]
         try:
-            if path not in self._npz:
-                self._npz[path] = np.load(path)
-            array = self._npz[path][member[:-4]]
+            with self._reading:
+                if path not in self._npz:
+                    self._npz[path] = np.load(path)
+                array = self._npz[path][member[:-4]]
         except (ValueError, OSError, zipfile.BadZipFile, zlib.error, EOFError) as e:
             raise ConversionError(f"{path} {member[:-4]} ({self._leaves[leaf_index]}): unreadable: {e}") from None
         if array.dtype == np.dtype("V2"):  # bfloat16 saved by a numpy that did not know it
@@ -276,7 +277,14 @@ class LegacyCheckpoint:
         return array
 
     def _dense(self, leaf: str, assemble: str, mean_of_sums: bool = False) -> np.ndarray:
-        """One leaf reassembled over the shards as float32 (see the module docstring)."""
+        """One leaf reassembled over the shards as float32, as the original computed with it.
+
+        Column-parallel weights (q, k, v, fc_in, lm_head) are concatenated by columns, row-parallel
+        ones (embedding rows, out, fc_out) by rows; the embedding and fc_out biases were added once
+        per shard before a psum, so the dense bias is their sum; LayerNorms were all-gathered and
+        shard 0's copy used (the others are untrained), so only shard 0 counts. (The embedding bias
+        has no HF or gptj_flax counterpart: :meth:`get` folds it into every row of the table.)
+        """
         index = self._leaves.index(leaf)
         if assemble == FIRST:
             return self._read(0, index).astype(np.float32)
