@@ -193,6 +193,7 @@ def _decode_attention(cfg: ModelConfig, q: Array, k: Array, v: Array, mask: Arra
     past = attention_scores(q, kv.k, cfg.head_dim)  # [B, H, 1, S]
     own = attention_scores(q, k, cfg.head_dim)  # [B, H, 1, 1]: the new key, not yet in the cache
     slots = jnp.arange(past.shape[-1])
+    # the token's own slot (index) holds nothing yet: its score comes from the new key instead
     allowed = jnp.concatenate([mask & (slots != kv.index), jnp.ones((*mask.shape[:-1], 1), bool)], axis=-1)
     probs = attention_probs(jnp.concatenate([past, own], axis=-1), allowed, cfg.compute_dtype)
     out = (jnp.einsum("bhqk,bhkd->bqhd", probs[..., :-1], kv.v)
