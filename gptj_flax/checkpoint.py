@@ -1,25 +1,9 @@
 """Orbax checkpoints: one format for training runs, converted weights and everything that loads them.
 
-A checkpoint directory holds one sub-directory per step (Orbax ``CheckpointManager`` layout)::
-
-    RUN_DIR/
-      tokenizer/            tokenizer files (saved once, atomically; travels with the weights)
-      100/params            float32 parameters (or bf16/fp16 when slimmed)
-      100/opt_state         optimiser state (absent in slim checkpoints)
-      100/meta              JSON: step, data-iterator state, RNG key, anything else small
-      100/config            JSON: the full Config (model, mesh, train)
-
-Saves are asynchronous and atomic: Orbax writes into a temporary directory and renames it only when
-every process has finished, so an interrupted save never becomes the latest step. Restores always
-pass ``jax.ShapeDtypeStruct(…, sharding=…)`` targets, so a checkpoint written on any mesh and host
-count loads onto any other.
-
-Integrity: arrays are stored as zarr v3 with TensorStore's ``crc32c`` codec on every chunk, so each
-process checksums the chunks it writes and TensorStore verifies every chunk it reads — on any
-mesh, for any reader, with no extra pass over the data. A chunk that fails refuses the whole step
-(:class:`CheckpointCorrupted`). Orbax 0.12 has no option for chunk codecs, so
-:func:`_checksum_every_chunk` adds the codec to the zarr v3 metadata Orbax builds. Steps written
-before this (zarr v2, no checksums) still load, with a notice that they cannot be verified.
+A run directory holds one sub-directory per step (``params``, ``opt_state``, ``meta``, ``config``)
+and the run's ``tokenizer/``. Saves are asynchronous and atomic, restores always go into sharded
+``ShapeDtypeStruct`` targets (so any mesh loads any checkpoint), and every stored chunk carries a
+crc32c checksum that each read verifies (see :func:`_checksum_every_chunk`).
 """
 
 from __future__ import annotations
@@ -38,19 +22,16 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
-from gptj_flax import partitioning
-from gptj_flax.config import Config, ConfigError, from_dict
+from gptj_flax import model, partitioning
+from gptj_flax.config import Config, ConfigError, ModelConfig, from_dict
 from gptj_flax.errors import GptjFlaxError, debug_requested
-from gptj_flax.model import GPTJ
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +89,11 @@ def absolute_path(path: str | os.PathLike) -> epath.Path:
 
 def _checksum_every_chunk() -> None:
     """Give every zarr v3 chunk Orbax writes a ``crc32c`` codec, which TensorStore checks on read.
+
+    Each process checksums the chunks it writes and every reader verifies the chunks it reads, on
+    any mesh, with no extra pass over the data; a chunk that fails refuses the whole step
+    (:class:`CheckpointCorrupted`). Orbax 0.12 has no option for chunk codecs, hence this patch of
+    the metadata it builds. Steps written without checksums (zarr v2) still load, with a notice.
 
     The codec goes last inside Orbax's ``sharding_indexed`` codec (after ``bytes`` and any
     compression), as zarr v3 wants for a checksum; any zarr v3 reader verifies it. It applies to
@@ -506,16 +492,18 @@ class Checkpointer:
         return later
 
 
-def abstract_params(config: Config, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES,
-                    dtype: Any = None) -> tuple[Any, Any]:
-    """Restore targets for the model's params: (tree of ShapeDtypeStruct with shardings, shardings)."""
-    model = GPTJ(config.model)
-    abstract = partitioning.abstract_init(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-    shardings = partitioning.logical_to_sharding(nn.get_partition_spec(abstract), mesh, rules)
-    unboxed = nn.meta.unbox(abstract)
-    target = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s), unboxed, shardings)
-    return target["params"], shardings["params"]
+def check_mesh(model_config: ModelConfig, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES) -> None:
+    """Refuse a mesh that does not divide every parameter dimension the rules split, naming the
+    config field to change."""
+    partitioning.check_divisible(model.abstract_params(model_config), mesh, rules, model.AXIS_FIELDS)
+
+
+def param_targets(model_config: ModelConfig, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES,
+                  dtype: Any = None) -> tuple[Any, Any]:
+    """Restore targets for a model's params on ``mesh``: (tree of ShapeDtypeStruct with shardings,
+    shardings), after :func:`check_mesh`."""
+    check_mesh(model_config, mesh, rules)
+    return partitioning.restore_targets(model.abstract_params(model_config), mesh, rules, dtype)
 
 
 def load_params(path: str | os.PathLike, mesh: Mesh | None = None, *, step: int | None = None,
@@ -531,8 +519,7 @@ def load_params(path: str | os.PathLike, mesh: Mesh | None = None, *, step: int 
         step = ckpt.resolve_step(path_step if step is None else step)
         config = ckpt.read_config(step)
         mesh = mesh or partitioning.make_mesh(config.mesh)
-        config.model.validate_for_mesh(partitioning.mesh_shape(mesh))
-        target, _ = abstract_params(config, mesh, rules, dtype)
+        target, _ = param_targets(config.model, mesh, rules, dtype)
         restored = ckpt.restore(step, params_target=target)
     finally:
         ckpt.close()

@@ -13,6 +13,7 @@ to fix it; unknown keys are rejected by name rather than silently ignored.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import json
@@ -23,16 +24,46 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from gptj_flax.errors import GptjFlaxError
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-MESH_AXES = ("data", "fsdp", "model")
+
+# Canonical dtype name → the dtype, and every spelling the user may write for each.
+_DTYPE_BY_NAME = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPE_NAMES = tuple(_DTYPE_BY_NAME)
+_DTYPE_SPELLINGS = {
+    "float32": "float32", "fp32": "float32", "f32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
+}
 
 
 class ConfigError(GptjFlaxError, ValueError):
     """A configuration value is missing, malformed or inconsistent."""
+
+
+def dtype_name(dtype: Any, what: str = "dtype") -> str:
+    """The canonical name (``float32``, ``bfloat16`` or ``float16``) of a dtype spelt any accepted way:
+    ``fp32``/``f32``, ``bf16``, ``fp16``/``half``, or a numpy or jax.numpy dtype."""
+    if isinstance(dtype, str):
+        name = _DTYPE_SPELLINGS.get(dtype.strip().lower())
+    else:
+        try:
+            name = _DTYPE_SPELLINGS.get(np.dtype(dtype).name)
+        except TypeError:
+            name = None
+    if name is None:
+        spellings = ", ".join(f"{canonical} ({'/'.join(s for s, c in _DTYPE_SPELLINGS.items() if c == canonical)})"
+                              for canonical in DTYPE_NAMES)
+        raise ConfigError(f"{what}={dtype!r} is not a supported dtype; use one of {spellings}")
+    return name
+
+
+def jnp_dtype(dtype: Any):
+    """The jax.numpy dtype of a dtype spelt any way :func:`dtype_name` accepts."""
+    return _DTYPE_BY_NAME[dtype_name(dtype)]
 
 
 def _suggest(name: str, known: Sequence[str]) -> str:
@@ -81,7 +112,13 @@ def _string_list(field: str, value: Any) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a GPT-J model."""
+    """Shape and numerics of a GPT-J model.
+
+    ``dtype`` is the compute dtype of activations and matmuls; ``param_dtype`` how parameters are
+    stored. Both accept any spelling :func:`dtype_name` does and are kept under the canonical name.
+    Softmax, LayerNorm statistics and the loss are float32 whatever ``dtype`` says. On CPU, XLA has
+    no fast bfloat16 matmul, so float32 is the faster choice there as well as the exact one.
+    """
 
     n_layers: int
     d_model: int
@@ -91,7 +128,7 @@ class ModelConfig:
     max_len: int = 2048
     d_ff: int | None = None  # None: 4 * d_model, as GPT-J
     layer_norm_eps: float = 1e-5
-    dtype: str = "bfloat16"  # compute dtype of activations and matmuls
+    dtype: str = "bfloat16"  # compute dtype (TPU/GPU training); float32 on CPU, where it is also faster
     param_dtype: str = "float32"  # storage dtype of the parameters
     scan_layers: bool = True  # nn.scan over the blocks: compile time independent of depth
     remat_policy: str = "none"  # one of REMAT_POLICIES
@@ -99,6 +136,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
+        for name in ("dtype", "param_dtype"):
+            object.__setattr__(self, name, dtype_name(getattr(self, name), f"model.{name}"))
         self.validate()
 
     @property
@@ -107,11 +146,11 @@ class ModelConfig:
 
     @property
     def compute_dtype(self):
-        return DTYPES[self.dtype]
+        return jnp_dtype(self.dtype)
 
     @property
     def weight_dtype(self):
-        return DTYPES[self.param_dtype]
+        return jnp_dtype(self.param_dtype)
 
     def validate(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "rotary_dim", "vocab_size", "max_len", "d_ff"):
@@ -134,29 +173,9 @@ class ModelConfig:
             )
         if not (_is_finite_number(self.layer_norm_eps) and self.layer_norm_eps > 0):
             raise ConfigError(f"model.layer_norm_eps must be a finite positive number, got {self.layer_norm_eps!r}")
-        for name in ("dtype", "param_dtype"):
-            _check_choice(f"model.{name}", getattr(self, name), sorted(DTYPES))
         _check_choice("model.remat_policy", self.remat_policy, REMAT_POLICIES)
         if not isinstance(self.scan_layers, bool):
             raise ConfigError(f"model.scan_layers must be true or false, got {self.scan_layers!r}")
-
-    def validate_for_mesh(self, mesh_shape: Mapping[str, int]) -> None:
-        """Check that the tensors the rules shard divide evenly over ``mesh_shape``."""
-        desc = "(" + ", ".join(f"{a}={mesh_shape[a]}" for a in MESH_AXES) + ")"
-        tp = mesh_shape["model"]
-        for name, value in (("n_heads", self.n_heads), ("d_ff", self.d_ff), ("vocab_size", self.vocab_size)):
-            if value % tp:
-                raise ConfigError(
-                    f"model.{name}={value} is not divisible by the 'model' mesh axis of size {tp} "
-                    f"in mesh {desc}: pick a 'model' size that divides {value}"
-                    + (" or pad the vocabulary to a multiple of it" if name == "vocab_size" else "")
-                )
-        fsdp = mesh_shape["fsdp"]
-        if self.d_model % fsdp:
-            raise ConfigError(
-                f"model.d_model={self.d_model} is not divisible by the 'fsdp' mesh axis of size {fsdp} "
-                f"in mesh {desc}: pick an 'fsdp' size that divides d_model"
-            )
 
     def param_count(self) -> int:
         """Dense parameter count, computed from the shapes alone."""
@@ -186,7 +205,7 @@ class MeshConfig:
 
     def __post_init__(self):
         shape = self.shape
-        for axis, size in zip(MESH_AXES, shape):
+        for axis, size in zip((f.name for f in dataclasses.fields(self)), shape):
             if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
                 raise ConfigError(f"mesh.{axis} must be a positive integer or -1, got {size!r}")
         if shape.count(-1) > 1:
@@ -195,18 +214,6 @@ class MeshConfig:
     @property
     def shape(self) -> tuple[int, int, int]:
         return (self.data, self.fsdp, self.model)
-
-    @classmethod
-    def parse(cls, text: str) -> "MeshConfig":
-        """Parse ``"data,fsdp,model"`` such as ``"2,-1,4"``."""
-        parts = [p.strip() for p in text.split(",")]
-        if len(parts) != 3:
-            raise ConfigError(f"--mesh {text!r}: expected three comma-separated sizes data,fsdp,model")
-        try:
-            sizes = [int(p) for p in parts]
-        except ValueError:
-            raise ConfigError(f"--mesh {text!r}: sizes must be integers (or -1)") from None
-        return cls(*sizes)
 
     def resolve(self, n_devices: int) -> tuple[int, int, int]:
         """The concrete shape for ``n_devices`` devices."""
@@ -270,6 +277,7 @@ class TrainConfig:
             value = getattr(self, name)
             if not _is_finite_number(value) or value < 0:
                 raise ConfigError(f"train.{name} must be a finite non-negative number, got {value!r}")
+        object.__setattr__(self, "adam_mu_dtype", dtype_name(self.adam_mu_dtype, "train.adam_mu_dtype"))
         _check_choice("train.adam_mu_dtype", self.adam_mu_dtype, ("float32", "bfloat16"))
         if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
             # jax.random.key folds larger seeds onto smaller ones (2**32 gives seed 0's key)
@@ -290,7 +298,7 @@ class TrainConfig:
         object.__setattr__(self, "freeze", _string_list("train.freeze", self.freeze))
 
     def global_batch_size(self, data_parallel: int) -> int:
-        """Sequences per micro-batch over the whole mesh (``data_parallel`` = data × fsdp)."""
+        """Sequences per micro-batch over the whole mesh (``data_parallel``: the mesh's data-parallel size)."""
         if self.batch_size is not None:
             return self.batch_size
         return self.per_replica_batch * data_parallel
@@ -511,6 +519,14 @@ def cli_path(text: str) -> str:
         if text.startswith(prefix) and len(text) > len(prefix):
             return prefix + cli_path(text[len(prefix):])
     return os.path.abspath(os.path.expanduser(text))
+
+
+def cli_dtype(text: str) -> str:
+    """A ``--dtype`` argument in any spelling :func:`dtype_name` reads, as its canonical name."""
+    try:
+        return dtype_name(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("dtype=")) from None
 
 
 def join_negative_values(argv: Sequence[str], options: Sequence[str] = ("--mesh",)) -> list[str]:

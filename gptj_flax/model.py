@@ -1,16 +1,11 @@
-"""GPT-J as Flax linen modules.
+"""GPT-J as Flax linen modules, read top to bottom: rotary embedding, masks, the KV cache, attention,
+the MLP, the parallel block, the causal LM, per-token scores and the loss.
 
-Read top to bottom: rotary embedding, masks, the KV cache, attention, MLP, the parallel block, the
-causal LM, the loss.
-
-Every parameter carries logical axis names (``nn.with_logical_partitioning``) and activations are
-constrained at block boundaries (``nn.with_logical_constraint``); where those names live on the
-device mesh is decided by the rules table in :mod:`gptj_flax.partitioning`, never here.
-
-GPT-J quirks reproduced (they decide numerical parity with HuggingFace ``GPTJForCausalLM``):
-one LayerNorm feeds attention and MLP in parallel; rotary is "rotate every two" (interleaved
-pairs) on the first ``rotary_dim`` dims of each head; attention projections have no bias;
-scores are divided by sqrt(head_dim); the LM head has a bias and is not tied to the embedding.
+Parameters and activations carry logical axis names; where those live on the mesh is decided by
+the rules table in :mod:`gptj_flax.partitioning`, never here. The GPT-J quirks that decide parity
+with HuggingFace ``GPTJForCausalLM`` are reproduced: one LayerNorm feeding attention and MLP in
+parallel, "rotate every two" rotary on the first ``rotary_dim`` dims of each head, attention
+without biases, and an untied LM head with a bias.
 """
 
 from __future__ import annotations
@@ -31,6 +26,9 @@ Array = jax.Array
 
 # Logical shape of the residual stream between blocks.
 RESIDUAL_AXES = ("batch", "length", "activation_embed")
+
+# Which config field sets the size of each logical axis a parameter is split along (for errors).
+AXIS_FIELDS = {"embed": "model.d_model", "heads": "model.n_heads", "mlp": "model.d_ff", "vocab": "model.vocab_size"}
 
 REMAT_POLICIES: dict[str, Callable | None] = {
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute everything in the backward pass
@@ -122,30 +120,23 @@ class KVCache:
     """Keys and values of every layer for ``length`` slots, filled left to right.
 
     Fields:
-      k: keys (after rotary) [batch, heads, head_dim, length] per layer, in the compute dtype.
-      v: values [batch, heads, length, head_dim] per layer.
-        Both laid out like the layers: with ``scan_layers`` one array stacked on a leading
-        [layers] axis, which ``nn.scan`` carries; unrolled, a tuple of one array per layer, so each
-        layer reads its cache in place (slicing one layer out of a stacked array costs a copy of
-        it per step on the CPU).
+      k: one array per layer of keys (after rotary) [batch, heads, head_dim, length], in the
+        compute dtype. One buffer per layer, so each layer reads and writes its own in place.
+      v: one array per layer of values [batch, heads, length, head_dim].
       segment_ids: int32 [batch, length]; 0 marks padding and slots not yet written.
       index: int32 scalar, the next slot to write (shared by the batch: prompts are left-padded
         so every row's newest token sits in the same slot).
-
-    Each step writes only its new slot, in place.
     """
 
-    k: Array | tuple[Array, ...]
-    v: Array | tuple[Array, ...]
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
     segment_ids: Array
     index: Array
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, length: int) -> "KVCache":
-        def zeros(*layer_shape):
-            if config.scan_layers:
-                return jnp.zeros((config.n_layers, *layer_shape), config.compute_dtype)
-            return tuple(jnp.zeros(layer_shape, config.compute_dtype) for _ in range(config.n_layers))
+        def zeros(*shape):
+            return tuple(jnp.zeros(shape, config.compute_dtype) for _ in range(config.n_layers))
 
         heads, head_dim = config.n_heads, config.head_dim
         return cls(k=zeros(batch, heads, head_dim, length), v=zeros(batch, heads, length, head_dim),
@@ -155,40 +146,38 @@ class KVCache:
     def logical_axes(cls, config: ModelConfig) -> "KVCache":
         """The same tree with a logical PartitionSpec per leaf (for ``logical_to_sharding``)."""
         P = jax.sharding.PartitionSpec
-
-        def per_layer(axes):
-            return P("layers", *axes) if config.scan_layers else (P(*axes),) * config.n_layers
-
-        return cls(k=per_layer(KEY_AXES), v=per_layer(VALUE_AXES), segment_ids=P("batch", "length"), index=P())
+        return cls(k=(P(*KEY_AXES),) * config.n_layers, v=(P(*VALUE_AXES),) * config.n_layers,
+                   segment_ids=P("batch", "length"), index=P())
 
 
 class LayerKV(NamedTuple):
-    """What one block needs to use the cache: the arrays, the layer (``None``: the arrays are
-    this layer's own; else an index into stacked arrays) and the slot to write."""
+    """One layer's cached keys and values and the slot the new tokens are written at."""
 
     k: Array
     v: Array
-    layer: Array | None
     index: Array
 
 
-def write_layer_kv(kv: LayerKV, k: Array, v: Array) -> tuple[LayerKV, Array, Array]:
-    """Store new keys [B, heads, head_dim, T] and values [B, heads, T, head_dim] at slot ``kv.index``.
+def write_layer_kv(kv: LayerKV, k: Array, v: Array) -> LayerKV:
+    """Store new keys [B, heads, head_dim, T] and values [B, heads, T, head_dim] at slot ``kv.index``."""
+    k = lax.dynamic_update_slice(kv.k, k.astype(kv.k.dtype), (0, 0, 0, kv.index))
+    v = lax.dynamic_update_slice(kv.v, v.astype(kv.v.dtype), (0, 0, kv.index, 0))
+    return kv._replace(k=nn.with_logical_constraint(k, KEY_AXES), v=nn.with_logical_constraint(v, VALUE_AXES))
 
-    Returns the updated cache and this layer's keys and values for every slot, in the same layouts.
-    """
-    k_start, v_start = (0, 0, 0, kv.index), (0, 0, kv.index, 0)
-    k_axes, v_axes = KEY_AXES, VALUE_AXES
-    if kv.layer is not None:  # stacked: one more leading axis
-        k_start, v_start = (kv.layer, *k_start), (kv.layer, *v_start)
-        k_axes, v_axes = ("layers", *k_axes), ("layers", *v_axes)
-        k, v = k[None], v[None]
-    cache_k = nn.with_logical_constraint(lax.dynamic_update_slice(kv.k, k.astype(kv.k.dtype), k_start), k_axes)
-    cache_v = nn.with_logical_constraint(lax.dynamic_update_slice(kv.v, v.astype(kv.v.dtype), v_start), v_axes)
-    kv = kv._replace(k=cache_k, v=cache_v)
-    if kv.layer is None:
-        return kv, cache_k, cache_v
-    return kv, cache_k[kv.layer], cache_v[kv.layer]
+
+# --------------------------------------------------------------------------------------------
+# Attention
+
+
+def attention_scores(q: Array, k: Array, head_dim: int) -> Array:
+    """float32 scores [B, heads, T, S] of queries [B, T, heads, head_dim] against keys [B, heads, head_dim, S]."""
+    scores = jnp.einsum("bqhd,bhdk->bhqk", q, k, preferred_element_type=jnp.float32)
+    return scores / np.sqrt(head_dim).astype(np.float32)
+
+
+def attention_probs(scores: Array, mask: Array, dtype) -> Array:
+    """Softmax over the keys ``mask`` allows, computed in float32 and returned in ``dtype``."""
+    return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1).astype(dtype)
 
 
 def _decode_attention(cfg: ModelConfig, q: Array, k: Array, v: Array, mask: Array,
@@ -197,20 +186,17 @@ def _decode_attention(cfg: ModelConfig, q: Array, k: Array, v: Array, mask: Arra
     then the new key and value written into the cache.
 
     Equal to writing first and attending to the updated cache, but the matmuls read the cache
-    buffers that came into the step and the in-place writes come after them. Attending to the
-    *updated* cache made XLA fuse the cache update into the matmul's operand as well as into the
-    loop carry at batch 1, which cost copies of every layer's cache at every step (~40% of a
-    batch-1 decode step on the CPU).
+    buffers that came into the step and the in-place writes come after them: attending to the
+    updated cache lets XLA fuse the update into the matmul's operand as well as into the loop
+    carry, which costs a copy of every layer's cache at every step.
     """
-    past_k, past_v = (kv.k, kv.v) if kv.layer is None else (kv.k[kv.layer], kv.v[kv.layer])
-    scale = np.sqrt(cfg.head_dim).astype(np.float32)
-    past = jnp.einsum("bqhd,bhdk->bhqk", q, past_k, preferred_element_type=jnp.float32) / scale
-    # the token's own slot (index) holds nothing yet: its score comes from the new key instead
+    past = attention_scores(q, kv.k, cfg.head_dim)  # [B, H, 1, S]
+    own = attention_scores(q, k, cfg.head_dim)  # [B, H, 1, 1]: the new key, not yet in the cache
     slots = jnp.arange(past.shape[-1])
-    past = jnp.where(mask & (slots != kv.index), past, jnp.finfo(jnp.float32).min)
-    own = jnp.einsum("bqhd,bhdq->bhq", q, k, preferred_element_type=jnp.float32)[..., None] / scale
-    probs = jax.nn.softmax(jnp.concatenate([past, own], axis=-1), axis=-1).astype(cfg.compute_dtype)
-    out = (jnp.einsum("bhqk,bhkd->bqhd", probs[..., :-1], past_v)
+    # the token's own slot (index) holds nothing yet: its score comes from the new key instead
+    allowed = jnp.concatenate([mask & (slots != kv.index), jnp.ones((*mask.shape[:-1], 1), bool)], axis=-1)
+    probs = attention_probs(jnp.concatenate([past, own], axis=-1), allowed, cfg.compute_dtype)
+    out = (jnp.einsum("bhqk,bhkd->bqhd", probs[..., :-1], kv.v)
            + probs[..., -1:].transpose(0, 2, 1, 3) * v.transpose(0, 2, 1, 3))
     # The writes must follow the matmuls that read the old cache, or XLA copies each cache buffer
     # at every step to keep the old one readable. An optimization barrier is expanded too early in
@@ -220,8 +206,7 @@ def _decode_attention(cfg: ModelConfig, q: Array, k: Array, v: Array, mask: Arra
     zero = 0.0 * out  # [B, 1, H, D]
     k = k + zero.transpose(0, 2, 3, 1).astype(k.dtype)
     v = v + zero.transpose(0, 2, 1, 3).astype(v.dtype)
-    kv, _, _ = write_layer_kv(kv, k, v)
-    return out, kv
+    return out, write_layer_kv(kv, k, v)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,11 +240,9 @@ class Attention(nn.Module):
             out, kv = _decode_attention(cfg, q, k, v, mask, kv)
         else:
             if kv is not None:
-                kv, k, v = write_layer_kv(kv, k, v)
-            scores = jnp.einsum("bqhd,bhdk->bhqk", q, k, preferred_element_type=jnp.float32)
-            scores = scores / np.sqrt(cfg.head_dim).astype(np.float32)
-            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-            probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
+                kv = write_layer_kv(kv, k, v)
+                k, v = kv.k, kv.v
+            probs = attention_probs(attention_scores(q, k, cfg.head_dim), mask, cfg.compute_dtype)
             out = jnp.einsum("bhqk,bhkd->bqhd", probs, v)
 
         w_out = kernel("out_proj", (cfg.n_heads, cfg.head_dim, cfg.d_model),
@@ -292,7 +275,7 @@ class MLP(nn.Module):
         )(h)
 
 
-def layer_norm(config: ModelConfig, name: str) -> nn.LayerNorm:
+def layer_norm(config: ModelConfig, name: str | None = None) -> nn.LayerNorm:
     return nn.LayerNorm(
         epsilon=config.layer_norm_eps,
         dtype=config.compute_dtype,
@@ -320,17 +303,12 @@ class Block(nn.Module):
 
 
 class ScannedBlock(Block):
-    """A :class:`Block` with the (carry, xs) signature that ``nn.scan`` expects.
+    """A :class:`Block` with the ``(carry, inputs) -> (carry, outputs)`` signature ``nn.scan`` expects;
+    the carry is the residual stream. It takes no cache: cached decoding runs the unrolled layers."""
 
-    The carry is the residual stream and the stacked cache arrays (``None`` without a cache); the
-    scanned input is the layer number, which picks this layer's slice of the cache.
-    """
-
-    def __call__(self, carry, layer, sin, cos, mask, index):
-        h, caches = carry
-        kv = None if caches is None else LayerKV(*caches, layer, index)
-        h, kv = super().__call__(h, sin, cos, mask, kv)
-        return (h, None if kv is None else (kv.k, kv.v)), None
+    def __call__(self, h, sin, cos, mask):
+        h, _ = super().__call__(h, sin, cos, mask)
+        return h, None
 
 
 def project_to_vocab(h: Array, kernel: Array, bias: Array) -> Array:
@@ -354,89 +332,141 @@ class LMHead(nn.Module):
 
 
 class GPTJ(nn.Module):
-    """GPT-J causal language model: tokens [B, T] → float32 logits [B, T, vocab]."""
+    """GPT-J causal language model, with one entry point per result:
+
+    * ``model.apply(variables, tokens)``: float32 logits [B, T, vocab];
+    * ``method=GPTJ.hidden_states``: the final LayerNorm's output [B, T, d_model] (the training
+      loss applies the LM head itself, a chunk of positions at a time);
+    * ``method=GPTJ.decode``: ``(logits, updated KVCache)`` for a prefill or a decode step.
+
+    Arguments shared by all three: ``tokens`` int [B, T]; ``positions`` int [B, T], the rotary
+    positions (default 0..T-1; for a left-padded row count from its first real token, since rotary
+    is relative); ``segment_ids`` int [B, T]: tokens attend only within their segment, 0 marks
+    padding (default: one segment per row).
+    """
 
     config: ModelConfig
 
-    @nn.compact
-    def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None,
-                 cache: KVCache | None = None, *, last_logits_only: bool = False, return_hidden: bool = False):
-        """
-        Args:
-          tokens: int [B, T].
-          positions: int [B, T] rotary positions; default 0..T-1. For a left-padded batch count
-            from each sequence's first real token (rotary is relative, so any per-sequence shift
-            gives the same logits).
-          segment_ids: int [B, T]; tokens attend only within their segment; 0 marks padding.
-            Default: one segment for the whole row.
-          cache: a :class:`KVCache`. The tokens are written at slots ``cache.index …`` and attend
-            to everything cached before them (prefill: the whole prompt at once; decoding: one
-            token per call). Without it, a plain full forward pass.
-          last_logits_only: project only the last position to the vocabulary (logits [B, 1, V]):
-            all that generation needs, and it skips most of the LM head's work in a prefill.
-          return_hidden: return the final-LayerNorm output [B, T, d_model] instead of logits (no
-            cache): the training loss applies the LM head itself, a chunk of positions at a time.
-
-        Returns:
-          logits; with a ``cache``, ``(logits, updated cache)``.
-        """
+    def setup(self):
         cfg = self.config
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        if segment_ids is None:
-            segment_ids = jnp.ones(tokens.shape, jnp.int32)
-        sin, cos = rotary_tables(positions, cfg.rotary_dim)
-        if cache is None:
-            mask, caches = attention_mask(segment_ids), None
-        else:
-            key_segments = lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache.index))
-            mask, caches = cache_attention_mask(segment_ids, key_segments, cache.index), (cache.k, cache.v)
-
-        table = self.param(
-            "wte", _init(cfg.vocab_size**-0.5, ("vocab", "embed")), (cfg.vocab_size, cfg.d_model), cfg.weight_dtype
-        )
-        # Gather the (vocab-sharded) table before the lookup: a row gather from a sharded table
-        # would make XLA replicate the activations instead, which is far larger.
-        table = nn.with_logical_constraint(table.astype(cfg.compute_dtype), (None, None))
-        h = nn.with_logical_constraint(jnp.take(table, tokens, axis=0), RESIDUAL_AXES)
-
+        self.wte = self.param(
+            "wte", _init(cfg.vocab_size**-0.5, ("vocab", "embed")), (cfg.vocab_size, cfg.d_model), cfg.weight_dtype)
         if cfg.scan_layers:
             block = ScannedBlock
             if cfg.remat_policy != "none":
                 block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
-            (h, caches), _ = nn.scan(
-                block,
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-                length=cfg.n_layers,
+            self.layers = nn.scan(
+                block, variable_axes={"params": 0}, split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, name="layers")((h, caches), jnp.arange(cfg.n_layers), sin, cos, mask,
-                                  None if cache is None else cache.index)
+            )(cfg)
         else:
             block = Block
             if cfg.remat_policy != "none":
                 block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy])
-            new_k, new_v = [], []
-            for i in range(cfg.n_layers):
-                kv = None if cache is None else LayerKV(cache.k[i], cache.v[i], None, cache.index)
-                h, kv = block(cfg, name=f"layer_{i}")(h, sin, cos, mask, kv)
-                if kv is not None:
-                    new_k.append(kv.k)
-                    new_v.append(kv.v)
-            caches = None if cache is None else (tuple(new_k), tuple(new_v))
+            for i in range(cfg.n_layers):  # named layer_0 …: the unrolled parameter layout
+                setattr(self, f"layer_{i}", block(cfg))
+        self.ln_f = layer_norm(cfg)
+        self.lm_head = LMHead(cfg)
 
+    def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
+        """float32 logits [B, T, vocab]."""
+        return self.lm_head(self.hidden_states(tokens, positions, segment_ids))
+
+    def hidden_states(self, tokens: Array, positions: Array | None = None,
+                      segment_ids: Array | None = None) -> Array:
+        """The final LayerNorm's output [B, T, d_model], before the LM head."""
+        positions, segment_ids = self._defaults(tokens, positions, segment_ids)
+        sin, cos = rotary_tables(positions, self.config.rotary_dim)
+        mask = attention_mask(segment_ids)
+        h = self._embed(tokens)
+        if self.config.scan_layers:
+            h, _ = self.layers(h, sin, cos, mask)
+        else:
+            for i in range(self.config.n_layers):
+                h, _ = getattr(self, f"layer_{i}")(h, sin, cos, mask)
+        return self.ln_f(h)
+
+    def decode(self, tokens: Array, positions: Array | None, segment_ids: Array | None, cache: KVCache, *,
+               last_logits_only: bool = False) -> tuple[Array, KVCache]:
+        """Write ``tokens`` into ``cache`` at slots ``cache.index …`` and attend to everything cached
+        before them (a prefill: the whole prompt at once; decoding: one token per call).
+
+        Returns ``(logits, updated cache)``; with ``last_logits_only`` only the last position is
+        projected to the vocabulary (logits [B, 1, V]), all that generation needs.
+        """
+        cfg = self.config
+        if cfg.scan_layers:
+            raise ValueError("cached decoding runs the unrolled layers: use a config with scan_layers=False "
+                             "and unstack_layers(params)")
+        positions, segment_ids = self._defaults(tokens, positions, segment_ids)
+        sin, cos = rotary_tables(positions, cfg.rotary_dim)
+        key_segments = lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache.index))
+        mask = cache_attention_mask(segment_ids, key_segments, cache.index)
+        h = self._embed(tokens)
+        new_k, new_v = [], []
+        for i in range(cfg.n_layers):
+            h, kv = getattr(self, f"layer_{i}")(h, sin, cos, mask, LayerKV(cache.k[i], cache.v[i], cache.index))
+            new_k.append(kv.k)
+            new_v.append(kv.v)
         if last_logits_only:
             h = h[:, -1:]
-        h = layer_norm(cfg, "ln_f")(h)
-        if return_hidden:
-            return h
-        logits = LMHead(cfg, name="lm_head")(h)
-        if cache is None:
-            return logits
-        new_cache = KVCache(k=caches[0], v=caches[1], segment_ids=key_segments,
-                            index=cache.index + tokens.shape[1])
-        return logits, new_cache
+        logits = self.lm_head(self.ln_f(h))
+        return logits, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=key_segments,
+                               index=cache.index + tokens.shape[1])
+
+    def _defaults(self, tokens, positions, segment_ids):
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        if segment_ids is None:
+            segment_ids = jnp.ones(tokens.shape, jnp.int32)
+        return positions, segment_ids
+
+    def _embed(self, tokens: Array) -> Array:
+        # Gather the (vocab-sharded) table before the lookup: a row gather from a sharded table
+        # would make XLA replicate the activations instead, which is far larger.
+        table = nn.with_logical_constraint(self.wte.astype(self.config.compute_dtype), (None, None))
+        return nn.with_logical_constraint(jnp.take(table, tokens, axis=0), RESIDUAL_AXES)
+
+
+def abstract_params(config: ModelConfig) -> dict:
+    """The model's ``params`` collection as boxed ``ShapeDtypeStruct``s (shapes, dtypes and logical
+    axes; nothing allocated): the one description every sharding and restore target is built from."""
+    return jax.eval_shape(GPTJ(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+# --------------------------------------------------------------------------------------------
+# Per-token scores
+
+
+def token_log_probs(logits: Array, targets: Array) -> Array:
+    """log p(target) under ``logits`` [..., V] for every position, in float32 (normalised over the
+    whole vocabulary, as HuggingFace's are)."""
+    logits = logits.astype(jnp.float32)
+    chosen = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return chosen - jax.nn.logsumexp(logits, axis=-1)
+
+
+def mask_vocab(logits: Array, valid_vocab: int) -> Array:
+    """Remove the ids ≥ ``valid_vocab``: rows of a padded vocabulary no tokenizer produces."""
+    return jnp.where(jnp.arange(logits.shape[-1]) < valid_vocab, logits, -jnp.inf)
+
+
+def first_argmax(logits: Array) -> Array:
+    """Each row's first index of its largest value, int32 [...] — ``jnp.argmax`` (NaN aside: a row
+    without a comparable maximum gives 0), as two plain reductions, which XLA's CPU backend runs
+    faster than the single (value, index) reduction ``argmax`` lowers to."""
+    vocab = logits.shape[-1]
+    is_max = logits == jnp.max(logits, axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(is_max, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.where(first < vocab, first, 0)
+
+
+def greedy_matches(logits: Array, targets: Array, valid_vocab: int | None = None) -> Array:
+    """Whether each target is greedy decoding's choice (:func:`first_argmax` over the valid ids)."""
+    if valid_vocab is not None:
+        logits = mask_vocab(logits, valid_vocab)
+    return first_argmax(logits) == targets
 
 
 # --------------------------------------------------------------------------------------------
@@ -469,32 +499,17 @@ def unstack_layers(params: dict) -> dict:
 
 def loss_sums(logits: Array, targets: Array, weights: Array, z_loss: float = 0.0) -> tuple[Array, Array, Array]:
     """Weighted sums over tokens, in float32: (cross-entropy + z_loss · logsumexp², cross-entropy, weight)."""
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    nll = log_z - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    nll = -token_log_probs(logits, targets)
     weights = weights.astype(jnp.float32)
-    objective = nll + z_loss * jnp.square(log_z) if z_loss else nll
+    objective = nll + z_loss * jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)) if z_loss else nll
     return jnp.sum(objective * weights), jnp.sum(nll * weights), jnp.sum(weights)
-
-
-def cross_entropy(
-    logits: Array, targets: Array, weights: Array | None = None, z_loss: float = 0.0
-) -> tuple[Array, Array]:
-    """Token-weighted mean cross-entropy in float32, plus ``z_loss · mean(logsumexp²)``.
-
-    Returns ``(loss, total_weight)``; ``weights`` (default 1) zero out padding and masked tokens.
-    """
-    weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
-    objective, _, total = loss_sums(logits, targets, weights, z_loss)
-    return objective / jnp.maximum(total, 1.0), total
 
 
 def chunked_loss_sums(hidden: Array, head: dict, targets: Array, weights: Array, z_loss: float = 0.0,
                       chunk: int = 256) -> tuple[Array, Array, Array]:
     """:func:`loss_sums` of ``LMHead(hidden)``, computed ``chunk`` positions at a time.
 
-    The full float32 logits of a training batch (batch × length × vocab: 0.8 GiB for two 2048-token
-    rows of GPT-J's 50400 ids) never exist at once: each chunk's logits are made, reduced to three
+    The full float32 logits of a training batch (batch × length × vocab) never exist at once: each chunk's logits are made, reduced to three
     sums and dropped, and the backward pass makes them again (``jax.checkpoint``).
     """
     length = hidden.shape[1]

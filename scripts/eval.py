@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from gptj_flax.config import cli_path, join_negative_values
+from gptj_flax.config import cli_dtype, cli_path, join_negative_values
 from gptj_flax.errors import add_debug_flag, run_cli
 
 
@@ -26,11 +26,12 @@ def tokenizer_source(text: str) -> str:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, type=cli_path,
-                        help="run directory (latest step) or a step directory")
+                        help="run directory (latest step), a step directory, or a HuggingFace directory (hf:DIR)")
     parser.add_argument("--step", type=int, help="this step instead of the latest")
     parser.add_argument("--mesh", help="data,fsdp,model sizes or a layout name (default: one device)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                        help="compute dtype (default: the checkpoint's config)")
+    parser.add_argument("--dtype", type=cli_dtype,
+                        help="parameter and compute dtype: float32/fp32, bfloat16/bf16 or float16/fp16 "
+                             "(default: as stored, and the config's compute dtype)")
     parser.add_argument("--tokenizer", type=tokenizer_source,
                         help="tokenizer directory (default: the one saved with the checkpoint)")
     add_debug_flag(parser)
@@ -91,6 +92,9 @@ def run_harness(args: argparse.Namespace) -> None:
     model = GPTJFlaxLM.from_checkpoint(args.checkpoint, mesh=args.mesh, dtype=args.dtype, step=args.step,
                                        tokenizer=args.tokenizer, batch_size=args.batch_size,
                                        max_gen_toks=args.max_gen_toks)
+    if jax.process_index() == 0:
+        print(f"{args.checkpoint} step {model.step}: parameters {model.param_dtype}, compute {model.config.dtype}",
+              file=sys.stderr)
     index = task_manager(args.include_path, include_defaults=not args.no_builtin_tasks)
     results = run_tasks(model, tasks, num_fewshot=args.num_fewshot, limit=args.limit, tasks_index=index,
                         bootstrap_iters=args.bootstrap_iters, log_samples=args.log_samples, seed=args.seed)
@@ -114,7 +118,8 @@ def run_perplexity(args: argparse.Namespace) -> None:
                         tfds_data_dir=args.tfds_data_dir, progress=not args.no_progress)
     if jax.process_index() == 0:
         print(f"step {result.step}: loss {result.loss:.4f}, perplexity {result.perplexity:.4f} "
-              f"over {result.tokens:,} tokens ({result.batches} batches of {args.batch_size} x {result.seq_len})")
+              f"over {result.tokens:,} tokens ({result.batches} batches of {args.batch_size} x {result.seq_len}; "
+              f"parameters {result.param_dtype}, compute {result.dtype})")
         if args.output:
             with open(args.output, "w") as f:
                 json.dump(result.to_dict(), f, indent=2)

@@ -12,18 +12,20 @@ import sys
 import time
 
 import gptj_flax
-from gptj_flax.config import cli_path, join_negative_values
+from gptj_flax.config import cli_dtype, cli_path, join_negative_values
 from gptj_flax.errors import add_debug_flag, run_cli
 from gptj_flax.sampling import SamplingError
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=cli_path, help="run directory (latest step) or a step directory")
+    parser.add_argument("checkpoint", type=cli_path,
+                        help="run directory (latest step), a step directory, or a HuggingFace directory (hf:DIR)")
     parser.add_argument("--step", type=int, default=None, help="load this step instead of the latest")
     parser.add_argument("--mesh", default=None, help="data,fsdp,model sizes or a layout name (default: one device)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="parameter and compute dtype (default: as stored / the config's)")
+    parser.add_argument("--dtype", default=None, type=cli_dtype,
+                        help="parameter and compute dtype: float32/fp32, bfloat16/bf16 or float16/fp16 "
+                             "(default: as stored, and the config's compute dtype)")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prompt", help="complete this prompt and exit")
     mode.add_argument("--prompt-file", type=cli_path, help="complete the text of this file and exit")
@@ -64,7 +66,7 @@ def complete(lm, prompt: str, args: argparse.Namespace, settings: dict) -> None:
 def main() -> None:
     args = parse_args()
     lm = gptj_flax.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, step=args.step)
-    print(lm, file=sys.stderr)
+    print(lm, file=sys.stderr)  # states the parameter and compute dtypes in effect
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, typical_p=args.typical_p, min_p=args.min_p,
                     repetition_penalty=args.repetition_penalty, stop=args.stop or None, seed=args.seed,

@@ -46,7 +46,7 @@ def _random_params(seed: int, model=CFG):
 
 def _sharded_state(seed: int, mesh):
     """Params and Adam state of CFG, sharded over ``mesh`` as training shards them."""
-    target, _ = checkpoint.abstract_params(CONFIG, mesh)
+    target, _ = checkpoint.param_targets(CONFIG.model, mesh)
     params = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), _random_params(seed), target)
     opt_state = optax.adam(1e-3).init(params)
     moments = np.random.default_rng(seed)
@@ -56,7 +56,7 @@ def _sharded_state(seed: int, mesh):
 
 
 def _targets(mesh, opt_state):
-    params_target, _ = checkpoint.abstract_params(CONFIG, mesh)
+    params_target, _ = checkpoint.param_targets(CONFIG.model, mesh)
     opt_target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), opt_state)
     return params_target, opt_target
 
@@ -212,7 +212,7 @@ def test_a_damaged_or_missing_json_item_is_one_error_naming_the_file(run, capfd)
 def test_a_changed_shape_names_the_parameter_and_both_shapes(run, capfd):
     wider = Config(model=tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=4, vocab_size=64, max_len=32))
     mesh = partitioning.make_mesh((1, 1, 1))
-    target, _ = checkpoint.abstract_params(wider, mesh)
+    target, _ = checkpoint.param_targets(wider.model, mesh)
     ckpt = Checkpointer(run, read_only=True)
     with pytest.raises(CheckpointError) as caught:
         ckpt.restore(params_target=target)
@@ -224,7 +224,7 @@ def test_a_changed_shape_names_the_parameter_and_both_shapes(run, capfd):
                          message)
     assert found, message
     path = tuple(found.group(1).split("/"))
-    saved = ocp.tree.to_flat_dict(checkpoint.abstract_params(CONFIG, mesh)[0])[path].shape
+    saved = ocp.tree.to_flat_dict(checkpoint.param_targets(CONFIG.model, mesh)[0])[path].shape
     assert (found.group(2), found.group(3)) == (str(saved)[1:-1], str(ocp.tree.to_flat_dict(target)[path].shape)[1:-1])
     assert saved != ocp.tree.to_flat_dict(target)[path].shape
     assert "Event loop is closed" not in capfd.readouterr().err
@@ -288,7 +288,7 @@ def test_a_full_disk_during_an_async_save_is_one_error_and_keeps_the_previous_st
     os.remove(small_disk / "filler")
     again = Checkpointer(run, read_only=True)
     assert again.all_steps() == [1, 2]
-    target, _ = checkpoint.abstract_params(CONFIG, mesh)
+    target, _ = checkpoint.param_targets(CONFIG.model, mesh)
     restored = again.restore(params_target=target)
     again.close()
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.params),
@@ -312,7 +312,7 @@ from gptj_flax.config import Config
 from tests.helpers import tiny_config
 config = Config(model=tiny_config(**{k: int(v) for k, v in (kv.split("=") for kv in sys.argv[4].split(","))}))
 mesh = partitioning.make_mesh((2, 2, 2))
-target, _ = checkpoint.abstract_params(config, mesh)
+target, _ = checkpoint.param_targets(config.model, mesh)
 def values(t):  # the same on every process: noise seeded by the shape alone
     return np.random.default_rng(list(t.shape)).random(t.shape, dtype=np.float32)
 params = jax.tree.map(lambda t: jax.make_array_from_callback(t.shape, t.sharding, lambda i: values(t)[i]), target)

@@ -1,15 +1,20 @@
 """Configs: modern and legacy forms, validation messages, the 6B model's size and placement."""
 
+import dataclasses
 import json
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from gptj_flax import partitioning
-from gptj_flax.config import ConfigError, MeshConfig, ModelConfig, apply_overrides, from_dict, load_config
-from gptj_flax.model import GPTJ
+from gptj_flax.checkpoint import check_mesh
+from gptj_flax.config import (
+    ConfigError, MeshConfig, ModelConfig, apply_overrides, dtype_name, from_dict, load_config,
+)
+from gptj_flax.model import abstract_params
 
 GPTJ_6B_PARAMS = 6_050_882_784
 
@@ -37,7 +42,7 @@ def test_every_shipped_config_loads(repo_root):
 @pytest.fixture(scope="module")
 def abstract_6b(repo_root):
     cfg = load_config(repo_root / "configs/gptj_6b.json").model
-    return cfg, partitioning.abstract_init(GPTJ(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    return cfg, {"params": abstract_params(cfg)}
 
 
 def test_6b_parameter_count_without_allocating(abstract_6b):
@@ -113,19 +118,64 @@ def test_unknown_top_level_and_legacy_keys_are_named(repo_root):
 def test_mesh_divisibility_names_field_and_mesh(mesh, message):
     cfg = from_dict(_model()).model
     with pytest.raises(ConfigError) as e:
-        cfg.validate_for_mesh(dict(zip(("data", "fsdp", "model"), mesh)))
+        check_mesh(cfg, partitioning.make_mesh(mesh))
     assert message in str(e.value)
+    assert "parameter layers/attn/" in str(e.value)  # the first parameter the rules split that way
 
 
 def test_vocab_divisibility_suggests_padding():
     cfg = ModelConfig(n_layers=1, d_model=64, n_heads=8, rotary_dim=8, vocab_size=50257)
-    with pytest.raises(ConfigError, match="vocab_size=50257.*pad the vocabulary"):
-        cfg.validate_for_mesh({"data": 1, "fsdp": 1, "model": 8})
+    with pytest.raises(ConfigError, match="vocab_size=50257.*parameter lm_head/bias splits its 'vocab' axis.*pad the "
+                                          "vocabulary"):
+        check_mesh(cfg, partitioning.make_mesh((1, 1, 8)))
+
+
+def test_the_divisibility_check_follows_the_rules_table():
+    """Rules that split the MLP over fsdp instead of model make d_ff, not n_heads, the constraint there."""
+    cfg = ModelConfig(n_layers=1, d_model=64, n_heads=4, rotary_dim=8, vocab_size=128, d_ff=96)
+    mesh = partitioning.make_mesh((1, 8, 1))
+    check_mesh(cfg, partitioning.make_mesh((1, 4, 2)))  # d_model 64 / 4, n_heads 4 / 2, d_ff 96 / 2, vocab 128 / 2
+    rules = tuple(("mlp", "fsdp") if name == "mlp" else (name, axes) for name, axes in partitioning.DEFAULT_RULES)
+    with pytest.raises(ConfigError, match="model.d_model=36 .*'fsdp' mesh axis of size 8"):
+        check_mesh(dataclasses.replace(cfg, d_model=36, n_heads=4, rotary_dim=8), mesh, rules)
+    check_mesh(cfg, mesh, rules)  # d_ff=96 and d_model=64 both divide by 8
+    with pytest.raises(ConfigError, match=r"model.d_ff=100 is not divisible by the 'fsdp' mesh axis of size 8.*"
+                                          r"layers/mlp/fc_in/bias splits its 'mlp' axis"):
+        check_mesh(dataclasses.replace(cfg, d_ff=100), mesh, rules)
+    check_mesh(dataclasses.replace(cfg, d_ff=100), mesh)  # the default rules put mlp on 'model' (size 1)
+
+
+def test_data_parallel_size_is_what_the_rules_split_the_batch_over():
+    assert partitioning.data_parallel_size(partitioning.make_mesh((2, 2, 2))) == 4
+    assert partitioning.data_parallel_size(partitioning.make_mesh((1, 1, 8))) == 1
+    rules = tuple(("batch", "data") if name == "batch" else (name, axes) for name, axes in partitioning.DEFAULT_RULES)
+    assert partitioning.data_parallel_size(partitioning.make_mesh((2, 4, 1)), rules) == 2
+
+
+@pytest.mark.parametrize("spelling, canonical", [
+    ("float32", "float32"), ("fp32", "float32"), ("F32", "float32"), (np.float32, "float32"), (jnp.float32, "float32"),
+    ("bfloat16", "bfloat16"), ("bf16", "bfloat16"), (jnp.bfloat16, "bfloat16"), (np.dtype(jnp.bfloat16), "bfloat16"),
+    ("float16", "float16"), ("fp16", "float16"), ("half", "float16"), (np.float16, "float16"),
+])
+def test_every_dtype_spelling_has_one_name(spelling, canonical):
+    assert dtype_name(spelling) == canonical
+    assert ModelConfig(n_layers=1, d_model=8, n_heads=1, rotary_dim=2, vocab_size=8, dtype=spelling).dtype == canonical
+
+
+def test_an_unknown_dtype_names_the_accepted_spellings():
+    with pytest.raises(ConfigError, match=r"model.dtype='float64' is not a supported dtype; use one of float32 "
+                                          r"\(float32/fp32/f32\), bfloat16 \(bfloat16/bf16\), float16"):
+        ModelConfig(n_layers=1, d_model=8, n_heads=1, rotary_dim=2, vocab_size=8, dtype="float64")
+    with pytest.raises(ConfigError, match="not a supported dtype"):
+        dtype_name(np.int8)
 
 
 def test_mesh_resolution_and_errors():
     assert MeshConfig(2, -1, 2).resolve(8) == (2, 2, 2)
-    assert MeshConfig.parse("1,1,-1").resolve(8) == (1, 1, 8)
+    assert partitioning.mesh_config("1,1,-1").resolve(8) == (1, 1, 8)
+    assert partitioning.mesh_config("2x1x4") == partitioning.mesh_config((2, 1, 4)) == MeshConfig(2, 1, 4)
+    mesh = partitioning.make_mesh((2, 1, 4))
+    assert partitioning.make_mesh(mesh) is mesh
     assert partitioning.mesh_config("fsdp").resolve(8) == (1, 8, 1)
     with pytest.raises(ConfigError, match="does not divide the 8 available"):
         MeshConfig(3, -1, 1).resolve(8)
@@ -133,8 +183,11 @@ def test_mesh_resolution_and_errors():
         MeshConfig(2, 2, 4).resolve(8)
     with pytest.raises(ConfigError, match="at most one axis may be -1"):
         MeshConfig(-1, -1, 1)
-    with pytest.raises(ConfigError, match="expected three comma-separated sizes"):
+    with pytest.raises(ConfigError, match="mesh '2,4': expected three sizes; give data,fsdp,model sizes .* or a "
+                                          "layout name: dp, fsdp, tp"):
         partitioning.mesh_config("2,4")
+    with pytest.raises(ConfigError, match="sizes must be integers"):
+        partitioning.mesh_config("a,b,c")
 
 
 def test_overrides(repo_root):
@@ -186,8 +239,8 @@ def _train_config(**train):
     ("train", "seed", 2**32, "train.seed must be an integer in [0, 2**32)"),
     ("train", "val_set", {"pile": 3}, "train.val_set.pile must be a non-empty string, got 3"),
     ("train", "seq_len", 128, "train.seq_len=128 exceeds model.max_len=64"),
-    ("model", "dtype", ["bfloat16"], "model.dtype=['bfloat16'] is not one of"),
-    ("train", "adam_mu_dtype", {}, "train.adam_mu_dtype={} is not one of"),
+    ("model", "dtype", ["bfloat16"], "model.dtype=['bfloat16'] is not a supported dtype"),
+    ("train", "adam_mu_dtype", {}, "train.adam_mu_dtype={} is not a supported dtype"),
 ])
 def test_values_that_used_to_pass_validation_are_refused_by_name(section, key, value, message):
     raw = _train_config()

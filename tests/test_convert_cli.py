@@ -15,6 +15,7 @@ import pytest
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.convert import ConversionError, config_for_legacy, from_hf, from_legacy, safetensors_io
 from gptj_flax.convert.hf import write_random_hf
+from gptj_flax.training import make_optimizer
 from tests.helpers import tiny_config
 from tests.legacy_writer import dense_model, dense_moments, legacy_config_dict, write_legacy_checkpoint
 
@@ -75,7 +76,7 @@ def test_a_conversion_failing_half_way_leaves_no_temporary_directory(tmp_path):
     config, shards = config_for_legacy(config_path)
     for _ in range(3):  # the writers race: before, a leftover showed in most runs
         with pytest.raises(ConversionError, match=rf"{piece} arr_\d+ .*unreadable"):
-            from_legacy(step_dir, tmp_path / "out", config, shards, with_opt_state=True)
+            from_legacy(step_dir, tmp_path / "out", config, shards, opt_init=make_optimizer(config.train).init)
         time.sleep(0.5)  # anything still writing would show now
         assert not _leftovers(tmp_path, "out")
 

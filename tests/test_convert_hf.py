@@ -15,7 +15,7 @@ from transformers import GPTJForCausalLM
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import Config
 from gptj_flax.convert import from_hf, load_init_params, safetensors_io, slim, to_hf
-from gptj_flax.convert.hf import write_random_hf
+from gptj_flax.convert.hf import HFCheckpoint, write_random_hf
 from gptj_flax.convert.orbax_io import OrbaxParams
 from gptj_flax.model import GPTJ, unstack_layers
 from tests.helpers import hf_model, hf_state_numpy, params_matching, tiny_config
@@ -143,7 +143,7 @@ def test_init_params_land_on_any_mesh_in_either_layout(converted, mesh_shape, sc
     cfg, hf, root = converted
     config = Config(model=dataclasses.replace(cfg, scan_layers=scan))
     mesh = partitioning.make_mesh(mesh_shape)
-    target, _ = checkpoint.abstract_params(config, mesh)
+    target, _ = checkpoint.param_targets(config.model, mesh)
     expected = params_matching(hf, config.model)["params"]
     for spec in (f"hf:{root / 'hf'}", str(root / "ours")):
         params = load_init_params(spec, config, mesh)
@@ -202,3 +202,49 @@ def test_cli_round_trip_and_error_exit(tmp_path, repo_root):
 
     failed = run("to-hf", tmp_path / "ours", tmp_path / "back")  # OUT exists: refused, untouched
     assert failed.returncode != 0 and "already exists" in failed.stderr
+
+
+@pytest.mark.parametrize("torch_dtype, declared, expected", [
+    (torch.float32, "dtype", "float32"),
+    (torch.bfloat16, "dtype", "bfloat16"),
+    (torch.float16, "torch_dtype", "float16"),  # transformers 4 wrote torch_dtype
+    (torch.bfloat16, None, "bfloat16"),  # no declaration: the tensors' own dtype
+])
+def test_an_hf_import_computes_in_the_stored_precision(tmp_path, torch_dtype, declared, expected):
+    cfg = tiny_config(n_layers=1)
+    hf_model(cfg).to(torch_dtype).save_pretrained(tmp_path / "hf")
+    config_path = tmp_path / "hf" / "config.json"
+    raw = json.loads(config_path.read_text())
+    stored = raw.pop("dtype", None) or raw.pop("torch_dtype", None)
+    assert stored == str(torch_dtype).removeprefix("torch.")
+    if declared:
+        raw[declared] = stored
+    config_path.write_text(json.dumps(raw))
+    source = HFCheckpoint.open(tmp_path / "hf")
+    assert (source.stored_dtype, source.model_config.dtype, source.model_config.param_dtype) == (
+        expected, expected, "float32")
+    assert HFCheckpoint.open(tmp_path / "hf", dtype="fp32").model_config.dtype == "float32"  # asked otherwise
+
+    from_hf(tmp_path / "hf", tmp_path / "ours", tokenizer=False)
+    assert OrbaxParams.open(tmp_path / "ours").config.model.dtype == expected
+
+
+def test_convert_cli_takes_either_dtype_spelling_and_prints_the_canonical_one(tmp_path, repo_root):
+    cfg = tiny_config(n_layers=1)
+    hf_model(cfg).save_pretrained(tmp_path / "hf")
+    script = str(repo_root / "scripts" / "convert.py")
+
+    def run(*args):
+        return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+    done = run("from-hf", tmp_path / "hf", tmp_path / "bf16", "--no-tokenizer", "--dtype", "bf16")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"wrote {tmp_path / 'bf16'}: parameters float32, compute bfloat16"
+    assert OrbaxParams.open(tmp_path / "bf16").config.model.dtype == "bfloat16"
+    done = run("from-hf", tmp_path / "hf", tmp_path / "default", "--no-tokenizer")
+    assert done.stdout.strip().endswith("compute float32")
+    done = run("slim", tmp_path / "default", tmp_path / "slim", "--dtype", "half")
+    assert done.returncode == 0 and done.stdout.strip().endswith("parameters float16"), done.stderr
+    bad = run("from-hf", tmp_path / "hf", tmp_path / "bad", "--no-tokenizer", "--dtype", "fp64")
+    assert bad.returncode == 2 and "argument --dtype: 'fp64' is not a supported dtype; use one of float32" in bad.stderr
+    assert not (tmp_path / "bad").exists()

@@ -18,10 +18,18 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from gptj_flax import convert
+from gptj_flax.config import ModelConfig
 from gptj_flax.data import load_tokenizer
 from gptj_flax.evaluation.during_training import HarnessDuringTraining
 from gptj_flax.evaluation.harness import GPTJFlaxLM, GenerationSettings, flat_metrics, task_manager
-from tests.evaluation_helpers import CFG, CHOICE_DOCS, TEXT_DOCS, TOKENIZER_VOCAB, make_checkpoint, write_tasks
+from tests.evaluation_helpers import (
+    CFG, CHOICE_DOCS, TEXT_DOCS, TOKENIZER_VOCAB, make_checkpoint, make_tokenizer, write_tasks,
+)
+from tests.helpers import hf_model
+
+# A model of odd shapes (11 layers, rotary_dim < head_dim, widths no power of two) for the default path.
+ODD = ModelConfig(n_layers=11, d_model=48, n_heads=6, rotary_dim=4, vocab_size=331, max_len=64, d_ff=72)
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
@@ -59,6 +67,16 @@ def hf(run):
     return run[1]
 
 
+@pytest.fixture(scope="module")
+def odd_run(tmp_path_factory):
+    """A float32 HuggingFace GPT-J of odd shapes with a tokenizer, converted with no dtype given."""
+    root = tmp_path_factory.mktemp("odd")
+    model = hf_model(ODD, seed=3)
+    model.save_pretrained(root / "hf")
+    make_tokenizer().save_pretrained(root / "hf")
+    return str(convert.from_hf(root / "hf", root / "run")), model
+
+
 @pytest.fixture
 def offline(monkeypatch, tmp_path):
     for key, value in {**OFFLINE, "HF_HOME": str(tmp_path / "hf")}.items():
@@ -72,24 +90,25 @@ def hf_log_probs(model, tokens) -> np.ndarray:
     return torch.log_softmax(logits, -1)[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].numpy()
 
 
-def hf_loglikelihood(model, tokenizer, context, continuation) -> float:
+def hf_loglikelihood(model, tokenizer, context, continuation, max_len=CFG.max_len) -> float:
     """HuggingFace's summed log-probability of ``continuation`` after ``[EOS] + context``, cut from the
     left to the context size (GPT-J's convention)."""
     context_ids = tokenizer.encode(context) if context else []
     continuation_ids = tokenizer.encode(context + continuation)[len(context_ids):]
-    tokens = ([tokenizer.eos_token_id] + context_ids + continuation_ids)[-(CFG.max_len + 1):]
+    tokens = ([tokenizer.eos_token_id] + context_ids + continuation_ids)[-(max_len + 1):]
     return float(hf_log_probs(model, tokens)[-len(continuation_ids):].sum())
 
 
-def rolling_windows(tokens, eos):
+def rolling_windows(tokens, eos, max_len=CFG.max_len):
     """lm-eval's disjoint windows over ``tokens``: every token predicted once, after its window's context."""
     return list(map(make_disjoint_window, get_rolling_token_windows(
-        tokens, prefix_token=eos, max_seq_len=CFG.max_len, context_len=1)))
+        tokens, prefix_token=eos, max_seq_len=max_len, context_len=1)))
 
 
-def hf_loglikelihood_rolling(model, tokenizer, text) -> float:
+def hf_loglikelihood_rolling(model, tokenizer, text, max_len=CFG.max_len) -> float:
     return float(sum(hf_log_probs(model, context + prediction)[-len(prediction):].sum()
-                     for context, prediction in rolling_windows(tokenizer.encode(text), tokenizer.eos_token_id)))
+                     for context, prediction in rolling_windows(tokenizer.encode(text), tokenizer.eos_token_id,
+                                                                max_len)))
 
 
 def test_loglikelihood_is_huggingfaces_sum_of_continuation_log_probs(lm, hf):
@@ -238,12 +257,14 @@ def test_installed_hook_registers_the_model_lazily_when_lm_eval_is_imported(tmp_
 
 
 @pytest.mark.slow
-def test_lm_evals_own_lm_eval_command_runs_the_model_as_huggingface_scores(run, hf, offline, tmp_path):
-    """The literal ``lm_eval --model gptj_flax …`` of an installed gptj_flax: per-request log-likelihoods,
-    accuracy, word perplexity and bits per byte as HuggingFace PyTorch's on the same weights."""
+def test_lm_evals_own_lm_eval_command_runs_the_model_as_huggingface_scores(odd_run, offline, tmp_path):
+    """The literal ``lm_eval --model gptj_flax …`` of an installed gptj_flax, on an odd-shaped model
+    converted from HuggingFace with no dtype given anywhere: per-request log-likelihoods, accuracy,
+    word perplexity and bits per byte as HuggingFace PyTorch float32's on the same weights."""
+    run, hf = odd_run
     tasks, out = write_tasks(tmp_path / "tasks"), tmp_path / "out"
     command = [str(Path(sys.executable).parent / "lm_eval"), "--model", "gptj_flax", "--model_args",
-               f"checkpoint={run[0]}", "--tasks", "tiny_choice,tiny_text", "--include_path", tasks,
+               f"checkpoint={run}", "--tasks", "tiny_choice,tiny_text", "--include_path", tasks,
                "--batch_size", "4", "--output_path", str(out), "--log_samples"]
     done = subprocess.run(command, cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
                           text=True, timeout=600)
@@ -255,17 +276,18 @@ def test_lm_evals_own_lm_eval_command_runs_the_model_as_huggingface_scores(run, 
         [path] = glob.glob(str(out / "*" / f"samples_{task}_*.jsonl"))
         return sorted(map(json.loads, Path(path).read_text().splitlines()), key=lambda s: s["doc_id"])
 
-    tokenizer = load_tokenizer(os.path.join(run[0], "tokenizer"))
+    tokenizer = load_tokenizer(os.path.join(run, "tokenizer"))
     correct = []
     for doc, sample in zip(CHOICE_DOCS, samples("tiny_choice"), strict=True):
-        expected = [hf_loglikelihood(hf, tokenizer, doc["question"], " " + choice) for choice in doc["choices"]]
+        expected = [hf_loglikelihood(hf, tokenizer, doc["question"], " " + choice, ODD.max_len)
+                    for choice in doc["choices"]]
         assert [float(ll) for ll, _ in sample["filtered_resps"]] == pytest.approx(expected, abs=1e-4)
         correct.append(int(np.argmax(expected)) == doc["label"])
     assert results["results"]["tiny_choice"]["acc,none"] == pytest.approx(np.mean(correct))
 
     total = 0.0
     for doc, sample in zip(TEXT_DOCS, samples("tiny_text"), strict=True):
-        expected = hf_loglikelihood_rolling(hf, tokenizer, doc["text"])
+        expected = hf_loglikelihood_rolling(hf, tokenizer, doc["text"], ODD.max_len)
         assert float(sample["filtered_resps"][0]) == pytest.approx(expected, abs=1e-4)
         total += expected
     words = sum(len(re.split(r"\s+", doc["text"])) for doc in TEXT_DOCS)
@@ -273,7 +295,8 @@ def test_lm_evals_own_lm_eval_command_runs_the_model_as_huggingface_scores(run, 
     text_results = results["results"]["tiny_text"]
     assert text_results["word_perplexity,none"] == pytest.approx(math.exp(-total / words), rel=1e-4)
     assert text_results["bits_per_byte,none"] == pytest.approx(-total / text_bytes / math.log(2), rel=1e-5)
-    assert results["config"]["model"] == "gptj_flax" and results["config"]["checkpoint"] == run[0]
+    assert results["config"]["model"] == "gptj_flax" and results["config"]["checkpoint"] == run
+    assert (results["config"]["dtype"], results["config"]["param_dtype"]) == ("float32", "float32")
     assert "gptj_flax" in done.stdout and "tiny_choice" in done.stdout  # lm-eval's table
 
 
@@ -291,6 +314,7 @@ def test_eval_script_harness_writes_the_results_json(run, offline, tmp_path, rep
     assert results["n-samples"]["tiny_choice"]["effective"] == 3
     assert results["config"]["model"] == "gptj_flax" and results["config"]["checkpoint"] == run[0]
     assert "acc" in done.stdout and str(output) in done.stdout
+    assert f"{run[0]} step 0: parameters float32, compute float32" in done.stderr  # the dtypes in effect
     bad = subprocess.run([*command[:4], os.path.join(run[0], "missing"), *command[5:]], env=env,
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 1 and "error:" in bad.stderr and "Traceback" not in bad.stderr
@@ -300,12 +324,12 @@ def test_training_hook_scores_new_parameters_without_recompiling(run, lm, offlin
     tasks = write_tasks(tmp_path / "tasks")
     hook = HarnessDuringTraining(["tiny_choice", "tiny_text"], include_path=tasks, builtin_tasks=False,
                                  batch_size=3, results_dir=tmp_path / "harness")
-    params = lm.params  # a run's live parameters: any layout, already on the mesh
-    first = hook(10, params, model_config=CFG, mesh=lm.mesh, tokenizer=lm.tokenizer)
+    params = lm.params  # live parameters of the model lm.config describes, already on the mesh
+    first = hook(10, params, model_config=lm.config, mesh=lm.mesh, tokenizer=lm.tokenizer)
     compiled = hook._adapter.scorer.compilations()
     shardings = jax.tree.map(lambda x: x.sharding, params)  # a train step keeps them
     halved = jax.jit(lambda p: jax.tree.map(lambda x: 0.5 * x, p), out_shardings=shardings)(params)
-    second = hook(20, halved, model_config=CFG, mesh=lm.mesh, tokenizer=lm.tokenizer)
+    second = hook(20, halved, model_config=lm.config, mesh=lm.mesh, tokenizer=lm.tokenizer)
     assert hook._adapter.scorer.compilations() == compiled
     assert set(first) == set(second) >= {"harness/tiny_choice/acc", "harness/tiny_choice/acc_stderr",
                                          "harness/tiny_text/word_perplexity", "harness/tiny_text/bits_per_byte"}

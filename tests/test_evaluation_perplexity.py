@@ -93,4 +93,6 @@ def test_eval_script_perplexity_on_a_sharded_mesh(run, text_file, tmp_path, repo
     reference = perplexity(directory, text_file, seq_len=SEQ_LEN, batch_size=4, progress=False)
     assert written["loss"] == pytest.approx(reference.loss, abs=1e-5) and written["tokens"] == reference.tokens
     assert f"perplexity {written['perplexity']:.4f}" in done.stdout
+    assert "parameters float32, compute float32)" in done.stdout  # the dtypes in effect
+    assert (written["param_dtype"], written["dtype"]) == ("float32", "float32")
     assert "perplexity: 100%" in done.stderr  # the progress bar

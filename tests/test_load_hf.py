@@ -5,6 +5,8 @@ import pytest
 import torch
 
 import gptj_flax
+import gptj_flax.config
+import gptj_flax.sampling
 from gptj_flax import convert, data
 from tests.helpers import hf_model, tiny_config
 
@@ -53,3 +55,17 @@ def test_a_directory_that_is_not_gpt_j_is_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(convert.ConversionError, match="not 'gptj'"):
         gptj_flax.load(tmp_path)
+
+
+def test_load_states_the_dtypes_in_effect_and_takes_either_spelling(hf_dir):
+    directory, _, _ = hf_dir
+    default = gptj_flax.load(f"hf:{directory}")  # a float32 directory: float32 throughout
+    assert (default.param_dtype, default.compute_dtype) == ("float32", "float32")
+    assert "parameters float32, compute float32" in repr(default)
+    half = gptj_flax.load(f"hf:{directory}", dtype="bf16")
+    assert (half.param_dtype, half.compute_dtype) == ("bfloat16", "bfloat16")
+    assert "parameters bfloat16, compute bfloat16" in repr(half)
+    with pytest.raises(gptj_flax.config.ConfigError, match="dtype='int8' is not a supported dtype"):
+        gptj_flax.load(f"hf:{directory}", dtype="int8")
+    with pytest.raises(gptj_flax.sampling.SamplingError, match="step= is for Orbax checkpoints"):
+        gptj_flax.load(f"hf:{directory}", step=3)

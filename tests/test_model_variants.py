@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from gptj_flax.config import REMAT_POLICIES
-from gptj_flax.model import GPTJ, cross_entropy, stack_layers, unstack_layers
-from tests.helpers import tiny_config
+from gptj_flax.model import GPTJ, stack_layers, unstack_layers
+from tests.helpers import mean_loss, tiny_config
 
 CFG = tiny_config(n_layers=3, d_model=64, n_heads=4, rotary_dim=8, vocab_size=96)
 
@@ -22,7 +22,7 @@ def batch():
 
 def _loss_grads(cfg, variables, tokens):
     def loss_fn(v):
-        return cross_entropy(GPTJ(cfg).apply(v, tokens[:, :-1]), tokens[:, 1:])[0]
+        return mean_loss(GPTJ(cfg).apply(v, tokens[:, :-1]), tokens[:, 1:])[0]
 
     return jax.jit(jax.value_and_grad(loss_fn))(variables)
 
@@ -69,7 +69,7 @@ def test_remat_really_recomputes(batch):
     variables = nn.meta.unbox(GPTJ(base).init(jax.random.key(1), batch))
 
     def count_dots(cfg):
-        fn = jax.value_and_grad(lambda v: cross_entropy(GPTJ(cfg).apply(v, batch[:, :-1]), batch[:, 1:])[0])
+        fn = jax.value_and_grad(lambda v: mean_loss(GPTJ(cfg).apply(v, batch[:, :-1]), batch[:, 1:])[0])
         return str(jax.jit(fn).lower(variables).as_text()).count("dot_general")
 
     assert count_dots(dataclasses.replace(base, remat_policy="full")) > count_dots(base)

@@ -60,15 +60,13 @@ def greedy(lm, prompts=PROMPTS, **kwargs):
     return lm.generate(prompts, NEW, **kwargs)
 
 
-@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
-def test_cached_prefill_and_steps_give_the_full_forward_logits(params, scan):
-    cfg = dataclasses.replace(CFG, scan_layers=scan)
-    if not scan:
-        params = unstack_layers(params)
+def test_cached_prefill_and_steps_give_the_full_forward_logits(params):
+    cfg = dataclasses.replace(CFG, scan_layers=False)
+    params = unstack_layers(params)
     model = GPTJ(cfg)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, size=(2, 11)), jnp.int32)
     full = model.apply({"params": params}, tokens)
-    apply = jax.jit(lambda t, pos, cache: model.apply({"params": params}, t, positions=pos, cache=cache))
+    apply = jax.jit(lambda t, pos, cache: model.apply({"params": params}, t, pos, None, cache, method=GPTJ.decode))
     logits, cache = apply(tokens[:, :4], jnp.broadcast_to(jnp.arange(4), (2, 4)), KVCache.empty(cfg, 2, 16))
     steps = [logits]
     for t in range(4, 11):
@@ -77,10 +75,24 @@ def test_cached_prefill_and_steps_give_the_full_forward_logits(params, scan):
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=0, atol=1e-5)
     assert int(cache.index) == 11
     keys, values = (2, 8, 8, 16), (2, 8, 16, 8)  # [batch, heads, head_dim, slots], [batch, heads, slots, head_dim]
-    if scan:
-        assert (cache.k.shape, cache.v.shape) == ((CFG.n_layers, *keys), (CFG.n_layers, *values))
-    else:
-        assert [(k.shape, v.shape) for k, v in zip(cache.k, cache.v)] == [(keys, values)] * CFG.n_layers
+    assert [(k.shape, v.shape) for k, v in zip(cache.k, cache.v)] == [(keys, values)] * CFG.n_layers
+
+
+def test_cached_decoding_of_scanned_layers_is_refused(params):
+    """Scanned parameters decode through the unrolled layers (the Decoder converts them once)."""
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="cached decoding runs the unrolled layers.*unstack_layers"):
+        GPTJ(CFG).apply({"params": params}, tokens, None, None, KVCache.empty(CFG, 1, 8), method=GPTJ.decode)
+
+
+def test_one_result_per_entry_point(params):
+    tokens = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
+    model = GPTJ(CFG)
+    logits = model.apply({"params": params}, tokens)
+    hidden = model.apply({"params": params}, tokens, method=GPTJ.hidden_states)
+    assert logits.shape == (1, 5, CFG.vocab_size) and hidden.shape == (1, 5, CFG.d_model)
+    head = params["lm_head"]
+    np.testing.assert_allclose(hidden @ head["kernel"] + head["bias"], logits, rtol=0, atol=1e-5)
 
 
 def test_greedy_with_the_cache_equals_recomputing_the_full_forward(lm, recomputed):
@@ -203,7 +215,7 @@ def test_the_decode_loop_updates_the_cache_in_place(params, batch):
     run = decoder.start([[1, 2, 3]] * batch, max_new_tokens=np.full(batch, 4),
                         sampling=SamplingParams.build(batch, temperature=0.0), seeds=np.zeros(batch, np.uint32),
                         eos_id=np.full(batch, -1, np.int32))
-    with partitioning.activate(decoder.mesh, decoder.rules):
+    with partitioning.sharding_scope(decoder.mesh, decoder.rules):
         hlo = decoder._decode.lower(decoder.params, run._state, np.int32(4), np.zeros(batch, bool),
                                     False).compile().as_text()
     cache_shapes = {f"f32[{','.join(map(str, a.shape))}]" for a in (*run._state.cache.k, *run._state.cache.v)}

@@ -37,6 +37,14 @@ def test_flags_win_over_the_environment_which_wins_over_defaults():
     assert parse(["--checkpoint", "/runs/b/"], {}).served_model_name == "b"
 
 
+def test_the_dtype_takes_either_spelling_and_keeps_the_canonical_name():
+    assert parse(["--checkpoint", "/runs/a", "--dtype", "bf16"], {}).dtype == "bfloat16"
+    assert parse(["--checkpoint", "/runs/a"], {"GPTJ_FLAX_DTYPE": "fp32"}).dtype == "float32"
+    with pytest.raises(SettingsError, match=re.escape("--dtype (or GPTJ_FLAX_DTYPE) must be float32 (fp32), "
+                                                      "bfloat16 (bf16) or float16 (fp16), got 'fp64'")):
+        parse(["--checkpoint", "/runs/a", "--dtype", "fp64"], {})
+
+
 def test_generic_variables_do_not_reconfigure_the_server():
     generic = {"HOST": "0.0.0.0", "PORT": "9000", "MESH": "1,1,8", "DTYPE": "float16", "CHECKPOINT": "/runs/other",
                "LOG_LEVEL": "debug", "MAX_BATCH": "2", "LOG_FORMAT": "transcript"}

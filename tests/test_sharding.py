@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gptj_flax import partitioning
-from gptj_flax.model import GPTJ, cross_entropy
-from tests.helpers import tiny_config
+from gptj_flax.model import GPTJ, abstract_params
+from tests.helpers import mean_loss, tiny_config
 
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (2, 1, 4)]
 CFG = tiny_config(n_layers=3, d_model=64, n_heads=8, rotary_dim=4, vocab_size=128)
@@ -20,7 +20,7 @@ CFG = tiny_config(n_layers=3, d_model=64, n_heads=8, rotary_dim=4, vocab_size=12
 def _loss_and_grads(model, variables, tokens, segments):
     def loss_fn(v):
         logits = model.apply(v, tokens[:, :-1], segment_ids=segments[:, :-1])
-        loss, _ = cross_entropy(logits, tokens[:, 1:], weights=(segments[:, 1:] > 0))
+        loss, _ = mean_loss(logits, tokens[:, 1:], weights=(segments[:, 1:] > 0))
         return loss, logits
 
     (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables)
@@ -52,7 +52,7 @@ def _rel_err(a, b):
 def test_sharded_logits_loss_grads_equal_unsharded(reference, shape):
     model, variables, tokens, segments, (ref_logits, ref_loss, ref_grads) = reference
     mesh = partitioning.make_mesh(shape)
-    abstract = partitioning.abstract_init(model.init, jax.random.key(1), tokens)
+    abstract = {"params": abstract_params(model.config)}
     shardings = partitioning.logical_to_sharding(nn.get_partition_spec(abstract), mesh)
     sharded_vars = jax.device_put(variables, shardings)
     batch_sharding = partitioning.named_sharding(mesh, ("batch", "length"))
@@ -62,7 +62,7 @@ def test_sharded_logits_loss_grads_equal_unsharded(reference, shape):
         out_shardings=(partitioning.named_sharding(mesh, ("batch", "length", "vocab")),
                        NamedSharding(mesh, PartitionSpec()), shardings),
     )
-    with partitioning.activate(mesh):
+    with partitioning.sharding_scope(mesh):
         logits, loss, grads = step(sharded_vars, tokens, segments)
 
     assert _rel_err(logits, ref_logits) <= 1e-5

@@ -14,7 +14,7 @@ from gptj_flax.config import ConfigError, TrainConfig
 from gptj_flax.data import Batch
 from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
-from tests.helpers import tiny_config
+from tests.helpers import mean_loss, tiny_config
 
 CFG = tiny_config(n_layers=2, d_model=32, n_heads=4, rotary_dim=4, vocab_size=64)
 TRAIN = TrainConfig(batch_size=8, lr=3e-3, end_lr=3e-4, warmup_steps=3, anneal_steps=10, total_steps=20,
@@ -98,7 +98,7 @@ def _run(mesh_shape, batches, accumulated=True):
     state = steps.create_state(model, tx, mesh, jax.random.key(0))
     step = steps.compile_train_step(model, tx, mesh, shardings, optimizer.schedule(TRAIN), accumulated=accumulated)
     out = []
-    with partitioning.activate(mesh):
+    with partitioning.sharding_scope(mesh):
         for batch in batches:
             state, metrics = step(state, batch)
             out.append({k: float(v) for k, v in metrics.items()})
@@ -128,7 +128,7 @@ def test_tiny_model_overfits_one_batch():
     tx = optimizer.make_optimizer(cfg)
     state = steps.create_state(model, tx, mesh, jax.random.key(0))
     step = steps.compile_train_step(model, tx, mesh, steps.state_shardings(model, tx, mesh), optimizer.schedule(cfg))
-    with partitioning.activate(mesh):
+    with partitioning.sharding_scope(mesh):
         losses = []
         for _ in range(150):
             state, metrics = step(state, batch)
@@ -156,7 +156,7 @@ def test_eval_step_is_token_weighted():
 
 def test_chunked_loss_equals_the_full_logits_loss():
     """The LM head applied a chunk at a time gives the loss and gradients of the full logits."""
-    from gptj_flax.model import chunked_loss_sums, cross_entropy
+    from gptj_flax.model import chunked_loss_sums
 
     model = GPTJ(CFG)
     rng = np.random.default_rng(4)
@@ -165,10 +165,10 @@ def test_chunked_loss_equals_the_full_logits_loss():
     params = nn.meta.unbox(model.init(jax.random.key(0), tokens))["params"]
 
     def full(p):
-        return cross_entropy(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:], weights, z_loss=1e-4)[0]
+        return mean_loss(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:], weights, z_loss=1e-4)[0]
 
     def chunked(p, chunk):
-        hidden = model.apply({"params": p}, tokens[:, :-1], return_hidden=True)
+        hidden = model.apply({"params": p}, tokens[:, :-1], method=GPTJ.hidden_states)
         objective, _, total = chunked_loss_sums(hidden, p["lm_head"], tokens[:, 1:], weights, 1e-4, chunk)
         return objective / total
 

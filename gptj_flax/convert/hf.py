@@ -1,14 +1,14 @@
 """HuggingFace GPT-J directories ⇄ our Orbax checkpoints, one tensor at a time.
 
-Import reads ``config.json`` and the weights (``model.safetensors``, sharded safetensors with
-``model.safetensors.index.json``, or ``pytorch_model.bin`` [sharded] when torch is installed) and
-checks every name and shape against the config before writing anything. Export writes
-``config.json``, safetensors (sharded above ``max_shard_size``) and the tokenizer files, such that
-``GPTJForCausalLM.from_pretrained(OUT)`` loads with no missing or unexpected keys.
+Import checks every tensor name and shape against ``config.json`` before writing anything, and
+computes in the precision the weights are stored in unless asked otherwise, so an imported model
+scores as HuggingFace does. Export writes a directory ``GPTJForCausalLM.from_pretrained`` loads
+with no missing or unexpected keys.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gptj_flax import checkpoint
-from gptj_flax.config import Config, ConfigError, ModelConfig
+from gptj_flax.config import Config, ConfigError, ModelConfig, dtype_name, jnp_dtype
 from gptj_flax.convert import safetensors_io
 from gptj_flax.convert.common import (
     TOKENIZER_FILES, ConversionError, atomic_directory, copy_tokenizer_files, progress,
@@ -27,12 +27,12 @@ from gptj_flax.convert.common import (
 from gptj_flax.convert.hf_names import (
     IGNORED_HF_SUFFIXES, hf_name, hf_names, hf_shape, hf_to_ours, ours_to_hf,
 )
-from gptj_flax.convert.layout import Path as ParamPath
-from gptj_flax.convert.layout import layer_paths, streamed_params
+from gptj_flax.convert.layout import ParamPath, layer_paths, streamed_params
 from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
 
 HF_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(jnp.bfloat16)}
-_HF_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+HF_PREFIX = "hf:"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' own default for save_pretrained
 GPTJ_EOS = 50256  # GPT-2 BPE's <|endoftext|>, GPT-J's bos and eos
 
@@ -43,8 +43,18 @@ log = logging.getLogger(__name__)
 # config.json
 
 
-def model_config_from_hf(raw: dict, where: Path, scan_layers: bool = True) -> ModelConfig:
-    """A HF ``GPTJConfig`` dict → our ModelConfig; anything GPT-J cannot be is refused by name."""
+def is_hf_source(path: str | os.PathLike) -> bool:
+    """``hf:DIR``, or a directory holding a ``config.json`` and HF weight files."""
+    spec = os.fspath(path)
+    if spec.startswith(HF_PREFIX):
+        return True
+    directory = Path(spec)
+    return (directory / "config.json").is_file() and any((directory / f).is_file() for f in WEIGHT_FILES)
+
+
+def model_config_from_hf(raw: dict, where: Path, scan_layers: bool = True, dtype: str = "float32") -> ModelConfig:
+    """A HF ``GPTJConfig`` dict → our ModelConfig computing in ``dtype``; anything GPT-J cannot be is
+    refused by name."""
     if raw.get("model_type") != "gptj":
         raise ConversionError(f"{where}: model_type is {raw.get('model_type')!r}, not 'gptj': "
                               "this is not a GPT-J checkpoint")
@@ -59,7 +69,7 @@ def model_config_from_hf(raw: dict, where: Path, scan_layers: bool = True) -> Mo
         return ModelConfig(
             n_layers=raw["n_layer"], d_model=raw["n_embd"], n_heads=raw["n_head"], rotary_dim=raw["rotary_dim"],
             vocab_size=raw["vocab_size"], max_len=raw.get("n_positions", 2048), d_ff=raw.get("n_inner"),
-            layer_norm_eps=raw.get("layer_norm_epsilon", 1e-5), scan_layers=scan_layers,
+            layer_norm_eps=raw.get("layer_norm_epsilon", 1e-5), scan_layers=scan_layers, dtype=dtype,
         )
     except KeyError as e:
         raise ConversionError(f"{where}: missing key {e.args[0]!r}") from None
@@ -78,7 +88,7 @@ def hf_config_dict(config: ModelConfig, dtype: str) -> dict:
         "activation_function": "gelu_new", "layer_norm_epsilon": config.layer_norm_eps,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
         "use_cache": True, "bos_token_id": eos, "eos_token_id": eos, "tie_word_embeddings": False,
-        "dtype": _HF_DTYPE_NAMES[dtype],
+        "dtype": dtype_name(dtype),
     }
 
 
@@ -109,6 +119,9 @@ class _TorchFile:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for name, t in self._tensors.items()}
 
+    def dtype(self, name: str) -> str:
+        return str(self._tensors[name].dtype).removeprefix("torch.")
+
     def read(self, name: str) -> np.ndarray:
         import torch
 
@@ -116,16 +129,23 @@ class _TorchFile:
 
 
 class HFCheckpoint:
-    """A HuggingFace GPT-J directory, validated up front and read one tensor at a time."""
+    """A HuggingFace GPT-J directory, validated up front and read one tensor at a time.
 
-    def __init__(self, directory: Path, model_config: ModelConfig, readers: dict[str, Callable[[], np.ndarray]]):
+    ``stored_dtype`` is the precision its weights are stored in: ``config.json``'s ``dtype``
+    (``torch_dtype`` before transformers 5), else the weight files' own. ``model_config`` computes
+    in it unless ``open`` is given another ``dtype``; its parameters are kept in float32.
+    """
+
+    def __init__(self, directory: Path, model_config: ModelConfig, readers: dict[str, Callable[[], np.ndarray]],
+                 stored_dtype: str):
         self.directory = directory
         self.model_config = model_config
+        self.stored_dtype = stored_dtype
         self._readers = readers
 
     @classmethod
-    def open(cls, src: str | os.PathLike, scan_layers: bool = True) -> "HFCheckpoint":
-        directory = Path(src)
+    def open(cls, src: str | os.PathLike, scan_layers: bool = True, dtype=None) -> "HFCheckpoint":
+        directory = Path(os.fspath(src).removeprefix(HF_PREFIX))
         config_path = directory / "config.json"
         if not config_path.is_file():
             raise ConversionError(f"{config_path} not found: a HuggingFace model directory has a config.json")
@@ -136,18 +156,22 @@ class HFCheckpoint:
         model_config = model_config_from_hf(raw, config_path, scan_layers)
 
         shapes: dict[str, tuple[int, ...]] = {}
+        dtypes: dict[str, str] = {}
         readers: dict[str, Callable[[], np.ndarray]] = {}
         where: dict[str, Path] = {}
         for path, kind in _weight_files(directory):
             if kind == "safetensors":
                 for name, info in safetensors_io.read_header(path).items():
-                    shapes[name], where[name] = info.shape, path
+                    shapes[name], dtypes[name], where[name] = info.shape, info.dtype.name, path
                     readers[name] = lambda info=info: safetensors_io.read_tensor(info)
             else:
                 torch_file = _TorchFile(path)
                 for name, shape in torch_file.shapes().items():
-                    shapes[name], where[name] = shape, path
+                    shapes[name], dtypes[name], where[name] = shape, torch_file.dtype(name), path
                     readers[name] = lambda name=name, f=torch_file: f.read(name)
+        compute = None if dtype is None else dtype_name(dtype)
+        stored = _stored_dtype(raw, dtypes.get("transformer.wte.weight"), config_path, compute)
+        model_config = dataclasses.replace(model_config, dtype=compute or stored)
 
         expected = hf_names(model_config)
         missing = [n for n in expected if n not in shapes]
@@ -164,12 +188,27 @@ class HFCheckpoint:
             if shapes[name] != want:
                 raise ConversionError(f"{where[name]}: tensor {name!r} has shape {shapes[name]} but "
                                       f"{config_path} implies {want}")
-        return cls(directory, model_config, {n: readers[n] for n in expected})
+        return cls(directory, model_config, {n: readers[n] for n in expected}, stored)
 
     def get(self, path: ParamPath) -> np.ndarray:
         """The parameter at ``path`` (unrolled layout) in our orientation, in its stored dtype."""
         name = hf_name(path)
         return hf_to_ours(name, self._readers[name](), self.model_config)[1]
+
+
+def _stored_dtype(raw: dict, tensor_dtype: str | None, where: Path, requested: str | None) -> str:
+    """The precision a HF directory's weights are stored in (see :class:`HFCheckpoint`); where it is
+    none GPT-J computes in, the ``requested`` compute dtype (an error if none was)."""
+    declared = next((raw[k] for k in ("dtype", "torch_dtype") if isinstance(raw.get(k), str) and raw[k] != "auto"),
+                    None)
+    found = declared.removeprefix("torch.") if declared else tensor_dtype or "float32"
+    try:
+        return dtype_name(found)
+    except ConfigError:
+        if requested is not None:
+            return requested
+        raise ConversionError(f"{where}: the weights are stored as {found}, which GPT-J does not compute in: "
+                              "give the dtype to compute in (float32, bfloat16 or float16)") from None
 
 
 def _weight_files(directory: Path) -> list[tuple[Path, str]]:
@@ -198,13 +237,14 @@ def _weight_files(directory: Path) -> list[tuple[Path, str]]:
 
 
 def from_hf(src: str | os.PathLike, out: str | os.PathLike, *, scan_layers: bool = True,
-            tokenizer: bool = True) -> Path:
-    """HF GPT-J directory ``src`` → Orbax checkpoint ``out`` (step 0, float32, tokenizer carried).
+            tokenizer: bool = True, dtype=None) -> Path:
+    """HF GPT-J directory ``src`` → Orbax checkpoint ``out`` (step 0, float32 parameters, tokenizer carried).
 
-    ``tokenizer``: carry ``src``'s tokenizer files, which must load as a tokenizer (a directory
-    without any is converted with a warning); False converts the weights alone.
+    ``dtype``: the compute dtype the checkpoint's config records; default the precision ``src``'s
+    weights are stored in. ``tokenizer``: carry ``src``'s tokenizer files, which must load as a
+    tokenizer (a directory without any is converted with a warning); False converts the weights alone.
     """
-    hf = HFCheckpoint.open(src, scan_layers)
+    hf = HFCheckpoint.open(src, scan_layers, dtype)
     carry = _checked_tokenizer(hf.directory) if tokenizer else False
     config = Config(model=hf.model_config)
     with atomic_directory(out) as tmp:
@@ -235,14 +275,13 @@ def _checked_tokenizer(directory: Path) -> bool:
     return True
 
 
-def to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32",
+def to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "float32",
           max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """Orbax checkpoint ``ckpt`` (run or step directory) → HF GPT-J directory ``out``."""
-    if dtype not in HF_DTYPES:
-        raise ValueError(f"dtype {dtype!r}: choose one of {sorted(HF_DTYPES)}")
+    """Orbax checkpoint ``ckpt`` (run or step directory) → HF GPT-J directory ``out``, weights stored as ``dtype``."""
+    stored = np.dtype(jnp_dtype(dtype))
     source = OrbaxParams.open(ckpt)
     config = source.config.model
-    plan = [(name, hf_shape(name, config), HF_DTYPES[dtype]) for name in hf_names(config)]
+    plan = [(name, hf_shape(name, config), stored) for name in hf_names(config)]
     with atomic_directory(out) as tmp:
         with safetensors_io.ShardedWriter(tmp, plan, safetensors_io.parse_size(max_shard_size),
                                           metadata={"format": "pt"}) as writer, \
@@ -257,7 +296,7 @@ def to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32
                 for our_path, piece in pieces:
                     name = hf_name(our_path)
                     writer.write(name, ours_to_hf(name, piece, config))
-                    bar.update(piece.size * HF_DTYPES[dtype].itemsize)
+                    bar.update(piece.size * stored.itemsize)
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(config, dtype), indent=2) + "\n")
         tokenizer_dir = source.tokenizer_dir
         copy_tokenizer_files(Path(tokenizer_dir) if tokenizer_dir else None, tmp)

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from gptj_flax import checkpoint, partitioning
+from gptj_flax import checkpoint
 from gptj_flax.config import Config, ModelConfig
 from gptj_flax.convert.common import ConversionError
 from gptj_flax.convert.hf import HFCheckpoint
@@ -54,8 +54,7 @@ def load_init_params(spec: str, config: Config, mesh: Mesh, legacy_shards: int |
     checkpoint's shard directories.
     """
     kind, location = parse_init_spec(spec)
-    config.model.validate_for_mesh(partitioning.mesh_shape(mesh))
-    target, shardings = checkpoint.abstract_params(config, mesh)
+    target, shardings = checkpoint.param_targets(config.model, mesh)
     if kind == "hf":
         source = HFCheckpoint.open(location)
         check_architecture(source.model_config, config.model, f"{location}/config.json")

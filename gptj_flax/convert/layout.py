@@ -14,16 +14,15 @@ from collections.abc import Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from gptj_flax import model
 from gptj_flax.config import ModelConfig
 from gptj_flax.convert.common import progress
-from gptj_flax.model import GPTJ
 
-Path = tuple[str, ...]
-Getter = Callable[[Path], np.ndarray]
+ParamPath = tuple[str, ...]  # ("layer_3", "mlp", "fc_in", "kernel")
+Getter = Callable[[ParamPath], np.ndarray]
 
 
 class StreamedArray:
@@ -57,14 +56,13 @@ class StreamedArray:
         return f"StreamedArray({self.name!r}, {self.shape}, {self.dtype})"
 
 
-def param_shapes(config: ModelConfig) -> dict[Path, tuple[int, ...]]:
+def param_shapes(config: ModelConfig) -> dict[ParamPath, tuple[int, ...]]:
     """Every parameter path of ``config``'s layout (scanned or unrolled) and its shape, in tree order."""
-    abstract = jax.eval_shape(GPTJ(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-    flat = traverse_util.flatten_dict(nn.meta.unbox(abstract)["params"])
+    flat = traverse_util.flatten_dict(nn.meta.unbox(model.abstract_params(config)))
     return {path: tuple(leaf.shape) for path, leaf in flat.items()}
 
 
-def layer_paths(path: Path, n_layers: int) -> list[Path] | None:
+def layer_paths(path: ParamPath, n_layers: int) -> list[ParamPath] | None:
     """The unrolled paths a scanned leaf stacks (``layers/…`` → ``layer_i/…``), or None if unstacked."""
     if path[0] != "layers":
         return None
@@ -90,7 +88,7 @@ def streamed_params(get: Getter, config: ModelConfig, dtype=None) -> dict:
     return traverse_util.unflatten_dict(flat)
 
 
-def _stack(get: Getter, paths: list[Path], shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def _stack(get: Getter, paths: list[ParamPath], shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     out = np.empty(shape, dtype)
     for i, path in enumerate(paths):
         out[i] = get(path)
@@ -119,6 +117,6 @@ def place_on_mesh(streamed: dict, target: dict, desc: str = "placing params") ->
     return traverse_util.unflatten_dict(placed)
 
 
-def leaves_with_paths(tree: dict) -> list[tuple[Path, object]]:
+def leaves_with_paths(tree: dict) -> list[tuple[ParamPath, object]]:
     """(path, leaf) pairs of a nested dict, in JAX's (sorted-key) tree order."""
     return [(tuple(str(k.key) for k in keys), leaf) for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]

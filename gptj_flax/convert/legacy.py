@@ -1,21 +1,10 @@
 """mesh-transformer-jax checkpoints — the released GPT-J-6B and its fine-tunes — read tensor by tensor.
 
-On disk (``docs/reference.md`` §4): ``step_N/shard_{s}/{i}.npz`` for ``s < S`` (S = the original's
-``cores_per_replica``) and ``i < 16``. Each shard's training state ``{opt_state, params, step}``
-(slim: ``{params, step}``) was flattened in JAX tree order — dict keys sorted as strings, so layers
-go 0, 1, 10, 11, …, 19, 2, 20, … — cut into 16 contiguous pieces, and piece ``i`` saved with
-``np.savez`` (keys ``arr_0, arr_1, …`` restarting in every file). Slim checkpoints store bfloat16
-as numpy void ``V2`` (the raw upper half of a float32).
-
-Reassembly follows how the original computed with each tensor: column-parallel weights (q, k, v,
-fc_in, lm_head) are concatenated by columns, row-parallel ones (embedding rows, out, fc_out) by
-rows; the embedding bias and fc_out bias were added once per shard before a psum, so the dense
-bias is their **sum**; LayerNorms were all-gathered and shard 0's copy used, so the others are
-untrained (scale 1, offset 0) and only shard 0 counts. The embedding bias has no HF or gptj_flax
-counterpart and is folded into every row of the embedding table.
-
-Everything — every file, every array's shape and dtype — is checked against the config from the
-.npz headers before any tensor data is read, and errors name the file.
+The format is described in ``docs/reference.md`` §4. Every file and every array's shape and dtype
+is checked against the config from the .npz headers before any tensor data is read, and errors
+name the file. How the original stored and sharded its
+state is described where it is undone: :func:`legacy_params` (leaf order) and
+:meth:`LegacyCheckpoint._dense` (reassembly).
 """
 
 from __future__ import annotations
@@ -24,8 +13,10 @@ import dataclasses
 import json
 import os
 import re
+import threading
 import zipfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -35,17 +26,16 @@ import optax
 from jax.sharding import Mesh
 
 from gptj_flax import checkpoint
-from gptj_flax.config import Config, ModelConfig, from_dict, is_legacy
+from gptj_flax.config import Config, ModelConfig, dtype_name, from_dict, is_legacy
 from gptj_flax.convert.common import ConversionError, atomic_directory
-from gptj_flax.convert.layout import Path as ParamPath
-from gptj_flax.convert.layout import StreamedArray, place_on_mesh, streamed_params
+from gptj_flax.convert.layout import ParamPath, StreamedArray, place_on_mesh, streamed_params
 from gptj_flax.convert.orbax_io import write_checkpoint
 
 PIECES = 16  # the original's `pieces`: files per shard
 _ROOT = "causal_transformer_shard/~/"
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype("V2"))
 
-# How shards combine into the dense tensor (see the module docstring).
+# How shards combine into the dense tensor (see LegacyCheckpoint._dense).
 ROWS, COLS, SUM, FIRST = "rows", "cols", "sum", "first"
 
 
@@ -64,7 +54,15 @@ class LegacyParam:
 
 
 def legacy_params(config: ModelConfig, shards: int) -> list[LegacyParam]:
-    """The original's parameters for ``config`` on ``shards`` shards, in its leaf (tree) order."""
+    """The original's parameters for ``config`` on ``shards`` shards, in its leaf (tree) order.
+
+    On disk a checkpoint is ``step_N/shard_{s}/{i}.npz`` for ``s`` below the original's
+    ``cores_per_replica`` and ``i < 16``. Each shard's state ``{opt_state, params, step}`` (slim:
+    ``{params, step}``) was flattened in JAX tree order — dict keys sorted as strings, so layers go
+    0, 1, 10, 11, …, 2, … — cut into 16 contiguous pieces, and piece ``i`` saved with ``np.savez``
+    (``arr_0, arr_1, …`` restarting in every file). Slim checkpoints store bfloat16 as numpy void
+    ``V2`` (the raw upper half of a float32).
+    """
     d, f, v, s = config.d_model, config.d_ff, config.vocab_size, shards
     params = [
         LegacyParam(_ROOT + "embedding_shard/~/linear", "b", (d,), SUM),
@@ -138,7 +136,9 @@ class LegacyCheckpoint:
     """One ``step_N`` directory of a mesh-transformer-jax checkpoint, validated when opened.
 
     ``get(path)`` gives a parameter and ``moment("mu"|"nu", path)`` an Adam moment (full checkpoints),
-    both dense, float32 and in our orientation, reading only the arrays they need.
+    both dense, float32 and in our orientation, reading only the arrays they need. ``stored_dtype``
+    is the precision the parameters are stored in: float32 in full checkpoints, bfloat16 or float16
+    in slim ones.
     """
 
     def __init__(self, step_dir: str | os.PathLike, config: ModelConfig, shards: int | None = None):
@@ -155,6 +155,9 @@ class LegacyCheckpoint:
         self.params = {p.key: p for p in legacy_params(config, self.shards)}
         n_params = len(self.params)
         self._npz: dict[Path, np.lib.npyio.NpzFile] = {}
+        # Orbax writes params and optimiser state from two threads; numpy's header parsing (ast)
+        # is not safe to run concurrently, so reads take turns.
+        self._reading = threading.Lock()
         # (file, member) of every leaf of every shard, after checking counts, shapes and dtypes.
         self._where: list[list[tuple[Path, str]]] = []
         for shard in range(self.shards):
@@ -230,6 +233,7 @@ class LegacyCheckpoint:
         return self.params[key].shard_shape, _FLOATS
 
     def _check_headers(self) -> None:
+        stored: set[str] = set()
         desc = (f"config (n_layers={self.config.n_layers}, d_model={self.config.d_model}, "
                 f"vocab_size={self.config.vocab_size}) on {self.shards} shards")
         for shard, members in enumerate(self._where):
@@ -249,17 +253,24 @@ class LegacyCheckpoint:
                     ok = np.issubdtype(dtype, np.integer) if want_dtypes is None else dtype in want_dtypes
                     if not ok:
                         raise ConversionError(f"{path} {member[:-4]} ({leaf}): unexpected dtype {dtype}")
+                    if leaf.startswith("params/"):
+                        stored.add("bfloat16" if dtype == np.dtype("V2") else dtype_name(dtype))
             finally:
                 for z in open_zips.values():
                     z.close()
+        if len(stored) != 1:
+            raise ConversionError(f"{self.step_dir}: its parameters are stored in several dtypes ({sorted(stored)}); "
+                                  "a mesh-transformer-jax checkpoint stores all of them in one")
+        self.stored_dtype = stored.pop()
 
     # -- reading ---------------------------------------------------------------------------
     def _read(self, shard: int, leaf_index: int) -> np.ndarray:
         path, member = self._where[shard][leaf_index]
         try:
-            if path not in self._npz:
-                self._npz[path] = np.load(path)
-            array = self._npz[path][member[:-4]]
+            with self._reading:
+                if path not in self._npz:
+                    self._npz[path] = np.load(path)
+                array = self._npz[path][member[:-4]]
         except (ValueError, OSError, zipfile.BadZipFile, zlib.error, EOFError) as e:
             raise ConversionError(f"{path} {member[:-4]} ({self._leaves[leaf_index]}): unreadable: {e}") from None
         if array.dtype == np.dtype("V2"):  # bfloat16 saved by a numpy that did not know it
@@ -267,7 +278,14 @@ class LegacyCheckpoint:
         return array
 
     def _dense(self, leaf: str, assemble: str, mean_of_sums: bool = False) -> np.ndarray:
-        """One leaf reassembled over the shards as float32 (see the module docstring)."""
+        """One leaf reassembled over the shards as float32, as the original computed with it.
+
+        Column-parallel weights (q, k, v, fc_in, lm_head) are concatenated by columns, row-parallel
+        ones (embedding rows, out, fc_out) by rows; the embedding and fc_out biases were added once
+        per shard before a psum, so the dense bias is their sum; LayerNorms were all-gathered and
+        shard 0's copy used (the others are untrained), so only shard 0 counts. (The embedding bias
+        has no HF or gptj_flax counterpart: :meth:`get` folds it into every row of the table.)
+        """
         index = self._leaves.index(leaf)
         if assemble == FIRST:
             return self._read(0, index).astype(np.float32)
@@ -349,33 +367,34 @@ def config_for_legacy(config_path: str | os.PathLike) -> tuple[Config, int | Non
 
 
 def from_legacy(step_dir: str | os.PathLike, out: str | os.PathLike, config: Config,
-                shards: int | None = None, with_opt_state: bool = False) -> Path:
+                shards: int | None = None, *, dtype=None, opt_init: Callable | None = None) -> Path:
     """Legacy ``step_N`` directory → Orbax checkpoint ``out`` at the same step (params, float32).
 
-    ``with_opt_state``: also write the optimiser state of ``config``'s training optimiser
-    (:func:`gptj_flax.training.make_optimizer`) holding the checkpoint's Adam count and moments,
-    so training continues with them (``--init-from OUT``, or resuming with OUT as the run directory).
+    ``dtype``: the compute dtype the written config records; default the precision the
+    checkpoint's parameters are stored in (float32 for a full checkpoint). ``opt_init``: the
+    training optimiser's ``init`` (e.g. ``make_optimizer(config.train).init``); with it, the
+    optimiser state is written too, holding the checkpoint's Adam count and moments, so training
+    continues with them (``--init-from OUT``, or resuming with OUT as the run directory).
     """
     with LegacyCheckpoint(step_dir, config.model, shards) as legacy, atomic_directory(out) as tmp:
-        opt_state = _streamed_opt_state(legacy, config) if with_opt_state else None
+        compute = legacy.stored_dtype if dtype is None else dtype_name(dtype)
+        config = config.replace(model=dataclasses.replace(config.model, dtype=compute))
+        opt_state = None if opt_init is None else _streamed_opt_state(legacy, config, opt_init)
         write_checkpoint(tmp, legacy.step, params=streamed_params(legacy.get, config.model), config=config,
                          opt_state=opt_state, meta={"converted_from": f"legacy:{Path(step_dir).resolve()}"})
     return Path(out)
 
 
-def _streamed_opt_state(legacy: LegacyCheckpoint, config: Config):
-    """The training optimiser's state with Adam's count and moments streamed from ``legacy``.
+def _streamed_opt_state(legacy: LegacyCheckpoint, config: Config, opt_init: Callable):
+    """The state ``opt_init`` makes, with Adam's count and moments streamed from ``legacy``.
 
     Every other leaf (the schedule's count) starts at zero, as in a fresh optax state: fine-tuning
     restarts the schedule, as the original did.
     """
-    from gptj_flax.training import make_optimizer
-
     if not legacy.full:
         raise ConversionError(f"{legacy.step_dir}: a slim checkpoint has no optimiser state to carry")
     params = streamed_params(legacy.get, config.model)
-    abstract = jax.eval_shape(make_optimizer(config.train).init,
-                              jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), params))
+    abstract = jax.eval_shape(opt_init, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), params))
     count = legacy.adam_count()
 
     def stream(node):
@@ -411,7 +430,7 @@ def load_legacy_opt_state(step_dir: str | os.PathLike, config: Config, mesh: Mes
     Each moment tensor goes straight onto its shards, so host memory holds one tensor at a time.
     Hand the result to :func:`gptj_flax.convert.insert_adam_moments` to continue training with it.
     """
-    target, _ = checkpoint.abstract_params(config, mesh, dtype=jnp.float32)
+    target, _ = checkpoint.param_targets(config.model, mesh, dtype=jnp.float32)
     with LegacyCheckpoint(step_dir, config.model, shards) as legacy:
         count = jnp.asarray(legacy.adam_count(), jnp.int32)
         moments = {

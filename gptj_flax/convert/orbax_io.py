@@ -28,7 +28,7 @@ from orbax.checkpoint import future, type_handlers
 from gptj_flax import checkpoint
 from gptj_flax.config import Config
 from gptj_flax.convert.common import progress
-from gptj_flax.convert.layout import Path, StreamedArray, leaves_with_paths, param_shapes
+from gptj_flax.convert.layout import ParamPath, StreamedArray, leaves_with_paths, param_shapes
 
 log = logging.getLogger(__name__)
 
@@ -176,15 +176,15 @@ class OrbaxParams:
     def tokenizer_dir(self) -> epath.Path | None:
         return checkpoint.tokenizer_dir(self.directory)
 
-    def leaf_shapes(self) -> dict[Path, tuple[int, ...]]:
+    def leaf_shapes(self) -> dict[ParamPath, tuple[int, ...]]:
         return param_shapes(self.config.model)
 
-    def stored_dtypes(self) -> dict[Path, np.dtype]:
+    def stored_dtypes(self) -> dict[ParamPath, np.dtype]:
         """The dtype each leaf was saved in (float32 masters, or bf16/fp16 for slim checkpoints)."""
         metadata = ocp.PyTreeCheckpointer().metadata(self.params_dir).item_metadata
         return {path: np.dtype(leaf.dtype) for path, leaf in leaves_with_paths(dict(metadata.tree))}
 
-    def read(self, path: Path) -> np.ndarray:
+    def read(self, path: ParamPath) -> np.ndarray:
         """One leaf as a host numpy array in its stored dtype."""
         item: dict = {}
         restore_args: dict = {}

@@ -22,12 +22,12 @@ import numpy as np
 
 from gptj_flax.convert.common import ConversionError
 
-DTYPES: dict[str, np.dtype] = {
+SAFETENSORS_DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(jnp.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_SAFETENSORS_CODES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
 
 SINGLE_FILE = "model.safetensors"
@@ -70,9 +70,9 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if entry.get("dtype") not in DTYPES:
+        if entry.get("dtype") not in SAFETENSORS_DTYPES:
             raise ConversionError(f"{path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
-        info = TensorInfo(path, name, DTYPES[entry["dtype"]], tuple(entry["shape"]), data_start + entry["data_offsets"][0])
+        info = TensorInfo(path, name, SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), data_start + entry["data_offsets"][0])
         begin, end = entry["data_offsets"]
         if end - begin != info.nbytes:
             raise ConversionError(f"{path}: tensor {name!r} of shape {info.shape} {entry['dtype']} needs "
@@ -145,7 +145,7 @@ class ShardedWriter:
             header, cursor = {"__metadata__": dict(metadata or {})}, 0
             for name, shape, dtype in group:
                 nbytes = math.prod(shape) * dtype.itemsize
-                header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
+                header[name] = {"dtype": _SAFETENSORS_CODES[dtype], "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
                 cursor += nbytes
             encoded = json.dumps(header, separators=(",", ":")).encode()
             encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as the reference writer does

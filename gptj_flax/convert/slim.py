@@ -15,17 +15,20 @@ import numpy as np
 from flax import traverse_util
 
 from gptj_flax import checkpoint
-from gptj_flax.convert.common import atomic_directory, copy_tokenizer_files
+from gptj_flax.config import dtype_name
+from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files
 from gptj_flax.convert.layout import StreamedArray
 from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
 
-SLIM_DTYPES = {"bf16": np.dtype(jnp.bfloat16), "fp16": np.dtype(np.float16)}
+SLIM_DTYPES = {"bfloat16": np.dtype(jnp.bfloat16), "float16": np.dtype(np.float16)}
 
 
-def slim(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "bf16") -> Path:
-    """Checkpoint ``ckpt`` (run or step directory) → ``out``: same step, params only, in ``dtype``."""
+def slim(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "bfloat16") -> Path:
+    """Checkpoint ``ckpt`` (run or step directory) → ``out``: same step, params only, in ``dtype``
+    (``bfloat16`` or ``float16``, any spelling ``dtype_name`` reads)."""
+    dtype = dtype_name(dtype)
     if dtype not in SLIM_DTYPES:
-        raise ValueError(f"dtype {dtype!r}: choose one of {sorted(SLIM_DTYPES)}")
+        raise ConversionError(f"dtype {dtype!r}: a slim checkpoint stores bfloat16 or float16")
     source = OrbaxParams.open(ckpt)
     params = traverse_util.unflatten_dict({
         path: StreamedArray(shape, SLIM_DTYPES[dtype], lambda path=path: source.read(path), name="/".join(path))

@@ -31,6 +31,7 @@ from gptj_flax.data.tokenizer import (
     EOS_TOKEN,
     eos_token_id,
     load_tokenizer,
+    resolve_tokenizer,
     save_tokenizer,
     train_bpe_tokenizer,
 )
@@ -39,5 +40,5 @@ __all__ = [
     "Batch", "CreateResult", "DataError", "DataIterator", "DataWarning", "EOS_TOKEN", "Source", "ThreadsResult",
     "benchmark_pipeline", "create_tfrecords", "eos_token_id", "load_tokenizer", "make_batch",
     "make_eval_batches", "make_eval_sets", "make_train_iterator", "open_source", "prepare_threads", "process_share",
-    "save_tokenizer", "to_global_batch", "train_bpe_tokenizer",
+    "resolve_tokenizer", "save_tokenizer", "to_global_batch", "train_bpe_tokenizer",
 ]

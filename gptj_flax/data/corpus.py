@@ -9,7 +9,7 @@ import hashlib
 import os
 import sysconfig
 
-from gptj_flax.data.tokenizer import EOS_TOKEN
+from gptj_flax.data.tokenizer import EOS_TOKEN, save_tokenizer, train_bpe_tokenizer
 
 
 def stdlib_sources() -> list[str]:
@@ -56,8 +56,6 @@ def write_stdlib_corpus(out_dir: str, *, max_bytes: int = 4_000_000, val_fractio
 
 def prepare_demo_data(out_dir: str, vocab_size: int, *, max_bytes: int = 3_000_000) -> dict[str, str]:
     """The demo's corpus and a byte-level BPE trained on it, made once and reused afterwards."""
-    from gptj_flax.data.tokenizer import save_tokenizer, train_bpe_tokenizer
-
     train_path, val_path = os.path.join(out_dir, "train.txt"), os.path.join(out_dir, "val.txt")
     tokenizer_path = os.path.join(out_dir, "tokenizer")
     if not (os.path.exists(train_path) and os.path.exists(val_path)):

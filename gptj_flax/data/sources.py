@@ -37,7 +37,7 @@ import numpy as np
 from gptj_flax.data import text as text_io
 from gptj_flax.data import tfrecord
 from gptj_flax.data.errors import DataError
-from gptj_flax.data.tokenizer import encode_documents, eos_token_id, load_tokenizer
+from gptj_flax.data.tokenizer import encode_documents, eos_token_id, resolve_tokenizer
 
 IN_MEMORY_SHARD_SEQUENCES = 256
 TOKENIZE_BATCH_DOCUMENTS = 1024
@@ -204,7 +204,7 @@ def _open(spec, seq_len: int, tokenizer, tfds_data_dir: str | None, progress: bo
 def _tokenizer(tokenizer, source_name: str, vocab_size: int | None):
     if tokenizer is None:
         raise DataError(f"source {source_name} is raw text: pass a tokenizer (an object, a directory or a hub name)")
-    tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+    tokenizer = resolve_tokenizer(tokenizer)
     if vocab_size is not None:
         check_tokenizer_fits(tokenizer, vocab_size)
     return tokenizer

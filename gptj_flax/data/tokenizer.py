@@ -46,6 +46,18 @@ def load_tokenizer(dir_or_name: str | os.PathLike):
     return tokenizer
 
 
+def resolve_tokenizer(tokenizer=None, *, saved: str | os.PathLike | None = None):
+    """The tokenizer to use: ``tokenizer`` itself if it is one, loaded if it is a directory or hub
+    name, else the one ``saved`` beside a model (a directory; None or absent: no tokenizer)."""
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    if saved is not None and os.path.isdir(os.fspath(saved)):
+        return load_tokenizer(saved)
+    return None
+
+
 def save_tokenizer(tokenizer, directory: str | os.PathLike) -> None:
     """Write ``tokenizer`` to ``directory`` so that ``load_tokenizer(directory)`` restores it."""
     os.makedirs(directory, exist_ok=True)

@@ -1,24 +1,8 @@
 """Compare two lm-eval results files task by task: GPT-4chan's table against GPT-J, with significance.
 
-For every task and metric present in both files the table gives both values, their standard
-errors, and GPT-4chan's significance score
-
-    z = (a − b) / mean(stderr_a, stderr_b)
-
-(the mean of the two standard errors, not the usual sqrt(stderr_a² + stderr_b²): for equal errors
-this z is √2 times the textbook one, so it marks differences more readily; kept for comparability
-with the published table). The mark says which model is better and how clearly:
-
-    |z| < 2        no mark: no significant difference
-    2 ≤ |z| < 3    "+" (A better) or "-" (A worse)
-    |z| ≥ 3        "++" or "--"
-
-The thresholds are the usual ≈95% and ≈99.7% two-sided levels of a standard z score; with the
-mean-stderr denominator they let through somewhat smaller differences.
-
-"Better" is higher for metrics where higher is better and lower for the others (perplexities),
-as the results file's ``higher_is_better`` section says (higher when it says nothing). Without
-both standard errors (lm-eval writes "N/A") there is no z and no mark.
+Every task and metric found in both files gets both values, their standard errors, GPT-4chan's
+significance score (:func:`significance`) and a mark saying which model is better and how clearly
+(:func:`mark`), kept as GPT-4chan computed them so the published table can be compared.
 """
 
 from __future__ import annotations
@@ -34,7 +18,11 @@ HIGHLY_SIGNIFICANT = 3.0
 
 
 def significance(a: float, a_stderr: float | None, b: float, b_stderr: float | None) -> float | None:
-    """``(a − b) / mean(stderr_a, stderr_b)``; ``None`` when a stderr is missing or both are 0."""
+    """``(a − b) / mean(stderr_a, stderr_b)``; ``None`` when a stderr is missing (lm-eval's "N/A") or both are 0.
+
+    The mean of the two standard errors, not the textbook sqrt(stderr_a² + stderr_b²): for equal
+    errors this z is √2 times the usual one, so it marks differences more readily.
+    """
     if a_stderr is None or b_stderr is None:
         return None
     scale = (a_stderr + b_stderr) / 2
@@ -42,7 +30,11 @@ def significance(a: float, a_stderr: float | None, b: float, b_stderr: float | N
 
 
 def mark(z: float | None, higher_is_better: bool = True) -> str:
-    """``""``, ``"+"``/``"-"`` (|z| ≥ 2) or ``"++"``/``"--"`` (|z| ≥ 3); ``+`` when A is the better one."""
+    """``""``, ``"+"``/``"-"`` (|z| ≥ 2) or ``"++"``/``"--"`` (|z| ≥ 3); ``+`` when A is the better one.
+
+    The thresholds are the usual ≈95% and ≈99.7% two-sided levels of a z score. "Better" is higher,
+    or lower for metrics the results file's ``higher_is_better`` says so of (perplexities).
+    """
     if z is None or abs(z) < SIGNIFICANT:
         return ""
     a_better = (z > 0) == higher_is_better

@@ -27,6 +27,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import jax
 import lm_eval.models  # noqa: F401  (lm-eval imports its own models only while its registry is empty: before ours)
 from jax.sharding import Mesh
 from lm_eval.api.model import TemplateLM
@@ -34,12 +35,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm.auto import tqdm
 
-from gptj_flax import checkpoint as checkpoint_lib
 from gptj_flax import partitioning
-from gptj_flax.config import DTYPES, ModelConfig
-from gptj_flax.data import load_tokenizer
+from gptj_flax.config import ModelConfig, dtype_name
 from gptj_flax.evaluation.scoring import TokenScorer
-from gptj_flax.sampling import LanguageModel
+from gptj_flax.sampling import LanguageModel, load
 
 MODEL_NAME = "gptj_flax"
 DEFAULT_BATCH_SIZE = 16
@@ -102,18 +101,6 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
-def _mesh(spec) -> Mesh:
-    """A ``Mesh`` as given, or built from a layout name, sizes or a 3-tuple; default one device.
-
-    ``model_args`` are split on commas, so there sizes are written ``2x1x4``.
-    """
-    if isinstance(spec, Mesh):
-        return spec
-    if isinstance(spec, str) and spec not in partitioning.LAYOUTS:
-        spec = spec.replace("x", ",")
-    return partitioning.make_mesh((1, 1, 1) if spec is None else spec)
-
-
 @register_model(MODEL_NAME)
 class GPTJFlaxLM(TemplateLM):
     """An lm-eval ``LM`` over gptj_flax parameters on any mesh.
@@ -153,29 +140,25 @@ class GPTJFlaxLM(TemplateLM):
     def from_checkpoint(cls, checkpoint: str | os.PathLike, *, mesh=None, dtype: str | None = None,
                         step: int | None = None, tokenizer: str | os.PathLike | None = None,
                         **kwargs) -> "GPTJFlaxLM":
-        """Load a run or step directory (``lm_eval --model_args checkpoint=DIR``).
+        """Load a checkpoint with :func:`gptj_flax.load` (``lm_eval --model_args checkpoint=DIR``).
 
         Args:
+          checkpoint: an Orbax run or step directory, or a HuggingFace directory (``hf:DIR``).
           mesh: a layout name (``tp``, ``dp``, …), sizes ``D,F,M`` (``DxFxM`` inside
-            ``model_args``), a 3-tuple or a ``Mesh``; default one device.
-          dtype: parameter and compute dtype (``float32``, ``bfloat16``, ``float16``); default
-            the stored parameters and the config's compute dtype.
+            ``model_args``, which lm-eval splits on commas), a 3-tuple or a ``Mesh``; default one device.
+          dtype: parameter and compute dtype (``float32``/``fp32``, ``bfloat16``/``bf16``,
+            ``float16``/``fp16``); default as :func:`gptj_flax.load` chooses.
           step: this step instead of the latest; ``tokenizer``: a directory overriding the saved one.
           kwargs: the constructor's ``batch_size``, ``max_gen_toks``, ``seed``.
         """
-        if dtype is not None and dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-        mesh = _mesh(mesh)
-        config, params, step = checkpoint_lib.load_params(checkpoint, mesh, step=step,
-                                                          dtype=None if dtype is None else DTYPES[dtype])
-        model_config = config.model if dtype is None else dataclasses.replace(config.model, dtype=dtype,
-                                                                              param_dtype=dtype)
-        if tokenizer is None:
-            tokenizer = checkpoint_lib.tokenizer_dir(checkpoint)
-            if tokenizer is None:
-                raise ValueError(f"{checkpoint} has no tokenizer saved beside it; pass tokenizer=DIR")
-        return cls(model_config, params, load_tokenizer(os.fspath(tokenizer)), mesh, step=step,
-                   checkpoint=os.fspath(checkpoint), **kwargs)
+        loaded = load(checkpoint, mesh=mesh, dtype=dtype, step=step, tokenizer=tokenizer)
+        if loaded.tokenizer is None:
+            raise ValueError(f"{checkpoint} has no tokenizer saved beside it; pass tokenizer=DIR")
+        decoder = loaded.decoder  # its parameters serve the scorer too: one copy of the weights
+        model = cls(decoder.config, decoder.params, loaded.tokenizer, loaded.mesh, step=loaded.step,
+                    checkpoint=os.fspath(checkpoint), **kwargs)
+        model._sampler = loaded
+        return model
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: Mapping[str, Any], additional_config: Mapping[str, Any] | None = None):
@@ -216,6 +199,11 @@ class GPTJFlaxLM(TemplateLM):
 
     # -- what lm-eval asks of a model -------------------------------------------------------
     @property
+    def param_dtype(self) -> str:
+        """The dtype the parameters are held in (``config.dtype`` is the compute dtype)."""
+        return dtype_name(jax.tree.leaves(self.params)[0].dtype)
+
+    @property
     def eot_token_id(self) -> int:
         return int(self.tokenizer.eos_token_id)
 
@@ -238,7 +226,7 @@ class GPTJFlaxLM(TemplateLM):
     def get_model_info(self) -> dict:
         """Written into the results' ``config``, for telling runs apart."""
         return {"checkpoint": self.checkpoint, "step": self.step, "parameters": self.config.param_count(),
-                "dtype": self.config.dtype, "max_length": self.config.max_len,
+                "dtype": self.config.dtype, "param_dtype": self.param_dtype, "max_length": self.config.max_len,
                 "mesh": partitioning.mesh_shape(self.mesh)}
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from lm_eval.__main__ import cli_evaluate
+
+import gptj_flax.evaluation.harness  # noqa: F401  (registers "gptj_flax")
+
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``lm_eval`` with ``argv`` (default: this process's arguments)."""
-    from lm_eval.__main__ import cli_evaluate
-
-    import gptj_flax.evaluation.harness  # noqa: F401  (registers "gptj_flax")
-
     if argv is None:
         cli_evaluate()
         return

@@ -16,9 +16,9 @@ import jax
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from gptj_flax import checkpoint, data, partitioning
-from gptj_flax.config import DTYPES
+from gptj_flax import data, partitioning
 from gptj_flax.model import GPTJ
+from gptj_flax.sampling import load
 from gptj_flax.training import steps
 
 
@@ -32,6 +32,8 @@ class PerplexityResult:
     step: int
     source: str
     seq_len: int
+    param_dtype: str  # how the parameters were held
+    dtype: str  # the compute dtype
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -50,26 +52,19 @@ def perplexity(path: str | os.PathLike, source, *, mesh: Mesh | str | tuple[int,
       seq_len: tokens per sequence; default the model's context.
       batch_size: sequences per step (global, a multiple of the data-parallel size).
       max_batches: only the first this many batches (default: the whole source).
-      dtype: compute dtype (``float32``, ``bfloat16``, ``float16``); default the checkpoint's config.
-        The parameters stay as stored.
-      tokenizer: for text and TFDS; default the one saved beside the checkpoint.
+      dtype: parameter and compute dtype (any spelling ``dtype_name`` reads); default as
+        :func:`gptj_flax.load` chooses.
+      tokenizer: for text and TFDS; default the one that comes with the model.
     """
-    if mesh is None or not isinstance(mesh, Mesh):
-        mesh = partitioning.make_mesh((1, 1, 1) if mesh is None else mesh)
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    config, params, step = checkpoint.load_params(path, mesh, step=step)
-    model_config = config.model if dtype is None else dataclasses.replace(config.model, dtype=dtype)
+    model = load(path, mesh, dtype, step=step, tokenizer=tokenizer)
+    mesh, model_config, params, tokenizer = model.mesh, model.decoder.config, model.decoder.params, model.tokenizer
     seq_len = seq_len or model_config.max_len
     if seq_len > model_config.max_len:
         raise ValueError(f"seq_len={seq_len} exceeds the model's context of {model_config.max_len} tokens")
-    shape = partitioning.mesh_shape(mesh)
-    data_parallel = shape["data"] * shape["fsdp"]
+    data_parallel = partitioning.data_parallel_size(mesh)
     if batch_size % data_parallel:
         raise ValueError(f"batch_size={batch_size} is not a multiple of the {data_parallel} data-parallel shards "
-                         f"of mesh {shape}")
-    if tokenizer is None:
-        tokenizer = checkpoint.tokenizer_dir(path)
+                         f"of mesh {partitioning.mesh_shape(mesh)}")
 
     sharding = steps.batch_sharding(mesh, accumulated=False)
     share, n_shares = data.process_share(sharding, (batch_size, seq_len + 1), 0)
@@ -81,7 +76,7 @@ def perplexity(path: str | os.PathLike, source, *, mesh: Mesh | str | tuple[int,
 
     loss_sum = tokens = 0.0
     bar = tqdm(batches, desc="perplexity", unit="batch", disable=not progress or jax.process_index() != 0)
-    with partitioning.activate(mesh):
+    with partitioning.sharding_scope(mesh):
         for local in bar:
             result = jax.device_get(eval_step(params, data.to_global_batch(local, sharding)))
             loss_sum += float(result["loss_sum"])
@@ -90,5 +85,5 @@ def perplexity(path: str | os.PathLike, source, *, mesh: Mesh | str | tuple[int,
             bar.set_postfix(loss=f"{running:.4f}", ppl=f"{math.exp(min(running, 50.0)):.3f}")
     loss = loss_sum / max(tokens, 1.0)
     return PerplexityResult(loss=loss, perplexity=math.exp(loss) if loss < 700 else math.inf, tokens=int(tokens),
-                            batches=len(batches), checkpoint=os.fspath(path), step=step, source=str(source),
-                            seq_len=seq_len)
+                            batches=len(batches), checkpoint=os.fspath(path), step=model.step, source=str(source),
+                            seq_len=seq_len, param_dtype=model.param_dtype, dtype=model.compute_dtype)

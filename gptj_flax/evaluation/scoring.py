@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 
 from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig
-from gptj_flax.model import GPTJ
-from gptj_flax.sampling import bucket
+from gptj_flax.model import GPTJ, greedy_matches, token_log_probs
+from gptj_flax.sampling.decoding import bucket
 
 Request = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
 
@@ -54,7 +54,7 @@ class TokenScorer:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         self.config, self.mesh, self.rules = config, mesh, rules
         self.valid_vocab = config.vocab_size if valid_vocab is None else min(valid_vocab, config.vocab_size)
-        data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+        data_parallel = partitioning.data_parallel_size(mesh, rules)
         self.rows = -(-batch_size // data_parallel) * data_parallel
         self.model = GPTJ(config)
         self._table_sharding = partitioning.named_sharding(mesh, ("batch", "length"), rules)
@@ -71,11 +71,9 @@ class TokenScorer:
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         slots = jnp.arange(inputs.shape[1])[None, :]
         real = slots < (lengths - 1)[:, None]
-        logits = self.model.apply({"params": params}, inputs, segment_ids=real.astype(jnp.int32)).astype(jnp.float32)
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
-        target_log_probs = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-        in_vocab = jnp.arange(logits.shape[-1]) < self.valid_vocab
-        greedy = jnp.argmax(jnp.where(in_vocab, logits, -jnp.inf), axis=-1) == targets
+        logits = self.model.apply({"params": params}, inputs, segment_ids=real.astype(jnp.int32))
+        target_log_probs = token_log_probs(logits, targets)
+        greedy = greedy_matches(logits, targets, self.valid_vocab)
         counted = real & (slots >= (lengths - 1 - scored)[:, None])
         # per token, not summed: the host adds them up in float64 (a float32 sum of a long text's
         # log-probabilities would lose the last digits)
@@ -106,7 +104,7 @@ class TokenScorer:
         order = sorted(range(len(sequences)), key=lambda i: -sequences[i].size)
         results: list[tuple[float, bool]] = [(0.0, True)] * len(sequences)
         batches = [order[i:i + self.rows] for i in range(0, len(order), self.rows)]
-        with partitioning.activate(self.mesh, self.rules):
+        with partitioning.sharding_scope(self.mesh, self.rules):
             for batch in tqdm(batches, desc=desc, unit="batch", disable=not progress):
                 width = min(bucket(max(sequences[i].size for i in batch) - 1), max_len) + 1
                 tokens = np.zeros((self.rows, width), np.int32)

@@ -1,21 +1,23 @@
 """Logical axis rules, meshes, sharded initialisation. The only place that names mesh axes."""
 
-from gptj_flax.partitioning.mesh import initialize_distributed, make_mesh, mesh_config, mesh_shape
+from gptj_flax.partitioning.mesh import (
+    ONE_DEVICE, MeshSpec, data_parallel_size, initialize_distributed, make_mesh, mesh_config, mesh_shape,
+)
 from gptj_flax.partitioning.rules import DEFAULT_RULES, LAYOUTS, MESH_AXES, Rules
 from gptj_flax.partitioning.sharding import (
-    abstract_init,
-    activate,
     bytes_per_device,
-    format_bytes,
+    check_divisible,
     logical_to_sharding,
     named_sharding,
+    restore_targets,
     sharded_init,
     sharding_rows,
+    sharding_scope,
     sharding_table,
 )
 
 __all__ = [
-    "DEFAULT_RULES", "LAYOUTS", "MESH_AXES", "Rules", "abstract_init", "activate", "bytes_per_device",
-    "format_bytes", "initialize_distributed", "logical_to_sharding", "make_mesh", "mesh_config",
-    "mesh_shape", "named_sharding", "sharded_init", "sharding_rows", "sharding_table",
+    "DEFAULT_RULES", "LAYOUTS", "MESH_AXES", "MeshSpec", "ONE_DEVICE", "Rules", "bytes_per_device", "check_divisible",
+    "data_parallel_size", "initialize_distributed", "logical_to_sharding", "make_mesh", "mesh_config", "mesh_shape",
+    "named_sharding", "restore_targets", "sharded_init", "sharding_rows", "sharding_scope", "sharding_table",
 ]

@@ -6,17 +6,25 @@ import logging
 import math
 import os
 
+from collections.abc import Sequence
+
+import flax.linen as nn
 import jax
 from jax.sharding import AxisType, Mesh
 
 from gptj_flax.config import ConfigError, MeshConfig
-from gptj_flax.partitioning.rules import LAYOUTS, MESH_AXES
+from gptj_flax.partitioning.rules import DEFAULT_RULES, LAYOUTS, MESH_AXES, Rules
+
+MeshSpec = Mesh | MeshConfig | str | Sequence[int] | None
+ONE_DEVICE = (1, 1, 1)  # the default mesh of sampling, scoring and evaluation
 
 log = logging.getLogger(__name__)
 
 
-def mesh_config(spec: MeshConfig | str | tuple[int, int, int] | None) -> MeshConfig:
-    """Accept a MeshConfig, a layout name from ``LAYOUTS``, ``"d,f,m"`` or a 3-tuple."""
+def mesh_config(spec: MeshConfig | str | Sequence[int] | None) -> MeshConfig:
+    """The one reader of mesh specs: a MeshConfig, a layout name from ``LAYOUTS``, sizes ``"d,f,m"``
+    (or ``"dxfxm"``, for places that split on commas) or a sequence of three sizes; None → the
+    default MeshConfig."""
     if spec is None:
         return MeshConfig()
     if isinstance(spec, MeshConfig):
@@ -24,19 +32,28 @@ def mesh_config(spec: MeshConfig | str | tuple[int, int, int] | None) -> MeshCon
     if isinstance(spec, str):
         if spec in LAYOUTS:
             return MeshConfig(*LAYOUTS[spec])
+        parts = [p.strip() for p in spec.replace("x", ",").split(",")]
+        hint = f"give data,fsdp,model sizes such as 1,-1,8 (-1: the remaining devices) or a layout name: {', '.join(LAYOUTS)}"
+        if len(parts) != len(MESH_AXES):
+            raise ConfigError(f"mesh {spec!r}: expected three sizes; {hint}")
         try:
-            return MeshConfig.parse(spec)
-        except ConfigError as e:
-            raise ConfigError(f"{e}; or use a layout name: {', '.join(LAYOUTS)}") from None
+            return MeshConfig(*(int(p) for p in parts))
+        except ValueError:
+            raise ConfigError(f"mesh {spec!r}: sizes must be integers; {hint}") from None
+    if not isinstance(spec, Sequence) or len(spec) != len(MESH_AXES):
+        raise ConfigError(f"mesh {spec!r}: expected a mesh, a layout name, \"data,fsdp,model\" or three sizes")
     return MeshConfig(*spec)
 
 
-def make_mesh(spec: MeshConfig | str | tuple[int, int, int] | None = None, devices=None) -> Mesh:
-    """A mesh over axes (data, fsdp, model) with Auto axis types (linen's constraints need Auto).
+def make_mesh(spec: MeshSpec = None, devices=None) -> Mesh:
+    """A mesh over axes (data, fsdp, model) with Auto axis types (linen's constraints need Auto);
+    ``spec`` is anything :func:`mesh_config` reads, or a ``Mesh``, returned as it is.
 
     With fewer devices requested than exist (e.g. (2,1,1) on 8), the first ones are used, with a
     warning; a one-device mesh is taken as deliberate (it is the default for sampling).
     """
+    if isinstance(spec, Mesh):
+        return spec
     devices = list(jax.devices() if devices is None else devices)
     config = mesh_config(spec)
     try:
@@ -57,6 +74,13 @@ def make_mesh(spec: MeshConfig | str | tuple[int, int, int] | None = None, devic
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
     return {name: int(mesh.shape[name]) for name in MESH_AXES}
+
+
+def data_parallel_size(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
+    """How many ways the batch is split: the product of the mesh axes the rules map ``batch`` to."""
+    axes = nn.logical_to_mesh_axes(("batch",), rules)[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(int(mesh.shape[a]) for a in axes)
 
 
 def initialize_distributed(

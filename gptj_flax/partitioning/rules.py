@@ -8,7 +8,12 @@ expresses every layout: pure data parallel is mesh (N, 1, 1), FSDP (1, N, 1), te
 
 from __future__ import annotations
 
-MESH_AXES = ("data", "fsdp", "model")
+import dataclasses
+
+from gptj_flax.config import MeshConfig
+
+# The mesh axes are MeshConfig's fields, in order: the config that sizes them also names them.
+MESH_AXES: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(MeshConfig))
 
 # Linen resolves rules in order and takes the first entry whose mesh axes are still free for the
 # tensor at hand, so a fallback is a second entry for the same name.

@@ -1,10 +1,11 @@
-"""From logical names to ``NamedSharding``s: sharded init, activation scope, the sharding table."""
+"""From logical names to ``NamedSharding``s: the sharding scope, restore targets, the divisibility
+check, sharded init and the sharding table."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -12,12 +13,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gptj_flax.partitioning.rules import DEFAULT_RULES, Rules
+from gptj_flax.config import ConfigError
+from gptj_flax.partitioning.rules import DEFAULT_RULES, MESH_AXES, Rules
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, rules: Rules = DEFAULT_RULES):
-    """Scope in which linen's logical constraints resolve against ``mesh`` and ``rules``."""
+def sharding_scope(mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """Enter the scope in which linen's logical constraints resolve against ``mesh`` and ``rules``."""
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         yield
 
@@ -32,9 +34,47 @@ def named_sharding(mesh: Mesh, axes: Sequence[str | None], rules: Rules = DEFAUL
     return NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(axes), rules))
 
 
-def abstract_init(init_fn: Callable, *args) -> Any:
-    """Shapes, dtypes and logical axes of ``init_fn(*args)``'s output, without computing it."""
-    return jax.eval_shape(init_fn, *args)
+def _flat(abstract: Any) -> list[tuple[str, Any, PartitionSpec]]:
+    """(path name, unboxed leaf, logical spec) of every leaf of a boxed abstract tree."""
+    logical = nn.get_partition_spec(abstract)
+    leaves = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(abstract))[0]
+    specs = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return [(_path_name(path), leaf, spec) for (path, leaf), spec in zip(leaves, specs, strict=True)]
+
+
+def check_divisible(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES,
+                    axis_fields: Mapping[str, str] | None = None) -> None:
+    """Refuse a mesh that cannot split ``abstract`` (a boxed tree) as the rules say.
+
+    Every dimension is resolved through the rules to the mesh axes it is split over; their sizes
+    must divide it. The error names the parameter, the logical axis, the config field that sets it
+    (``axis_fields``: logical axis → field name) and the mesh axis.
+    """
+    desc = "(" + ", ".join(f"{a}={mesh.shape[a]}" for a in MESH_AXES) + ")"
+    for name, leaf, spec in _flat(abstract):
+        mesh_spec = nn.logical_to_mesh_axes(tuple(spec), rules)
+        for size, logical, placed in zip(leaf.shape, spec, mesh_spec):
+            if placed is None:
+                continue
+            axes = (placed,) if isinstance(placed, str) else tuple(placed)
+            ways = math.prod(int(mesh.shape[a]) for a in axes)
+            if size % ways:
+                field = (axis_fields or {}).get(logical, f"the {logical!r} dimension")
+                where = "+".join(f"'{a}'" for a in axes)
+                raise ConfigError(
+                    f"{field}={size} is not divisible by the {where} mesh axis of size {ways} in mesh {desc}: "
+                    f"parameter {name} splits its {logical!r} axis over it. Pick a {where} size that divides "
+                    f"{size}" + (" or pad the vocabulary to a multiple of it" if logical == "vocab" else ""))
+
+
+def restore_targets(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, dtype: Any = None) -> tuple[Any, Any]:
+    """``(targets, shardings)`` for a boxed abstract tree on ``mesh``: every leaf a
+    ``jax.ShapeDtypeStruct`` carrying its ``NamedSharding`` (in ``dtype``, default the leaf's own),
+    what Orbax restores into and what ``jit`` lowers against."""
+    shardings = logical_to_sharding(nn.get_partition_spec(abstract), mesh, rules)
+    targets = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s),
+                           nn.meta.unbox(abstract), shardings)
+    return targets, shardings
 
 
 def sharded_init(init_fn: Callable, mesh: Mesh, *args, rules: Rules = DEFAULT_RULES):
@@ -46,13 +86,13 @@ def sharded_init(init_fn: Callable, mesh: Mesh, *args, rules: Rules = DEFAULT_RU
 
     Returns ``(variables, shardings)`` with ``variables`` unboxed (plain ``jax.Array`` leaves).
     """
-    abstract = abstract_init(init_fn, *args)
+    abstract = jax.eval_shape(init_fn, *args)
     shardings = logical_to_sharding(nn.get_partition_spec(abstract), mesh, rules)
 
     def init_unboxed(*a):
         return nn.meta.unbox(init_fn(*a))
 
-    with activate(mesh, rules):
+    with sharding_scope(mesh, rules):
         variables = jax.jit(init_unboxed, out_shardings=shardings)(*args)
     return variables, shardings
 
@@ -63,17 +103,14 @@ def _path_name(path) -> str:
 
 def sharding_rows(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> list[dict]:
     """One row per parameter: logical axes, mesh axes, global and per-device shape, bytes."""
-    logical = nn.get_partition_spec(abstract)
-    shardings = logical_to_sharding(logical, mesh, rules)
-    leaves = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(abstract))[0]
-    spec_leaves = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    shardings = logical_to_sharding(nn.get_partition_spec(abstract), mesh, rules)
     sharding_leaves = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
     rows = []
-    for (path, leaf), spec, sharding in zip(leaves, spec_leaves, sharding_leaves, strict=True):
+    for (name, leaf, spec), sharding in zip(_flat(abstract), sharding_leaves, strict=True):
         local = sharding.shard_shape(leaf.shape)
         itemsize = np.dtype(leaf.dtype).itemsize
         rows.append({
-            "name": _path_name(path),
+            "name": name,
             "logical": tuple(spec),
             "mesh": tuple(sharding.spec),
             "shape": tuple(leaf.shape),
@@ -93,7 +130,7 @@ def _axes(t) -> str:
     return "(" + ", ".join("-" if a is None else "+".join(a) if isinstance(a, tuple) else str(a) for a in t) + ")"
 
 
-def format_bytes(n: float) -> str:
+def _format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -107,7 +144,7 @@ def sharding_table(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> s
     header = ("parameter", "logical axes", "mesh axes", "global shape", "per-device shape", "per-device")
     body = [
         (r["name"], _axes(r["logical"]), _axes(r["mesh"]), str(r["shape"]), str(r["local_shape"]),
-         format_bytes(r["local_bytes"]))
+         _format_bytes(r["local_bytes"]))
         for r in rows
     ]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
@@ -121,6 +158,6 @@ def sharding_table(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> s
         line(["-" * w for w in widths]),
         *map(line, body),
         "",
-        f"{n_params:,} parameters, {format_bytes(total)} in all; {format_bytes(local)} per device "
+        f"{n_params:,} parameters, {_format_bytes(total)} in all; {_format_bytes(local)} per device "
         f"on mesh ({mesh_desc})",
     ])

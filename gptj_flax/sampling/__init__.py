@@ -1,11 +1,8 @@
-"""Sampling: samplers, the KV-cache generation loop, stop handling, and ``load`` → generate/stream/score."""
+"""Sampling: ``load`` a model, then generate, stream and score with a :class:`LanguageModel`."""
 
-from gptj_flax.sampling.api import Completion, LanguageModel, Scored, load
-from gptj_flax.sampling.decoding import Decoder, DecodeRun, DecodeState, Progress, bucket
-from gptj_flax.sampling.samplers import SamplingError, SamplingParams, next_tokens, warp
-from gptj_flax.sampling.stopping import TextTracker
+from gptj_flax.sampling.api import Completion, LanguageModel, Scored, TextStream
+from gptj_flax.sampling.decoding import Decoder
+from gptj_flax.sampling.loading import load
+from gptj_flax.sampling.samplers import SamplingError, SamplingParams
 
-__all__ = [
-    "Completion", "DecodeRun", "DecodeState", "Decoder", "LanguageModel", "Progress", "SamplingError",
-    "SamplingParams", "Scored", "TextTracker", "bucket", "load", "next_tokens", "warp",
-]
+__all__ = ["Completion", "Decoder", "LanguageModel", "SamplingError", "SamplingParams", "Scored", "TextStream", "load"]

@@ -1,4 +1,4 @@
-"""The notebook- and server-facing API: ``load`` a checkpoint, then ``generate``, ``stream``, ``score``.
+"""The notebook- and server-facing API: a :class:`LanguageModel` to ``generate``, ``stream`` and ``score``.
 
     lm = gptj_flax.load("runs/demo")
     lm.generate("def fib(n):", max_new_tokens=64, temperature=0)            # one Completion
@@ -15,17 +15,16 @@ can put requests with different settings in one batch.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from gptj_flax import checkpoint, partitioning
-from gptj_flax.config import DTYPES, ModelConfig
-from gptj_flax.data.tokenizer import load_tokenizer
-from gptj_flax.sampling.decoding import EOS, FINISH_REASONS, RUNNING, DecodeRun, Decoder
+from gptj_flax import partitioning
+from gptj_flax.config import ModelConfig, dtype_name
+from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING, DecodeRun, Decoder
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, per_example
 from gptj_flax.sampling.stopping import TextTracker, decode
 
@@ -103,7 +102,7 @@ def _stop_lists(stop, n: int) -> list[list[str]]:
     return [one(s, f"stop[{i}]") for i, s in enumerate(stop)]
 
 
-class _Batch:
+class _Generation:
     """A batch being generated: the device run plus each row's text."""
 
     def __init__(self, run: DecodeRun, trackers: list[TextTracker] | None, prompt_lengths: list[int],
@@ -149,7 +148,7 @@ class _Batch:
             if tracker is not None and tracker.stopped:
                 n, reason = tracker.num_tokens, "stop"
             else:
-                n, reason = int(p.num_generated[row]), FINISH_REASONS[int(p.finish[row])]
+                n, reason = int(p.num_generated[row]), FINISH_REASON_OF_CODE[int(p.finish[row])]
             tokens = p.tokens[row, :n]
             out.append(Completion(
                 text=None if tracker is None else tracker.text,
@@ -167,11 +166,11 @@ class TextStream(Iterator):
     ``completions`` — a :class:`Completion` per prompt, ``None`` until the last piece is taken (or
     for good, if the stream is closed early)."""
 
-    def __init__(self, job: _Batch, single: bool):
+    def __init__(self, job: _Generation, single: bool):
         self.completions: list[Completion] | None = None
         self._pieces = self._run(job, single)
 
-    def _run(self, job: _Batch, single: bool) -> Iterator:
+    def _run(self, job: _Generation, single: bool) -> Iterator:
         new = job.pieces()
         while True:
             if single and new[0]:
@@ -199,7 +198,8 @@ class LanguageModel:
 
     Attributes: ``config``, ``tokenizer``, ``mesh``, ``step``, ``decoder`` (the compiled programs and
     the sharded parameters), ``eos_token_id`` (the id that ends a sequence: the tokenizer's EOS,
-    ``None`` for none; generation reads it at every call).
+    ``None`` for none; generation reads it at every call), ``param_dtype`` (how the parameters are
+    held) and ``compute_dtype`` (what the matmuls run in).
     """
 
     def __init__(self, config: ModelConfig, params: Any, tokenizer=None, mesh: Mesh | None = None,
@@ -214,16 +214,25 @@ class LanguageModel:
           step: the checkpoint step the parameters come from, for display.
         """
         self.config, self.tokenizer, self.step = config, tokenizer, step
-        self.mesh = mesh if mesh is not None else partitioning.make_mesh((1, 1, 1))
+        self.mesh = partitioning.make_mesh(partitioning.ONE_DEVICE if mesh is None else mesh)
         valid_vocab = None if tokenizer is None else len(tokenizer)
         self.decoder = Decoder(config, params, self.mesh, valid_vocab=valid_vocab)
         self.eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
 
+    @property
+    def param_dtype(self) -> str:
+        """The dtype the parameters are held in on the devices."""
+        return dtype_name(jax.tree.leaves(self.decoder.params)[0].dtype)
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.config.dtype
+
     def __repr__(self) -> str:
         c = self.config
         return (f"LanguageModel({c.param_count():,} parameters: {c.n_layers} layers, d_model {c.d_model}, "
-                f"{c.n_heads} heads, vocab {c.vocab_size}, context {c.max_len}; step {self.step}; "
-                f"mesh {dict(self.mesh.shape)})")
+                f"{c.n_heads} heads, vocab {c.vocab_size}, context {c.max_len}; parameters {self.param_dtype}, "
+                f"compute {self.compute_dtype}; step {self.step}; mesh {dict(self.mesh.shape)})")
 
     # -- text <-> tokens -------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -240,7 +249,7 @@ class LanguageModel:
 
     # -- generation ------------------------------------------------------------------------
     def _start(self, prompts, max_new_tokens, temperature, top_k, top_p, typical_p, min_p, repetition_penalty,
-               stop, seed, ignore_eos, original_order) -> tuple[_Batch, bool]:
+               stop, seed, ignore_eos, original_order) -> tuple[_Generation, bool]:
         batch, single = _as_batch(prompts)
         n = len(batch)
         max_new = per_example("max_new_tokens", max_new_tokens, n, int, lambda x: x >= 1, "an integer >= 1")
@@ -259,7 +268,7 @@ class LanguageModel:
                                  eos_id=eos_ids, original_order=bool(original_order))
         trackers = None if self.tokenizer is None else [TextTracker(self.tokenizer, s) for s in stops]
         check_steps = STOP_CHECK_STEPS if any(stops) else run.capacity
-        return _Batch(run, trackers, [len(p) for p in token_prompts], check_steps), single
+        return _Generation(run, trackers, [len(p) for p in token_prompts], check_steps), single
 
     def generate(self, prompts, max_new_tokens=128, *, temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0,
                  min_p=0.0, repetition_penalty=1.0, stop=None, seed=0, ignore_eos=False, original_order=False,
@@ -319,37 +328,3 @@ class LanguageModel:
         sequences = [self.encode(x) for x in batch]
         out = [Scored(tokens=seq, logprobs=lp) for seq, lp in zip(sequences, self.decoder.score(sequences))]
         return out[0] if single else out
-
-
-def _dtype_name(dtype) -> str:
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    if name not in DTYPES:
-        raise SamplingError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    return name
-
-
-def load(path: str | os.PathLike, mesh: Mesh | str | tuple[int, int, int] | None = None, dtype=None, *,
-         step: int | None = None, tokenizer=None) -> LanguageModel:
-    """Load the Orbax checkpoint at ``path`` with its config and tokenizer, ready to sample.
-
-    Args:
-      path: a run directory (its latest step is loaded) or one step's directory.
-      mesh: a ``Mesh``, a layout name (``"tp"``, …), ``"data,fsdp,model"`` sizes or a 3-tuple;
-        default one device.
-      dtype: parameter and compute dtype (``"bfloat16"``, ``"float32"``, ``"float16"`` or a numpy
-        dtype); default the checkpoint's parameters with the config's compute dtype.
-      step: load this step instead of the latest.
-      tokenizer: a tokenizer object or directory overriding the one saved beside the checkpoint.
-    """
-    if mesh is None or not isinstance(mesh, Mesh):
-        mesh = partitioning.make_mesh((1, 1, 1) if mesh is None else mesh)
-    name = None if dtype is None else _dtype_name(dtype)
-    config, params, step = checkpoint.load_params(path, mesh, step=step, dtype=None if name is None else DTYPES[name])
-    model_config = config.model if name is None else dataclasses.replace(config.model, dtype=name, param_dtype=name)
-    if tokenizer is None:
-        directory = checkpoint.tokenizer_dir(path)
-        tokenizer = None if directory is None else load_tokenizer(directory)
-    elif isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_tokenizer(tokenizer)
-    return LanguageModel(model_config, params, tokenizer=tokenizer, mesh=mesh, step=step)
-

@@ -1,19 +1,10 @@
 """The compiled generation loop: one prefill of the prompts, then a decode loop on the device.
 
-Shapes are bucketed so that compiled programs are reused:
-
-* prompts are left-padded to a power-of-two length ``P`` (at least 16), so every row's newest
-  token sits in the same cache slot; positions count from each row's first real token;
-* the generated-token buffer has a power-of-two length ``N`` ≥ the largest ``max_new_tokens``;
-  the cache holds ``P + N`` slots;
-* the batch is padded to a power of two (and a multiple of the data-parallel mesh size) with
-  rows that are finished from the start.
-
-``max_new_tokens``, the settings, the seeds and the number of steps to run are traced values, so
-changing them (or the prompt length within its bucket) never recompiles. The decode loop is a
-``lax.while_loop`` that ends when every row has finished (EOS or its ``max_new_tokens``) or the
-host's step budget for this call is spent; the host calls it again to check stop strings or to
-stream text between calls, the cache staying on the device (donated, updated in place).
+Prompt length, generation length and batch are padded to powers of two (see
+:meth:`Decoder.start`), and every setting is a traced value, so compiled programs are reused. The
+decode loop runs on the device until every row has finished or the host's step budget for the
+call is spent; between calls the host checks stop strings or streams text, while the cache stays
+on the device, updated in place.
 """
 
 from __future__ import annotations
@@ -23,23 +14,22 @@ from collections.abc import Sequence
 from typing import Any
 
 import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from gptj_flax import partitioning
+from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import ModelConfig
-from gptj_flax.model import GPTJ, KVCache, unstack_layers
+from gptj_flax.model import GPTJ, KVCache, token_log_probs, unstack_layers
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, next_tokens
 
 Array = jax.Array
 
 # finish codes, one per row
 RUNNING, EOS, LENGTH, STOPPED = 0, 1, 2, 3
-FINISH_REASONS = {EOS: "eos", LENGTH: "length", STOPPED: "stop"}
+FINISH_REASON_OF_CODE = {EOS: "eos", LENGTH: "length", STOPPED: "stop"}
 
 MIN_BUCKET = 16
 
@@ -93,8 +83,8 @@ class Decoder:
 
     It always runs the unrolled layer stack, converting scanned parameters once: every layer's
     weights and cache are then buffers of their own that each decode step reads in place, where a
-    scanned stack slices (on the CPU: copies) every layer's weights out of the stacked arrays at
-    every step — about 30% of a decode step's time at batch 1.
+    scanned stack would slice (on the CPU: copy) every layer's weights out of the stacked arrays
+    at every step.
     """
 
     def __init__(self, config: ModelConfig, params: Any, mesh: Mesh, *, valid_vocab: int | None = None,
@@ -106,7 +96,6 @@ class Decoder:
           valid_vocab: ids at or above it are never generated (the tokenizer's size when the
             embedding is padded); default: the whole vocabulary.
         """
-        config.validate_for_mesh(partitioning.mesh_shape(mesh))
         if config.scan_layers:
             params = unstack_layers(params)
         # remat only matters for gradients; generation never takes any
@@ -114,10 +103,9 @@ class Decoder:
         self.config, self.mesh, self.rules = config, mesh, rules
         self.valid_vocab = config.vocab_size if valid_vocab is None else min(valid_vocab, config.vocab_size)
         self.model = GPTJ(config)
-        abstract = partitioning.abstract_init(self.model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-        param_shardings = partitioning.logical_to_sharding(nn.get_partition_spec(abstract), mesh, rules)["params"]
+        _, param_shardings = checkpoint.param_targets(config, mesh, rules)
         self.params = jax.device_put(params, param_shardings)
-        self.batch_multiple = mesh.shape["data"] * mesh.shape["fsdp"]
+        self.batch_multiple = partitioning.data_parallel_size(mesh, rules)
 
         def sharding(*axes):
             return partitioning.named_sharding(mesh, axes, rules)
@@ -139,8 +127,7 @@ class Decoder:
         """Choose every running row's next token from ``logits`` [B, V], record it, update finish."""
         keys = jax.vmap(lambda seed: jax.random.fold_in(jax.random.key(seed), state.step))(state.seeds)
         token = next_tokens(logits, state.sampling, state.seen, keys, self.valid_vocab, original_order)
-        logprob = (jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
-                   - jax.nn.logsumexp(logits, axis=-1))
+        logprob = token_log_probs(logits, token)
         running = state.finish == RUNNING
         token = jnp.where(running, token, 0)
         num_generated = state.num_generated + running
@@ -166,7 +153,7 @@ class Decoder:
         positions = jnp.maximum(slots - padding, 0)
         cache = KVCache.empty(self.config, batch, prompt_len + new_tokens)
         logits, cache = self.model.apply({"params": params}, prompt_tokens, positions, segment_ids, cache,
-                                         last_logits_only=True)
+                                         last_logits_only=True, method=GPTJ.decode)
         rows = jnp.arange(batch)[:, None]
         seen = jnp.zeros((batch, self.config.vocab_size), bool).at[rows, prompt_tokens].max(segment_ids > 0)
         state = DecodeState(
@@ -192,15 +179,14 @@ class Decoder:
             fed = lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
             positions = (s.prompt_lengths + s.step - 1)[:, None]
             logits, cache = self.model.apply({"params": params}, fed, positions, jnp.ones_like(fed), s.cache,
-                                             last_logits_only=True)
+                                             last_logits_only=True, method=GPTJ.decode)
             return self._emit(s.replace(cache=cache), logits[:, -1], original_order)
 
         return lax.while_loop(unfinished, step, state)
 
     def _score_fn(self, params, tokens, segment_ids) -> Array:
         logits = self.model.apply({"params": params}, tokens, segment_ids=segment_ids)
-        log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-        return jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
+        return token_log_probs(logits[:, :-1], tokens[:, 1:])
 
     # -- host side ---------------------------------------------------------------------------
     def padded_batch(self, n: int) -> int:
@@ -226,6 +212,12 @@ class Decoder:
               seeds: np.ndarray, eos_id: np.ndarray, original_order: bool = False) -> "DecodeRun":
         """Prefill ``prompts`` (token ids) and choose each row's first token.
 
+        Prompts are left-padded to a power-of-two length ``P`` (at least 16), so every row's newest
+        token sits in the same cache slot, with positions counted from each row's first real token;
+        the generated tokens get a power-of-two buffer ``N`` ≥ the largest ``max_new_tokens``, the
+        cache ``P + N`` slots; the batch is padded to a power of two (and a multiple of the
+        data-parallel size) with rows finished from the start.
+
         ``max_new_tokens``, ``seeds``, ``eos_id`` and ``sampling`` hold one value per prompt
         (``eos_id`` -1: never stop at EOS). Returns the run, to be advanced with ``DecodeRun.advance``.
         """
@@ -245,7 +237,7 @@ class Decoder:
             out[:n] = values
             return out
 
-        with partitioning.activate(self.mesh, self.rules):
+        with partitioning.sharding_scope(self.mesh, self.rules):
             state = self._prefill(self.params, tokens, lengths, pad(max_new_tokens, np.int32),
                                   pad(eos_id, np.int32), pad(seeds, np.uint32), sampling.pad_to(batch),
                                   new_tokens, original_order)
@@ -270,7 +262,7 @@ class Decoder:
         for row, seq in enumerate(sequences):  # right-padded: causal attention never sees the padding
             tokens[row, :len(seq)] = seq
             segments[row, :len(seq)] = 1
-        with partitioning.activate(self.mesh, self.rules):
+        with partitioning.sharding_scope(self.mesh, self.rules):
             out = np.asarray(self._score(self.params, tokens, segments))
         return [out[row, :len(seq) - 1] for row, seq in enumerate(sequences)]
 
@@ -301,7 +293,7 @@ class DecodeRun:
         stopped = np.zeros(self._state.finish.shape[0], bool)
         stopped[list(stop_rows)] = True
         stop_at = min(int(self._step) + steps, self.capacity)
-        with partitioning.activate(self._decoder.mesh, self._decoder.rules):
+        with partitioning.sharding_scope(self._decoder.mesh, self._decoder.rules):
             self._state = self._decoder._decode(self._decoder.params, self._state, np.int32(stop_at), stopped,
                                                 self._original_order)
         self.progress = self._fetch()

@@ -29,6 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from gptj_flax.errors import GptjFlaxError
+from gptj_flax.model import first_argmax, mask_vocab
 
 Array = jax.Array
 
@@ -115,11 +116,6 @@ def _shown(x) -> str:
 # Filters: logits [B, V] and one setting per row [B] → logits with removed tokens at -inf
 
 
-def mask_vocab(logits: Array, valid_vocab: int) -> Array:
-    """Remove the ids ≥ ``valid_vocab``: rows of the padded vocabulary no tokenizer produces."""
-    return jnp.where(jnp.arange(logits.shape[-1]) < valid_vocab, logits, -jnp.inf)
-
-
 def repetition_penalty(logits: Array, seen: Array, penalty: Array) -> Array:
     """HuggingFace's penalty on every token in ``seen`` [B, V] (prompt and output so far):
     a positive logit is divided by the penalty, a negative one multiplied."""
@@ -176,17 +172,6 @@ def typical_filter(logits: Array, mass: Array) -> Array:
     threshold = jnp.take_along_axis(sorted_distance, last[:, None], axis=-1)
     keep = (distance <= threshold) | (mass >= 1.0)[:, None]
     return jnp.where(keep, logits, -jnp.inf)
-
-
-def first_argmax(logits: Array) -> Array:
-    """Each row's first index of its largest value, int32 [B] — ``jnp.argmax`` (NaN aside: a row
-    without a comparable maximum gives 0), as two plain reductions: XLA's CPU backend runs the
-    single (value, index) reduction that ``argmax`` lowers to several times slower, which showed
-    at ~2% of a batch-16 decode step."""
-    vocab = logits.shape[-1]
-    is_max = logits == jnp.max(logits, axis=-1, keepdims=True)
-    first = jnp.min(jnp.where(is_max, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
-    return jnp.where(first < vocab, first, 0)
 
 
 def _when_used(used: Array, fn, logits: Array, setting: Array) -> Array:

@@ -27,14 +27,14 @@ from gptj_flax.serving.auth import KeyStore, KeysUnavailable, bearer_token, key_
 from gptj_flax.serving.metrics import Metrics
 from gptj_flax.serving.request_log import RequestLog
 from gptj_flax.serving.settings import ServeSettings, ServingError
-from gptj_flax.serving.worker import READY, WARMING_UP, BatchWorker, Job, NotAccepting, QueueFull, Row, StreamEnd
+from gptj_flax.serving.worker import READY, WARMING_UP, BatchWorker, Job, NotAccepting, QueueFull, Prompt, StreamEnd
 
 logger = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/complete", "/v1/completions")
 OPEN_WHILE_DRAINING = ("/health", "/metrics")
 KNOWN_PATHS = (*GENERATION_PATHS, "/v1/models", *OPEN_WHILE_DRAINING, "/openapi.json", "/docs")
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+OPENAI_FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}
 # The samplers take top_p / typical_p in (0, 1]; the API's 0 means "keep as few tokens as the filter
 # can" (one, and any tied with it), which the smallest positive float32 gives.
 FEWEST_TOKENS = float(np.finfo(np.float32).tiny)
@@ -290,7 +290,7 @@ def create_app(model, settings: ServeSettings, keys: KeyStore | None = None,
                                      f"prompt token exceeds the model's context of {service.context} tokens")
         room = service.context - body.length - len(pre)
         tokens = pre + prompt[max(0, len(prompt) - room):] or [service.start_token]
-        row = Row(tokens, body.length, min(body.temperature, HOTTEST), _fewest(body.top_p), _fewest(body.typical_p),
+        row = Prompt(tokens, body.length, min(body.temperature, HOTTEST), _fewest(body.top_p), _fewest(body.typical_p),
                   _seed(body.seed))
         (completion,) = await service.run(request, Job([row]))
         service.log(key=key, endpoint="/complete", prompt=body.prompt, pre_prompt=body.pre_prompt,
@@ -320,7 +320,7 @@ def create_app(model, settings: ServeSettings, keys: KeyStore | None = None,
             if len(tokens) + body.max_tokens > service.context:
                 raise HTTPException(413, f"prompt {i} has {len(tokens)} tokens; with max_tokens={body.max_tokens} "
                                          f"that exceeds the model's context of {service.context} tokens")
-            rows.append(Row(tokens, body.max_tokens, body.temperature, _fewest(body.top_p), 1.0,
+            rows.append(Prompt(tokens, body.max_tokens, body.temperature, _fewest(body.top_p), 1.0,
                             _seed(body.seed, i), stop))
         settings_logged = dict(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                stop=list(stop), seed=body.seed, stream=body.stream)
@@ -339,7 +339,7 @@ def create_app(model, settings: ServeSettings, keys: KeyStore | None = None,
 
         job = Job(rows, logprobs=body.logprobs is not None)
         results = await service.run(request, job)
-        choices = [schemas.Choice(text=c.text, index=i, finish_reason=FINISH_REASONS[c.finish_reason],
+        choices = [schemas.Choice(text=c.text, index=i, finish_reason=OPENAI_FINISH_REASON[c.finish_reason],
                                   logprobs=_logprobs(service.model, c, len(texts[i])) if job.logprobs else None)
                    for i, c in enumerate(results)]
         prompt_tokens = sum(c.prompt_tokens for c in results)
@@ -393,7 +393,7 @@ async def _events(job: Job, completion_id: str, created: int, model_name: str, l
         if reason is not None:
             yield _sse({"id": completion_id, "object": "text_completion", "created": created, "model": model_name,
                         "choices": [{"text": "", "index": index, "logprobs": None,
-                                     "finish_reason": FINISH_REASONS[reason]}]})
+                                     "finish_reason": OPENAI_FINISH_REASON[reason]}]})
     log(texts)
     yield _sse("[DONE]")
 

@@ -10,7 +10,8 @@ import socket
 
 import uvicorn
 
-from gptj_flax.convert.hf_load import HF_PREFIX
+from gptj_flax.convert.hf import HF_PREFIX
+from gptj_flax.sampling import load
 from gptj_flax.serving.app import Service, create_app, open_keys, open_request_log
 from gptj_flax.serving.settings import ServeSettings, ServingError
 from gptj_flax.serving.worker import FAILED
@@ -87,7 +88,6 @@ def serve(settings: ServeSettings) -> int:
     """
     # force: importing JAX's checkpointing stack may already have configured the root logger
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, force=True)
-    from gptj_flax import load  # Orbax checkpoints and HuggingFace directories (hf:DIR) alike
 
     check_checkpoint(settings.checkpoint)
     keys = open_keys(settings)
@@ -98,7 +98,7 @@ def serve(settings: ServeSettings) -> int:
         if request_log is not None:
             cleanup.callback(request_log.close)
         model = load(settings.checkpoint, mesh=settings.mesh, dtype=settings.dtype)
-        logger.info("loaded %s", model)
+        logger.info("loaded %s", model)  # its repr states the parameter and compute dtypes
         app = create_app(model, settings, keys=keys, request_log=request_log)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
         DrainingServer(config, app.state.service).run(sockets=[sock])

@@ -18,8 +18,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gptj_flax.config import DTYPES
-from gptj_flax.convert.hf_load import HF_PREFIX
+from gptj_flax.config import ConfigError, dtype_name
+from gptj_flax.convert.hf import HF_PREFIX
 from gptj_flax.errors import GptjFlaxError
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ class ServeSettings:
     host: str = _setting("127.0.0.1", str, "address to listen on")
     port: int = _setting(8080, int, "TCP port to listen on")
     mesh: str | None = _setting(None, str, "data,fsdp,model sizes or a layout name (default: one device)")
-    dtype: str | None = _setting(None, str, "parameter and compute dtype (default: as stored)", tuple(DTYPES))
+    dtype: str | None = _setting(None, str, "parameter and compute dtype: float32/fp32, bfloat16/bf16 or float16/fp16 "
+                                 "(default: as stored, see gptj_flax.load)")
     api_keys_file: str | None = _setting(
         None, str, "file of valid API keys: the first whitespace-separated token of each line, at least 16 "
         "characters; blank lines and lines starting with # are skipped; re-read when it changes (default: no "
@@ -95,7 +96,11 @@ class ServeSettings:
               "a finite number >= 0")
         check(self.warmup_tokens >= 1, "warmup_tokens", ">= 1")
         check(self.pre_prompt_length >= 0, "pre_prompt_length", ">= 0")
-        check(self.dtype is None or self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}")
+        if self.dtype is not None:
+            try:
+                object.__setattr__(self, "dtype", dtype_name(self.dtype))
+            except ConfigError:
+                check(False, "dtype", "float32 (fp32), bfloat16 (bf16) or float16 (fp16)")
         check(self.log_format in LOG_FORMATS, "log_format", f"one of {list(LOG_FORMATS)}")
         check(self.log_max_bytes >= 0, "log_max_bytes", ">= 0")
         check(self.log_backups >= 0, "log_backups", ">= 0")

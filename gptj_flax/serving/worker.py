@@ -43,7 +43,7 @@ class NotAccepting(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
-class Row:
+class Prompt:
     """One prompt (token ids) and its generation settings: one row of a batch."""
 
     tokens: list[int]
@@ -71,7 +71,7 @@ class Job:
     new text per row each time some row's text grows, then a :class:`StreamEnd`.
     """
 
-    def __init__(self, rows: Sequence[Row], *, stream: bool = False, logprobs: bool = False):
+    def __init__(self, rows: Sequence[Prompt], *, stream: bool = False, logprobs: bool = False):
         self.rows = list(rows)
         self.stream, self.logprobs = stream, logprobs
         self.loop = asyncio.get_running_loop()
@@ -252,12 +252,12 @@ class BatchWorker:
             self.metrics.tokens_per_second.set(tokens / max(seconds, 1e-9))
 
     @staticmethod
-    def _settings(rows: list[Row]) -> dict:
+    def _settings(rows: list[Prompt]) -> dict:
         return dict(max_new_tokens=[r.max_new_tokens for r in rows], temperature=[r.temperature for r in rows],
                     top_p=[r.top_p for r in rows], typical_p=[r.typical_p for r in rows],
                     seed=[r.seed for r in rows], stop=[list(r.stop) for r in rows])
 
-    def _generate(self, jobs: list[Job], rows: list[Row]) -> int:
+    def _generate(self, jobs: list[Job], rows: list[Prompt]) -> int:
         completions = self.model.generate([r.tokens for r in rows], return_tokens=True,
                                           return_logprobs=any(job.logprobs for job in jobs), **self._settings(rows))
         offset = 0
@@ -266,7 +266,7 @@ class BatchWorker:
             offset += len(job.rows)
         return sum(c.completion_tokens for c in completions)
 
-    def _stream(self, jobs: list[Job], rows: list[Row]) -> None:
+    def _stream(self, jobs: list[Job], rows: list[Prompt]) -> None:
         pieces_iter = self.model.stream([r.tokens for r in rows], **self._settings(rows))
         try:
             for pieces in pieces_iter:

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
-from gptj_flax import partitioning
+from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import Config
-from gptj_flax.errors import GptjFlaxError
 from gptj_flax.data import Batch
+from gptj_flax.errors import GptjFlaxError
 from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
 
@@ -92,24 +90,20 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
     devices = topology_devices(topology)
     mesh = partitioning.make_mesh(mesh_spec or config.mesh, devices=devices)
     shape = partitioning.mesh_shape(mesh)
-    config.model.validate_for_mesh(shape)
+    checkpoint.check_mesh(config.model, mesh)
     tc = config.train
     seq_len = tc.seq_len or config.model.max_len
-    batch = tc.global_batch_size(shape["data"] * shape["fsdp"])
+    batch = tc.global_batch_size(partitioning.data_parallel_size(mesh))
 
     model = GPTJ(config.model)
     tx = optimizer.make_optimizer(tc)
-    shardings = steps.state_shardings(model, tx, mesh)
-    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            nn.meta.unbox(steps.abstract_state(model, tx)), shardings)
+    abstract, shardings = steps.state_targets(model, tx, mesh)
     data_sharding = steps.batch_sharding(mesh, accumulated=True)
 
     tokens = jax.ShapeDtypeStruct((tc.grad_accum_steps, batch, seq_len + 1), jnp.int32, sharding=data_sharding)
     mask = jax.ShapeDtypeStruct((tc.grad_accum_steps, batch, seq_len), jnp.float32, sharding=data_sharding)
     abstract_batch = Batch(tokens, tokens, mask)
-    step = jax.jit(steps.make_train_step(model, tx, optimizer.schedule(tc), tc.z_loss),
-                   in_shardings=(shardings, data_sharding),
-                   out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
+    step = steps.compile_train_step(model, tx, mesh, shardings, optimizer.schedule(tc), tc.z_loss, accumulated=True)
     kind = devices[0].device_kind
     n_tokens = tc.grad_accum_steps * batch * seq_len
     report = AotReport(
@@ -119,7 +113,7 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
         compiled_flops=0.0, scanned=config.model.scan_layers, model_flops=config.model.flops_per_token(seq_len) * n_tokens / len(devices),
     )
     try:
-        with partitioning.activate(mesh):
+        with partitioning.sharding_scope(mesh):
             compiled = step.lower(abstract, abstract_batch).compile()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):

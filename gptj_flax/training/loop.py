@@ -1,4 +1,5 @@
-"""The training loop: resume or initialise, step, validate, checkpoint, survive preemption.
+"""The training loop: resume or initialise, then step, with validation, the harness, checkpoints and
+metrics as small periodic actions.
 
 Every process of a multi-host run executes this same function; each reads only its own share of
 every batch and the shares are assembled into global arrays. Metrics are fetched one step late so
@@ -24,7 +25,8 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from gptj_flax import checkpoint, data, partitioning
+from gptj_flax import checkpoint, convert, data, partitioning
+from gptj_flax import model as model_lib
 from gptj_flax.config import Config, ConfigError
 from gptj_flax.errors import GptjFlaxError
 from gptj_flax.model import GPTJ
@@ -83,17 +85,15 @@ class _StopRequests:
             signal.signal(signum, previous)
 
 
-def _restore_or_init(config: Config, model: GPTJ, tx, mesh: Mesh, ckpt: checkpoint.Checkpointer,
-                     init_from: str | None, fresh_opt: bool,
-                     resume_step: int | None = None) -> tuple[steps.TrainState, dict]:
+def _restore_or_init(config: Config, model: GPTJ, tx, mesh: Mesh, targets: steps.TrainState,
+                     shardings: steps.TrainState, ckpt: checkpoint.Checkpointer, init_from: str | None,
+                     fresh_opt: bool, resume_step: int | None = None) -> tuple[steps.TrainState, dict]:
     """Resume from the run directory's latest checkpoint (or ``resume_step``), else start from
     ``init_from``, else fresh.
 
     Resuming from an earlier step sets the later ones aside (``RUN_DIR/abandoned/``), so the run
     continues from it and a later start resumes where this one got to.
     """
-    shardings = steps.state_shardings(model, tx, mesh)
-    abstract = _abstract_targets(model, tx, shardings)
     latest = ckpt.latest_step()
     if latest is not None:
         if init_from is not None:
@@ -102,7 +102,7 @@ def _restore_or_init(config: Config, model: GPTJ, tx, mesh: Mesh, ckpt: checkpoi
                         init_from)
         step = latest if resume_step is None else ckpt.resolve_step(resume_step)
         try:
-            restored = ckpt.restore(step, params_target=abstract.params, opt_state_target=abstract.opt_state)
+            restored = ckpt.restore(step, params_target=targets.params, opt_state_target=targets.opt_state)
         except checkpoint.CheckpointCorrupted as e:
             if e.previous_step is None:
                 raise
@@ -123,22 +123,14 @@ def _restore_or_init(config: Config, model: GPTJ, tx, mesh: Mesh, ckpt: checkpoi
     if init_from is None:
         return steps.create_state(model, tx, mesh, jax.random.key(config.train.seed)), {}
 
-    from gptj_flax import convert
-
     params = convert.load_init_params(init_from, config, mesh)
     state = steps.create_state(model, tx, mesh, jax.random.key(config.train.seed), params=params)
     if not fresh_opt:
-        opt_state = convert.load_init_opt_state(init_from, config, mesh, abstract.opt_state)
+        opt_state = convert.load_init_opt_state(init_from, config, mesh, targets.opt_state)
         if opt_state is not None:
             state = state.replace(opt_state=optimizer.restart_schedule(opt_state))
     log.info("initialised from %s (%s optimiser state)", init_from, "fresh" if fresh_opt else "carried")
     return state, {}
-
-
-def _abstract_targets(model, tx, shardings) -> steps.TrainState:
-    """Restore targets: every TrainState leaf as a ShapeDtypeStruct carrying its sharding."""
-    abstract = nn.meta.unbox(steps.abstract_state(model, tx))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
 
 
 def evaluate(eval_step: Callable, params: Any, val_sets: dict[str, list[data.Batch]], sharding) -> dict[str, float]:
@@ -156,6 +148,121 @@ def evaluate(eval_step: Callable, params: Any, val_sets: dict[str, list[data.Bat
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# What the loop does between steps
+
+
+class PeriodicAction:
+    """Work done after every ``every``-th step and after the last step of the call."""
+
+    every: int
+
+    def should_run(self, step: int, last: int, stopping: bool) -> bool:
+        return step % self.every == 0 or step == last
+
+    def run(self, step: int, state: steps.TrainState) -> None:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class Validation(PeriodicAction):
+    """Loss and perplexity on the validation sets, logged and kept by step."""
+
+    every: int
+    eval_step: Callable
+    val_sets: dict[str, list[data.Batch]]
+    sharding: Any
+    writer: MetricsWriter
+    results: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+
+    def run(self, step: int, state: steps.TrainState) -> None:
+        self.results[step] = evaluate(self.eval_step, state.params, self.val_sets, self.sharding)
+        self.writer.write(step, {f"val/{k}": v for k, v in self.results[step].items()})
+        log.info("step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in self.results[step].items()))
+
+
+@dataclasses.dataclass
+class HarnessAction(PeriodicAction):
+    """The caller's harness hook on the live parameters, at the validation steps."""
+
+    every: int
+    harness: Callable[..., dict[str, float]]
+    writer: MetricsWriter
+    hook_args: dict
+    results: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+
+    def run(self, step: int, state: steps.TrainState) -> None:
+        self.results[step] = self.harness(step, state.params, **self.hook_args)
+        self.writer.write(step, self.results[step])
+
+
+@dataclasses.dataclass
+class Checkpointing(PeriodicAction):
+    """Save the state with the data position; also when a stop is requested."""
+
+    every: int
+    ckpt: checkpoint.Checkpointer
+    config: Config
+    train_batches: data.DataIterator
+    saved_step: int | None = None  # the last step this call saved
+
+    def should_run(self, step: int, last: int, stopping: bool) -> bool:
+        return super().should_run(step, last, stopping) or stopping
+
+    def run(self, step: int, state: steps.TrainState) -> None:
+        self.ckpt.save(step, params=state.params, opt_state=state.opt_state, config=self.config,
+                       meta={"data": self.train_batches.state(), "seed": self.config.train.seed}, force=True)
+        self.saved_step = step
+
+
+class MetricsLog:
+    """Each step's loss, gradient norm, learning rate and speed, fetched one step late so the host
+    never waits for the devices; a non-finite loss stops the run (:class:`TrainingDiverged`)."""
+
+    def __init__(self, writer: MetricsWriter, ckpt: checkpoint.Checkpointer, run_dir: str, tokens_per_step: int,
+                 flops_per_step: float, peak_flops: float | None, bar: tqdm):
+        self.writer, self.ckpt, self.run_dir, self.bar = writer, ckpt, run_dir, bar
+        self.tokens_per_step, self.flops_per_step, self.peak_flops = tokens_per_step, flops_per_step, peak_flops
+        self.losses: dict[int, float] = {}
+        self._pending = None  # (step, metrics, start time) of the step whose metrics are not fetched yet
+
+    def step_started(self, step: int, metrics, started: float) -> None:
+        """Step ``step`` was dispatched at ``started``: the previous step's metrics are ready now."""
+        if self._pending is not None:
+            self._record(*self._pending[:2], started - self._pending[2])
+        self._pending = (step, metrics, started)
+
+    def flush(self) -> None:
+        """Wait for the last dispatched step and record it (before an action or at the end)."""
+        if self._pending is not None:
+            step, metrics, started = self._pending
+            jax.block_until_ready(metrics)
+            self._record(step, metrics, time.perf_counter() - started)
+            self._pending = None
+
+    def _record(self, step: int, metrics, seconds: float) -> None:
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not math.isfinite(metrics["loss"]):
+            self.ckpt.wait()  # a save still in flight is part of what the run keeps
+            latest = self.ckpt.latest_step()
+            kept = f"the last checkpoint saved (step {latest})" if latest is not None else "no checkpoint (none was saved)"
+            raise TrainingDiverged(
+                f"loss became {metrics['loss']} at step {step} (grad norm {metrics['grad_norm']}); the run stops "
+                f"here, without saving, and {self.run_dir} keeps {kept}. "
+                "Lower train.lr, raise train.warmup_steps or check the data.")
+        self.losses[step] = metrics["loss"]
+        row = {"train/loss": metrics["loss"], "train/grad_norm": metrics["grad_norm"], "train/lr": metrics["lr"],
+               "perf/step_time_s": seconds, "perf/tokens_per_s": self.tokens_per_step / seconds}
+        if self.peak_flops:
+            row["perf/mfu"] = self.flops_per_step / seconds / (self.peak_flops * jax.device_count())
+        self.writer.write(step, row)
+        self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{row['perf/tokens_per_s']:,.0f}")
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+
+
 def _holding_run_dir(train_fn):
     """Run ``train_fn(config, …)`` while holding ``config.train.run_dir``'s lock."""
     @functools.wraps(train_fn)
@@ -163,6 +270,26 @@ def _holding_run_dir(train_fn):
         with exclusive_run_dir(config.train.run_dir):
             return train_fn(config, *args, **kwargs)
     return locked
+
+
+def _run_tokenizer(config: Config, tokenizer):
+    """``(tokenizer, whether it still has to be saved)``: the one passed in, else the run's saved
+    one, else ``train.tokenizer``; a damaged saved copy is rebuilt from one of the others."""
+    tc = config.train
+    saved, saved_tokenizer = checkpoint.tokenizer_dir(tc.run_dir), None
+    if saved is not None:
+        try:
+            saved_tokenizer = data.load_tokenizer(str(saved))
+        except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise bare Exceptions for bad files
+            if tokenizer is None and not tc.tokenizer:
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise data.DataError(f"{saved} is incomplete or damaged ({reason}); set train.tokenizer to rebuild "
+                                     "it from the tokenizer the run was started with") from None
+            log.warning("%s is incomplete or damaged; writing it again from %s", saved,
+                        "the tokenizer passed in" if tokenizer is not None else f"train.tokenizer={tc.tokenizer}")
+    if tokenizer is None:
+        tokenizer = saved_tokenizer if saved_tokenizer is not None else data.resolve_tokenizer(tc.tokenizer)
+    return tokenizer, tokenizer is not None and saved_tokenizer is None
 
 
 @_holding_run_dir
@@ -193,13 +320,13 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
     if stop_after is not None and stop_after < 0:
         raise ValueError(f"stop_after must be >= 0, got {stop_after}")
     mesh = mesh or partitioning.make_mesh(config.mesh)
-    shape = partitioning.mesh_shape(mesh)
-    mc.validate_for_mesh(shape)
-    data_parallel = shape["data"] * shape["fsdp"]
+    checkpoint.check_mesh(mc, mesh)
+    data_parallel = partitioning.data_parallel_size(mesh)
     batch_size = tc.global_batch_size(data_parallel)
     if batch_size % data_parallel:
         raise ConfigError(f"train.batch_size={batch_size} is not divisible by the {data_parallel} data-parallel "
-                          f"shards (data x fsdp) of mesh {shape}: use a multiple of {data_parallel}")
+                          f"shards (data x fsdp) of mesh {partitioning.mesh_shape(mesh)}: use a multiple of "
+                          f"{data_parallel}")
     seq_len = tc.seq_len or mc.max_len
     if tc.train_set is None:
         raise ConfigError("train.train_set is not set: give an .index file, a text/jsonl path or tfds:NAME")
@@ -208,29 +335,14 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
                     list(tc.eval_harness_tasks))
 
     model = GPTJ(mc)
-    abstract_params = nn.meta.unbox(steps.abstract_state(model, optimizer.make_optimizer(tc)).params)
-    tx = optimizer.make_optimizer(tc, abstract_params, tc.freeze)
+    tx = optimizer.make_optimizer(tc, nn.meta.unbox(model_lib.abstract_params(mc)), tc.freeze)
+    targets, shardings = steps.state_targets(model, tx, mesh)
     ckpt = checkpoint.Checkpointer(tc.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every)
-    state, meta = _restore_or_init(config, model, tx, mesh, ckpt, init_from, fresh_opt, resume_step)
+    state, meta = _restore_or_init(config, model, tx, mesh, targets, shardings, ckpt, init_from, fresh_opt,
+                                   resume_step)
     start = int(state.step)
 
-    saved, saved_tokenizer = checkpoint.tokenizer_dir(tc.run_dir), None
-    if saved is not None:
-        try:
-            saved_tokenizer = data.load_tokenizer(str(saved))
-        except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise bare Exceptions for bad files
-            if tokenizer is None and not tc.tokenizer:
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise data.DataError(f"{saved} is incomplete or damaged ({reason}); set train.tokenizer to rebuild "
-                                     "it from the tokenizer the run was started with") from None
-            log.warning("%s is incomplete or damaged; writing it again from %s", saved,
-                        "the tokenizer passed in" if tokenizer is not None else f"train.tokenizer={tc.tokenizer}")
-    if tokenizer is None:
-        if saved_tokenizer is not None:
-            tokenizer = saved_tokenizer
-        elif tc.tokenizer:
-            tokenizer = data.load_tokenizer(tc.tokenizer)
-
+    tokenizer, save_tokenizer = _run_tokenizer(config, tokenizer)
     train_sharding = steps.batch_sharding(mesh, accumulated=True)
     eval_sharding = steps.batch_sharding(mesh, accumulated=False)
     # Which rows of each global batch this process's devices hold (any device order).
@@ -242,108 +354,61 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
     val_sets = data.make_eval_sets(tc.val_set, seq_len=seq_len, batch_size=batch_size, n_batches=tc.val_batches,
                                    tokenizer=tokenizer, process_index=share, process_count=n_shares,
                                    progress=progress, vocab_size=mc.vocab_size)
-    # Saved only once the data has accepted it (a tokenizer too large for the model is refused above).
-    if tokenizer is not None and saved_tokenizer is None:
+    if save_tokenizer:  # only once the data has accepted it (one too large for the model is refused above)
         ckpt.save_tokenizer(tokenizer)  # atomic; replaces a damaged copy
 
-    shardings = steps.state_shardings(model, tx, mesh)
-    lr_fn = optimizer.schedule(tc)
-    train_step = steps.compile_train_step(model, tx, mesh, shardings, lr_fn, tc.z_loss, accumulated=True)
+    train_step = steps.compile_train_step(model, tx, mesh, shardings, optimizer.schedule(tc), tc.z_loss,
+                                          accumulated=True)
     eval_step = steps.compile_eval_step(model, mesh, shardings.params, accumulated=False)
 
     # Rows past the restored step were written by a run that died before its next checkpoint; the
     # step-0 baseline is recomputed when there is no checkpoint at all.
     writer = MetricsWriter(tc.run_dir, wandb_project=tc.wandb_project, run_name=tc.name, config=config.to_dict(),
                            drop_from_step=start + 1 if start else 0)
-    tokens_per_step = tc.grad_accum_steps * batch_size * seq_len
-    peak = peak_flops_per_device(peak_flops)
-    flops_per_step = mc.flops_per_token(seq_len) * tokens_per_step
-
     end = tc.total_steps if stop_after is None else min(tc.total_steps, start + stop_after)
-    losses: dict[int, float] = {}
-    val: dict[int, dict[str, float]] = {}
-    harness_scores: dict[int, dict[str, float]] = {}
-    preempted = False
-    saved_step = None
-
-    def save(step: int) -> None:
-        nonlocal saved_step
-        ckpt.save(step, params=state.params, opt_state=state.opt_state, config=config,
-                  meta={"data": train_batches.state(), "seed": tc.seed}, force=True)
-        saved_step = step
-
-    def run_harness(step: int) -> None:
-        harness_scores[step] = harness(step, state.params, model_config=mc, mesh=mesh, tokenizer=tokenizer)
-        writer.write(step, harness_scores[step])
-
-    def record(step: int, metrics, seconds: float) -> None:
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not math.isfinite(metrics["loss"]):
-            ckpt.wait()  # a save still in flight is part of what the run keeps
-            latest = ckpt.latest_step()
-            kept = f"the last checkpoint saved (step {latest})" if latest is not None else "no checkpoint (none was saved)"
-            raise TrainingDiverged(
-                f"loss became {metrics['loss']} at step {step} (grad norm {metrics['grad_norm']}); the run stops "
-                f"here, without saving, and {tc.run_dir} keeps {kept}. "
-                "Lower train.lr, raise train.warmup_steps or check the data.")
-        losses[step] = metrics["loss"]
-        row = {"train/loss": metrics["loss"], "train/grad_norm": metrics["grad_norm"], "train/lr": metrics["lr"],
-               "perf/step_time_s": seconds, "perf/tokens_per_s": tokens_per_step / seconds}
-        if peak:
-            row["perf/mfu"] = flops_per_step / seconds / (peak * jax.device_count())
-        writer.write(step, row)
-        if bar is not None:
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{row['perf/tokens_per_s']:,.0f}")
-
     bar = tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=not progress or jax.process_index() != 0)
-    pending = None  # (step, metrics, start time) of the step whose metrics are not fetched yet
+    tokens_per_step = tc.grad_accum_steps * batch_size * seq_len
+    metrics_log = MetricsLog(writer, ckpt, tc.run_dir, tokens_per_step, mc.flops_per_token(seq_len) * tokens_per_step,
+                             peak_flops_per_device(peak_flops), bar)
+    validation = Validation(tc.val_every, eval_step, val_sets, eval_sharding, writer)
+    hook = None if harness is None else HarnessAction(
+        tc.val_every, harness, writer, {"model_config": mc, "mesh": mesh, "tokenizer": tokenizer})
+    saving = Checkpointing(tc.ckpt_every, ckpt, config, train_batches)
+    baseline = [a for a in (validation if val_sets else None, hook) if a is not None]
+    actions = [*baseline, saving]
+
+    preempted = False
     # Installed until the final save has finished: a first Ctrl-C never abandons a save.
     with _StopRequests() as stop:
         try:
-            with partitioning.activate(mesh):
+            with partitioning.sharding_scope(mesh):
                 step = start
-                if start == 0 and val_sets:  # the baseline the run improves on
-                    val[0] = evaluate(eval_step, state.params, val_sets, eval_sharding)
-                    writer.write(0, {f"val/{k}": v for k, v in val[0].items()})
-                if start == 0 and harness is not None:
-                    run_harness(0)
+                if start == 0:  # the baseline the run improves on
+                    for action in baseline:
+                        action.run(0, state)
                 while step < end:
                     batch = data.to_global_batch(next(train_batches), train_sharding)
-                    t0 = time.perf_counter()
+                    started = time.perf_counter()
                     state, metrics = train_step(state, batch)
-                    if pending is not None:
-                        record(pending[0], pending[1], t0 - pending[2])
                     step += 1
-                    pending = (step, metrics, t0)
+                    metrics_log.step_started(step, metrics, started)
                     bar.update(1)
-                    at_val_step = step % tc.val_every == 0 or step == end
-                    at_val = bool(val_sets) and at_val_step
-                    at_harness = harness is not None and at_val_step
-                    at_ckpt = step % tc.ckpt_every == 0 or step == end or stop.requested
-                    if at_val or at_harness or at_ckpt:
-                        jax.block_until_ready(metrics)
-                        record(pending[0], pending[1], time.perf_counter() - pending[2])
-                        pending = None
-                    if at_val:
-                        val[step] = evaluate(eval_step, state.params, val_sets, eval_sharding)
-                        writer.write(step, {f"val/{k}": v for k, v in val[step].items()})
-                        log.info("step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in val[step].items()))
-                    if at_harness:
-                        run_harness(step)
-                    if at_ckpt:
-                        save(step)
+                    due = [a for a in actions if a.should_run(step, end, stop.requested)]
+                    if due:
+                        metrics_log.flush()
+                    for action in due:
+                        action.run(step, state)
                     if stop.requested:
                         preempted = True
                         break
-                if pending is not None:
-                    jax.block_until_ready(pending[1])
-                    record(pending[0], pending[1], time.perf_counter() - pending[2])
+                metrics_log.flush()
         finally:
             bar.close()
             ckpt.close()
             writer.flush()
     writer.plot()
     writer.close()
-    return TrainResult(step=step, losses=losses, val=val, harness=harness_scores, preempted=preempted,
-                       run_dir=tc.run_dir, interrupted=preempted and stop.interrupted, saved_step=saved_step)
+    return TrainResult(step=step, losses=metrics_log.losses, val=validation.results,
+                       harness={} if hook is None else hook.results, preempted=preempted, run_dir=tc.run_dir,
+                       interrupted=preempted and stop.interrupted, saved_step=saving.saved_step)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gptj_flax.config import DTYPES, ConfigError, TrainConfig
+from gptj_flax.config import ConfigError, TrainConfig, jnp_dtype
 
 
 def schedule(train: TrainConfig) -> optax.Schedule:
@@ -44,7 +44,7 @@ def make_optimizer(train: TrainConfig, params=None, freeze: Sequence[str] = ()) 
     """
     adamw = optax.chain(
         optax.clip_by_global_norm(1.0),
-        optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, mu_dtype=DTYPES[train.adam_mu_dtype]),
+        optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, mu_dtype=jnp_dtype(train.adam_mu_dtype)),
         optax.add_decayed_weights(train.weight_decay, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
         optax.scale_by_learning_rate(schedule(train)),
     )
@@ -58,10 +58,6 @@ def make_optimizer(train: TrainConfig, params=None, freeze: Sequence[str] = ()) 
                           f"{', '.join(_path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)[:3])}")
     labels = jax.tree.map(lambda frozen: "frozen" if frozen else "train", mask)
     return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
-
-
-def learning_rate(train: TrainConfig, step) -> jax.Array:
-    return jnp.asarray(schedule(train)(step), jnp.float32)
 
 
 def restart_schedule(opt_state):

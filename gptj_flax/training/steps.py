@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gptj_flax import model as model_lib
 from gptj_flax import partitioning
 from gptj_flax.data import Batch
 from gptj_flax.model import GPTJ, chunked_loss_sums
@@ -33,12 +34,19 @@ class TrainState:
 
 
 def abstract_state(model: GPTJ, tx: optax.GradientTransformation) -> Any:
-    """Boxed abstract TrainState (shapes and logical axes; nothing allocated)."""
-    def init(rng):
-        params = model.init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+    """Boxed abstract TrainState (shapes and logical axes; nothing allocated): the optimiser's
+    moments carry their parameters' logical axes."""
+    def init(params):
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-    return jax.eval_shape(init, jax.random.key(0))
+    return jax.eval_shape(init, model_lib.abstract_params(model.config))
+
+
+def state_targets(model: GPTJ, tx: optax.GradientTransformation, mesh: Mesh,
+                  rules: partitioning.Rules = partitioning.DEFAULT_RULES) -> tuple[TrainState, TrainState]:
+    """``(targets, shardings)`` of every TrainState leaf on ``mesh``: what a checkpoint is restored
+    into and a step is lowered against."""
+    return partitioning.restore_targets(abstract_state(model, tx), mesh, rules)
 
 
 def state_shardings(model: GPTJ, tx: optax.GradientTransformation, mesh: Mesh,
@@ -57,7 +65,7 @@ def create_state(model: GPTJ, tx: optax.GradientTransformation, mesh: Mesh, rng:
             params = nn.meta.unbox(model.init(rng, jnp.zeros((1, 1), jnp.int32)))["params"]
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-    with partitioning.activate(mesh, rules):
+    with partitioning.sharding_scope(mesh, rules):
         if params is None:
             return jax.jit(lambda r: init(r, None), out_shardings=shardings)(rng)
         return jax.jit(init, in_shardings=(None, shardings.params), out_shardings=shardings,
@@ -71,7 +79,8 @@ def _as_accumulated(batch: Batch) -> Batch:
 
 def _loss_sums(model: GPTJ, params, micro: Batch, z_loss: float = 0.0):
     """(objective, cross-entropy, tokens) summed over the micro-batch; the LM head runs in chunks."""
-    hidden = model.apply({"params": params}, micro.inputs, segment_ids=micro.input_segment_ids, return_hidden=True)
+    hidden = model.apply({"params": params}, micro.inputs, segment_ids=micro.input_segment_ids,
+                         method=GPTJ.hidden_states)
     return chunked_loss_sums(hidden, params["lm_head"], micro.targets, micro.loss_mask, z_loss)
 
 

@@ -1,0 +1,64 @@
+"""The one ``load``: an Orbax checkpoint or a HuggingFace GPT-J directory as a :class:`LanguageModel`.
+
+Weights brought in from HuggingFace compute in the precision they are stored in, and a checkpoint
+in the dtype its config states, unless ``dtype`` says otherwise; so the default is the model as it
+was trained or published.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from jax.sharding import Mesh
+
+from gptj_flax import checkpoint, partitioning
+from gptj_flax.config import dtype_name, jnp_dtype
+from gptj_flax.convert.hf import HFCheckpoint, is_hf_source
+from gptj_flax.convert.layout import place_on_mesh, streamed_params
+from gptj_flax.data.tokenizer import resolve_tokenizer
+from gptj_flax.sampling.api import LanguageModel
+from gptj_flax.sampling.samplers import SamplingError
+
+# A HuggingFace directory holds its tokenizer when it has one of these.
+HF_TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
+
+
+def load(path: str | os.PathLike, mesh: partitioning.MeshSpec = None, dtype=None, *, step: int | None = None,
+         tokenizer=None) -> LanguageModel:
+    """A :class:`LanguageModel` from ``path``, ready to generate, stream and score.
+
+    Args:
+      path: an Orbax checkpoint (a run directory — its latest step — or one step's directory), or
+        a HuggingFace GPT-J directory (``hf:DIR``, or any directory with ``config.json`` and
+        safetensors / ``pytorch_model.bin`` weights), converted tensor by tensor as it loads.
+      mesh: a ``Mesh``, a layout name (``"tp"``, …), ``"data,fsdp,model"`` sizes or a 3-tuple;
+        default one device.
+      dtype: parameter and compute dtype (``float32``/``fp32``, ``bfloat16``/``bf16``,
+        ``float16``/``fp16`` or a numpy dtype). Default: a checkpoint's stored parameters and its
+        config's compute dtype; a HuggingFace directory's stored precision for both.
+      step: (Orbax checkpoints) this step instead of the latest.
+      tokenizer: a tokenizer object, directory or hub name overriding the one that comes with the model.
+    """
+    mesh = partitioning.make_mesh(partitioning.ONE_DEVICE if mesh is None else mesh)
+    name = None if dtype is None else dtype_name(dtype)
+    if is_hf_source(path):
+        if step is not None:
+            raise SamplingError(f"step={step}: a HuggingFace directory holds one set of weights; step= is for "
+                                "Orbax checkpoints")
+        source = HFCheckpoint.open(path, dtype=name)
+        held = name or source.stored_dtype
+        model_config = dataclasses.replace(source.model_config, dtype=held, param_dtype=held)
+        targets, _ = checkpoint.param_targets(model_config, mesh)
+        params = place_on_mesh(streamed_params(source.get, model_config), targets, desc="loading hf weights")
+        has_tokenizer = any((Path(source.directory) / f).is_file() for f in HF_TOKENIZER_FILES)
+        saved, step = (source.directory if has_tokenizer else None), 0
+    else:
+        config, params, step = checkpoint.load_params(path, mesh, step=step,
+                                                      dtype=None if name is None else jnp_dtype(name))
+        model_config = config.model if name is None else dataclasses.replace(config.model, dtype=name,
+                                                                             param_dtype=name)
+        saved = checkpoint.tokenizer_dir(path)
+    return LanguageModel(model_config, params, tokenizer=resolve_tokenizer(tokenizer, saved=saved), mesh=mesh,
+                         step=step)
