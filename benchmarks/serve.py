@@ -28,7 +28,7 @@ import time
 
 import httpx
 
-from benchmarks.common import BENCH_MODEL, machine_summary
+from benchmarks.common import BENCH_MODEL, REPO, machine_summary
 
 # Prompts stay under 16 tokens: the server's warm-up compiles that prompt bucket for every batch size.
 PROMPT_WORDS = ("def", "return", "import", "class", "self", "for", "while", "print", "yield", "lambda")
@@ -143,11 +143,15 @@ def _free_port() -> int:
 
 
 def _start_server(checkpoint: str, max_batch: int, new_tokens: int) -> tuple[subprocess.Popen, str]:
-    """``serve()`` in a child process (no GIL shared with the clients), configured by environment
-    variables as a deployment would be."""
+    """``serve()`` of this checkout in a child process (no GIL shared with the clients), configured by
+    environment variables as a deployment would be."""
+    from gptj_flax.serving.settings import env_name
+
     port = _free_port()
-    env = {**os.environ, "CHECKPOINT": checkpoint, "PORT": str(port), "MAX_BATCH": str(max_batch),
-           "WARMUP_TOKENS": str(new_tokens), "LOG_LEVEL": "warning"}
+    settings = {"checkpoint": checkpoint, "port": port, "max_batch": max_batch, "warmup_tokens": new_tokens,
+                "log_level": "warning"}
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": python_path, **{env_name(name): str(v) for name, v in settings.items()}}
     process = subprocess.Popen(
         [sys.executable, "-c", "import sys; from gptj_flax.serving import serve, settings_from; "
                                "sys.exit(serve(settings_from()))"], env=env)

@@ -63,6 +63,17 @@ def test_sample_benchmark(repo_root, tmp_path):
     assert figure(rf"to first token \(restore \+ compile \+ prefill\): ({NUMBER}) s", out) > 0
 
 
+@pytest.mark.slow
+def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
+    out = bench(repo_root, tmp_path, "serve", "--concurrency", "1,2", "--seconds", "0", "--new-tokens", "2",
+                "--max-batch", "2")
+    assert "random GPT-J, 27.3M parameters" in out and "server --max-batch 2" in out
+    rows = re.findall(rf"^\s+(\d+)\s+(\d+)\s+({NUMBER})\s+({NUMBER})\s", out, re.MULTILINE)
+    assert [(row[0], row[1]) for row in rows] == [("1", "1"), ("2", "2")], out  # --seconds 0: one request each
+    assert all(float(row[3].replace(",", "")) > 0 for row in rows)
+    assert "2 clients: " in out
+
+
 def test_pipeline_benchmark_returns_throughputs(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 3000)
