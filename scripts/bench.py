@@ -1,8 +1,9 @@
-"""Benchmarks, one subcommand each; every implementation lives in the package.
+"""Benchmarks, one subcommand each; they live in the repository's benchmarks/ directory.
 
     python scripts/bench.py train  [--batch 8] [--seq-len 256] [--threads 2]
     python scripts/bench.py data   [--config configs/demo_cpu.json]
     python scripts/bench.py sample [--batch-sizes 1,16] [--prompt-tokens 64] [--new-tokens 128]
+    python scripts/bench.py serve  [--url URL] [--concurrency 1,8,32] [--seconds 20]
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run(args)``; only the chosen one is
 imported, so one benchmark's dependencies never slow down another.
@@ -12,8 +13,11 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 
-from gptj_flax.errors import add_debug_flag, run_cli
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ sits beside scripts/, never installed
+
+from gptj_flax.errors import add_debug_flag, run_cli  # noqa: E402
 
 # Benchmarks that build a multi-device mesh, and the devices they need on a CPU-only machine (the
 # data benchmark compares with the demo's 2x2x2 mesh). The others run on JAX's default single CPU
@@ -23,10 +27,10 @@ VIRTUAL_CPU_DEVICES = {"data": 8}
 
 # subcommand -> (module, one-line summary)
 BENCHMARKS = {
-    "train": ("gptj_flax.training.bench", "one AdamW train step vs HuggingFace PyTorch, tokens/s and FLOP/s"),
-    "data": ("gptj_flax.training.bench_data", "input pipeline tokens/s vs the demo train step's"),
-    "serve": ("gptj_flax.serving.bench", "requests/s, tokens/s and latency of a running server at 1, 8, 32 clients"),
-    "sample": ("gptj_flax.sampling.bench", "KV-cache generation vs HuggingFace PyTorch generate"),
+    "train": ("benchmarks.train", "one AdamW train step vs HuggingFace PyTorch, tokens/s and FLOP/s"),
+    "data": ("benchmarks.data", "input pipeline tokens/s vs the demo train step's"),
+    "serve": ("benchmarks.serve", "requests/s, tokens/s and latency of a running server at 1, 8, 32 clients"),
+    "sample": ("benchmarks.sample", "KV-cache generation vs HuggingFace PyTorch generate"),
 }
 
 

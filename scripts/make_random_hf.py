@@ -6,10 +6,14 @@ For benchmarking and measuring the converters on models too large to build in me
 """
 
 import argparse
+import sys
+from pathlib import Path
 
-from gptj_flax.config import load_config
-from gptj_flax.convert import write_random_hf
-from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE, HF_DTYPES
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ sits beside scripts/, never installed
+
+from benchmarks.common import write_random_hf  # noqa: E402
+from gptj_flax.config import load_config  # noqa: E402
+from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE, HF_DTYPES  # noqa: E402
 
 
 def main() -> None:

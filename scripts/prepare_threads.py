@@ -14,8 +14,8 @@ import argparse
 import os
 import sys
 
-from gptj_flax.data import prepare_threads
 from gptj_flax.errors import add_debug_flag, run_cli
+from gptj_flax.gpt4chan import prepare_threads
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 
+from benchmarks.common import hf_gptj_config
 from gptj_flax.config import ModelConfig
 from gptj_flax.convert.hf_names import params_from_hf
 from gptj_flax.model import loss_sums
@@ -34,17 +35,10 @@ def hf_model(config: ModelConfig, seed: int = 0):
     Every tensor, LayerNorms and biases included, is drawn at random so a mis-mapped tensor shows.
     """
     import torch
-    from transformers import GPTJConfig, GPTJForCausalLM
+    from transformers import GPTJForCausalLM
 
     torch.manual_seed(seed)
-    hf_config = GPTJConfig(
-        vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model,
-        n_layer=config.n_layers, n_head=config.n_heads, rotary_dim=config.rotary_dim,
-        n_inner=config.d_ff, activation_function="gelu_new", layer_norm_epsilon=config.layer_norm_eps,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=0,
-    )
-    model = GPTJForCausalLM(hf_config).float().eval()
+    model = GPTJForCausalLM(hf_gptj_config(config)).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             scale = 0.2 if p.ndim > 1 else 0.5

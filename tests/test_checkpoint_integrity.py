@@ -25,12 +25,12 @@ import pytest
 import tensorstore as ts
 from etils import epath
 
+from benchmarks.common import write_random_hf
 import gptj_flax
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.checkpoint import CheckpointCorrupted, CheckpointDiskFull, CheckpointError, Checkpointer
 from gptj_flax.config import Config, TrainConfig
 from gptj_flax.convert import from_hf
-from gptj_flax.convert.hf import write_random_hf
 from gptj_flax.model import GPTJ
 from tests.helpers import tiny_config
 

@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
+from benchmarks.common import write_random_hf
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.convert import ConversionError, config_for_legacy, from_hf, from_legacy, safetensors_io
-from gptj_flax.convert.hf import write_random_hf
 from gptj_flax.training import make_optimizer
 from tests.helpers import tiny_config
 from tests.legacy_writer import dense_model, dense_moments, legacy_config_dict, write_legacy_checkpoint

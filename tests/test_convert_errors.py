@@ -6,10 +6,10 @@ import os
 import jax.numpy as jnp
 import pytest
 
+from benchmarks.common import write_random_hf
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import Config
 from gptj_flax.convert import ConversionError, config_for_legacy, from_hf, from_legacy, load_init_params, to_hf
-from gptj_flax.convert.hf import write_random_hf
 from tests.helpers import tiny_config
 from tests.legacy_writer import dense_model, legacy_config_dict, write_legacy_checkpoint
 

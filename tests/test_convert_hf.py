@@ -12,10 +12,11 @@ import pytest
 import torch
 from transformers import GPTJForCausalLM
 
+from benchmarks.common import write_random_hf
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import Config
 from gptj_flax.convert import from_hf, load_init_params, safetensors_io, slim, to_hf
-from gptj_flax.convert.hf import HFCheckpoint, write_random_hf
+from gptj_flax.convert.hf import HFCheckpoint
 from gptj_flax.convert.orbax_io import OrbaxParams
 from gptj_flax.model import GPTJ, unstack_layers
 from tests.helpers import hf_model, hf_state_numpy, params_matching, tiny_config

@@ -11,13 +11,13 @@ import pytest
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
+from benchmarks.common import write_random_hf
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import Config, from_dict
 from gptj_flax.convert import (
     config_for_legacy, from_legacy, insert_adam_moments, load_init_opt_state, load_init_params, load_legacy_opt_state,
     params_from_hf,
 )
-from gptj_flax.convert.hf import write_random_hf
 from gptj_flax.convert.legacy import LegacyCheckpoint, legacy_params
 from gptj_flax.model import GPTJ
 from gptj_flax.training import make_optimizer

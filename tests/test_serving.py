@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from gptj_flax.serving import bench, schemas
+from benchmarks import serve as serve_benchmark
+from gptj_flax.serving import schemas
 from gptj_flax.serving.auth import key_id
 from gptj_flax.serving.schemas import MAX_TEXT_CHARS, SEED_LIMIT
 from tests.test_serving_support import KEYS, HeldModel, RunningServer, secret, tiny_model, wait_until, write_keys
@@ -484,10 +485,10 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(lm, tmp_path
 
 def test_serve_benchmark_runs_against_a_running_server(server, capsys):
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    serve_benchmark.add_arguments(parser)
     args = parser.parse_args(["--url", server.url, "--api-key", KEYS[0], "--concurrency", "1,4", "--seconds", "0",
                               "--new-tokens", "8"])
-    bench.run(args)
+    serve_benchmark.run(args)
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+\d+\s", line)]
     assert [(row[0], row[1]) for row in rows] == [("1", "1"), ("4", "4")]  # with --seconds 0: one request each

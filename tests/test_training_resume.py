@@ -14,10 +14,10 @@ import sys
 import numpy as np
 import pytest
 
+from benchmarks.common import write_random_hf
 from gptj_flax import checkpoint, data
 from gptj_flax.checkpoint import CheckpointCorrupted, CheckpointError, Checkpointer
 from gptj_flax.config import save_config
-from gptj_flax.convert.hf import write_random_hf
 from gptj_flax.training import train
 from tests.test_checkpoint_integrity import flip_bytes_in_a_chunk
 from tests.test_training_loop import corpus, make_config  # noqa: F401 - corpus is a fixture

@@ -6,7 +6,7 @@
 """
 
 from gptj_flax.convert.common import ConversionError
-from gptj_flax.convert.hf import HF_PREFIX, HFCheckpoint, from_hf, is_hf_source, to_hf, write_random_hf
+from gptj_flax.convert.hf import HF_PREFIX, HFCheckpoint, from_hf, is_hf_source, to_hf
 from gptj_flax.convert.hf_names import hf_from_params, hf_names, hf_to_ours, ours_to_hf, params_from_hf
 from gptj_flax.convert.init_from import insert_adam_moments, load_init_opt_state, load_init_params, parse_init_spec
 from gptj_flax.convert.legacy import (
@@ -18,5 +18,5 @@ __all__ = [
     "ConversionError", "HFCheckpoint", "HF_PREFIX", "is_hf_source", "LegacyAdamState", "LegacyCheckpoint", "config_for_legacy", "from_hf",
     "from_legacy", "hf_from_params", "hf_names", "hf_to_ours", "insert_adam_moments", "load_init_opt_state",
     "load_init_params",
-    "load_legacy_opt_state", "ours_to_hf", "params_from_hf", "parse_init_spec", "slim", "to_hf", "write_random_hf",
+    "load_legacy_opt_state", "ours_to_hf", "params_from_hf", "parse_init_spec", "slim", "to_hf",
 ]

@@ -302,26 +302,3 @@ def to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "floa
         copy_tokenizer_files(Path(tokenizer_dir) if tokenizer_dir else None, tmp)
     return Path(out)
 
-
-def write_random_hf(out: str | os.PathLike, config: ModelConfig, *, seed: int = 0, dtype: str = "fp32",
-                    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """A random GPT-J of ``config``'s shape as a HF directory, generated and written tensor by tensor.
-
-    For benchmarks and memory measurements of the converters at sizes no test can hold in memory.
-    """
-    rng = np.random.default_rng(seed)
-    np_dtype = HF_DTYPES[dtype]
-    plan = [(name, hf_shape(name, config), np_dtype) for name in hf_names(config)]
-    with atomic_directory(out) as tmp:
-        with safetensors_io.ShardedWriter(tmp, plan, safetensors_io.parse_size(max_shard_size),
-                                          metadata={"format": "pt"}) as writer, \
-                progress(writer.total_bytes, "writing random weights") as bar:
-            for name, shape, _ in plan:
-                tensor = rng.standard_normal(shape, dtype=np.float32)
-                tensor *= 0.02
-                if name.endswith(("ln_1.weight", "ln_f.weight")):
-                    tensor += 1.0
-                writer.write(name, tensor)
-                bar.update(tensor.size * np_dtype.itemsize)
-        (tmp / "config.json").write_text(json.dumps(hf_config_dict(config, dtype), indent=2) + "\n")
-    return Path(out)

@@ -15,18 +15,15 @@ Module map: ``tokenizer`` (load/save/train), ``compression`` (plain/gzip/zstd/xz
 detected), ``text`` (documents from txt/jsonl files),
 ``tfrecord`` (the legacy record format, index files, layouts), ``sources`` (everything as indexed
 shards of sequences), ``iterator`` (global order, per-process shares, state), ``batch`` (the batch
-format and global arrays), ``create`` (text → TFRecords), ``threads`` (ndjson thread dumps →
-GPT-4chan text / TFRecords), ``bench`` (pipeline throughput).
+format and global arrays), ``create`` (text → TFRecords), ``corpus`` (the demo's local corpus).
 TensorFlow is imported only when TFRecords or TFDS are touched.
 """
 
 from gptj_flax.data.batch import Batch, make_batch, process_share, to_global_batch
-from gptj_flax.data.bench import benchmark_pipeline
 from gptj_flax.data.create import CreateResult, create_tfrecords
 from gptj_flax.data.errors import DataError, DataWarning
 from gptj_flax.data.iterator import DataIterator, make_eval_batches, make_eval_sets, make_train_iterator
 from gptj_flax.data.sources import Source, open_source
-from gptj_flax.data.threads import ThreadsResult, prepare_threads
 from gptj_flax.data.tokenizer import (
     EOS_TOKEN,
     eos_token_id,
@@ -37,8 +34,8 @@ from gptj_flax.data.tokenizer import (
 )
 
 __all__ = [
-    "Batch", "CreateResult", "DataError", "DataIterator", "DataWarning", "EOS_TOKEN", "Source", "ThreadsResult",
-    "benchmark_pipeline", "create_tfrecords", "eos_token_id", "load_tokenizer", "make_batch",
-    "make_eval_batches", "make_eval_sets", "make_train_iterator", "open_source", "prepare_threads", "process_share",
+    "Batch", "CreateResult", "DataError", "DataIterator", "DataWarning", "EOS_TOKEN", "Source",
+    "create_tfrecords", "eos_token_id", "load_tokenizer", "make_batch",
+    "make_eval_batches", "make_eval_sets", "make_train_iterator", "open_source", "process_share",
     "resolve_tokenizer", "save_tokenizer", "to_global_batch", "train_bpe_tokenizer",
 ]

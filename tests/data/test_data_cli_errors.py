@@ -1,5 +1,5 @@
-"""scripts/create_tfrecords.py and scripts/prepare_threads.py: every bad input is one `error:` line naming
-it (paths made absolute) and exit status 1; --debug raises with the traceback instead."""
+"""scripts/create_tfrecords.py: every bad input is one `error:` line naming it (paths made absolute) and
+exit status 1; --debug raises with the traceback instead."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import gzip
 import os
 
 import pytest
-import zstandard
 
 from data_helpers import make_documents, run_script
 from gptj_flax.data import DataError
@@ -29,10 +28,6 @@ def corpus(tmp_path):
 
 def create_tfrecords(repo_root, *args) -> int:
     return run_script(repo_root, "create_tfrecords", [*map(str, args), "--output-dir", "out", "--quiet"])
-
-
-def prepare_threads(repo_root, *args) -> int:
-    return run_script(repo_root, "prepare_threads", [*map(str, args), "--quiet"])
 
 
 def test_create_tfrecords_bad_inputs(tmp_path, monkeypatch, repo_root, capsys, corpus, tokenizer_dir):
@@ -78,42 +73,3 @@ def test_unreadable_input(tmp_path, repo_root, capsys, tokenizer_dir):
     locked.chmod(0)
     assert create_tfrecords(repo_root, locked, "--tokenizer", tokenizer_dir) == EXIT_ERROR
     assert one_error_line(capsys) == f"error: {locked}: cannot read (Permission denied)"
-    assert prepare_threads(repo_root, locked, "--output", tmp_path / "o.txt") == EXIT_ERROR
-    assert one_error_line(capsys) == f"error: {locked}: cannot read (Permission denied)"
-
-
-def test_prepare_threads_bad_inputs(tmp_path, monkeypatch, repo_root, capsys, tokenizer_dir):
-    monkeypatch.chdir(tmp_path)
-    assert prepare_threads(repo_root, "missing.ndjson", "--output", "out.txt") == EXIT_ERROR
-    assert one_error_line(capsys) == f"error: input not found: {tmp_path / 'missing.ndjson'}"
-
-    (tmp_path / "empty.ndjson").write_bytes(b"")
-    assert prepare_threads(repo_root, "empty.ndjson", "--output", "out.txt") == EXIT_ERROR
-    assert one_error_line(capsys) == (f"error: no threads in {tmp_path / 'empty.ndjson'}: it holds no lines; "
-                                      f"nothing to write")
-    (tmp_path / "junk.ndjson").write_text("not json\n[1]\n")
-    assert prepare_threads(repo_root, "junk.ndjson", "--output", "out.txt") == EXIT_ERROR
-    captured = capsys.readouterr().err
-    assert (f"error: no threads in {tmp_path / 'junk.ndjson'}: every one of its 2 lines is malformed "
-            f"(bad JSON, not a JSON object); nothing to write") in captured
-    (tmp_path / "empty.ndjson.zst").write_bytes(b"")
-    assert prepare_threads(repo_root, "empty.ndjson.zst", "--output", "out.txt") == EXIT_ERROR
-    assert one_error_line(capsys).startswith(f"error: {tmp_path / 'empty.ndjson.zst'}: empty (0 bytes)")
-    (tmp_path / "nothing.ndjson.zst").write_bytes(zstandard.ZstdCompressor().compress(b""))
-    assert prepare_threads(repo_root, "nothing.ndjson.zst", "--output", "out.txt") == EXIT_ERROR
-    assert one_error_line(capsys).startswith(
-        f"error: {tmp_path / 'nothing.ndjson.zst'}: empty: a zstd file that decompresses to 0 bytes")
-    assert not (tmp_path / "out.txt").exists()
-
-    (tmp_path / "dump.ndjson").write_text('{"posts": [{"no": 1, "com": "hi"}]}\n')
-    (tmp_path / "no_tokenizer").mkdir()
-    assert prepare_threads(repo_root, "dump.ndjson", "--tfrecords-dir", "records", "--tokenizer",
-                           "no_tokenizer") == EXIT_ERROR
-    assert one_error_line(capsys).startswith(f"error: cannot load a tokenizer from '{tmp_path / 'no_tokenizer'}'")
-    assert prepare_threads(repo_root, "dump.ndjson", "--output", "out.txt", "--problems-file",
-                           "no/such/dir/problems.txt") == EXIT_ERROR
-    assert one_error_line(capsys) == f"error: {tmp_path / 'no/such/dir/problems.txt'}: No such file or directory"
-    assert not (tmp_path / "out.txt").exists() and not (tmp_path / "out.txt.partial").exists()
-
-    with pytest.raises(DataError, match="input not found"):
-        prepare_threads(repo_root, "missing.ndjson", "--output", "out.txt", "--debug")

@@ -1,11 +1,11 @@
-"""Local shares → global jax.Arrays in one process over 8 CPU devices; and the pipeline benchmark."""
+"""Local shares → global jax.Arrays in one process over 8 CPU devices."""
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from gptj_flax.data import benchmark_pipeline, make_train_iterator, process_share, to_global_batch
+from gptj_flax.data import make_train_iterator, process_share, to_global_batch
 
 
 def test_global_batch_on_eight_devices(legacy_dataset):
@@ -42,21 +42,3 @@ def test_process_share_is_where_this_process_rows_are():
     assert process_share(HeldRows(slice(None)), (2, 16, 5), batch_axis=1) == (0, 1)
     with pytest.raises(ValueError, match="not one contiguous block"):
         process_share(HeldRows(slice(0, 4), slice(8, 12)), (2, 16, 5), batch_axis=1)
-
-
-def test_benchmark_returns_throughputs(tmp_path):
-    text = tmp_path / "t.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 3000)
-    results = benchmark_pipeline(seq_len=64, batch_size=4, n_batches=6, n_files=2, text_files=[str(text)],
-                                 workdir=str(tmp_path))
-    for key in ("tfrecord_tokens_per_s", "text_tokens_per_s", "text_tokenize_tokens_per_s"):
-        assert results[key] > 0
-    assert results["text_corpus_tokens"] > 0
-
-
-@pytest.mark.slow
-def test_pretokenised_pipeline_is_fast(tmp_path):
-    """The target: well over 1M tokens/s from pre-tokenised records, at GPT-J's sequence length."""
-    results = benchmark_pipeline(seq_len=2048, batch_size=16, n_batches=256, text_bytes=1 << 20,
-                                 workdir=str(tmp_path))
-    assert results["tfrecord_tokens_per_s"] > 1e6, results

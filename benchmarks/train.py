@@ -14,14 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import BENCH_MODEL, hf_gptj_config, machine_summary
 from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig, TrainConfig
 from gptj_flax.data import Batch
 from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
-
-BENCH_MODEL = ModelConfig(n_layers=6, d_model=512, n_heads=8, rotary_dim=64, vocab_size=8192, max_len=256,
-                          dtype="float32", param_dtype="float32")
 
 
 def _timed(fn, repeats: int) -> float:
@@ -68,13 +66,9 @@ def ours(config: ModelConfig, tokens: np.ndarray, repeats: int, mesh_shape=(1, 1
 
 def huggingface(config: ModelConfig, tokens: np.ndarray, repeats: int) -> float:
     import torch
-    from transformers import GPTJConfig, GPTJForCausalLM
+    from transformers import GPTJForCausalLM
 
-    hf = GPTJForCausalLM(GPTJConfig(
-        vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model, n_layer=config.n_layers,
-        n_head=config.n_heads, rotary_dim=config.rotary_dim, n_inner=config.d_ff, activation_function="gelu_new",
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=0)).float().train()
+    hf = GPTJForCausalLM(hf_gptj_config(config)).float().train()
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     ids = torch.from_numpy(tokens.astype(np.int64))
 
@@ -89,7 +83,7 @@ def huggingface(config: ModelConfig, tokens: np.ndarray, repeats: int) -> float:
 
 
 def measure(batch_size: int = 8, seq_len: int = 256, repeats: int = 5, threads: int | None = None,
-            config: ModelConfig = BENCH_MODEL) -> dict:
+            config: ModelConfig = BENCH_MODEL, matmul_size: int = 2048) -> dict:
     import torch
 
     if threads:
@@ -98,11 +92,11 @@ def measure(batch_size: int = 8, seq_len: int = 256, repeats: int = 5, threads: 
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch_size, seq_len + 1)).astype(np.int32)
     n_tokens = batch_size * seq_len
     flops = config.flops_per_token(seq_len) * n_tokens
-    jax_mm, torch_mm = matmul_flops()
+    jax_mm, torch_mm = matmul_flops(matmul_size)
     ours_s = ours(config, tokens, repeats)
     hf_s = huggingface(config, tokens, repeats)
     return {
-        "params": config.param_count(), "batch": batch_size, "seq_len": seq_len,
+        "params": config.param_count(), "batch": batch_size, "seq_len": seq_len, "matmul_size": matmul_size,
         "ours_tokens_per_s": n_tokens / ours_s, "hf_tokens_per_s": n_tokens / hf_s, "speedup": hf_s / ours_s,
         "ours_flops": flops / ours_s, "hf_flops": flops / hf_s, "jax_matmul_flops": jax_mm, "torch_matmul_flops": torch_mm,
     }
@@ -112,7 +106,7 @@ def report(r: dict) -> str:
     g = 1e9
     return "\n".join([
         f"train step, {r['params'] / 1e6:.1f}M-parameter GPT-J, batch {r['batch']} x {r['seq_len']} tokens, float32, AdamW",
-        f"  matmul ceiling (2048^3 f32):  jax {r['jax_matmul_flops'] / g:7.1f} GFLOP/s   torch {r['torch_matmul_flops'] / g:7.1f} GFLOP/s",
+        f"  matmul ceiling ({r['matmul_size']}^3 f32):  jax {r['jax_matmul_flops'] / g:7.1f} GFLOP/s   torch {r['torch_matmul_flops'] / g:7.1f} GFLOP/s",
         f"  gptj_flax       {r['ours_tokens_per_s']:9.0f} tokens/s   {r['ours_flops'] / g:7.1f} GFLOP/s "
         f"({100 * r['ours_flops'] / r['jax_matmul_flops']:.0f}% of jax matmul)",
         f"  HF PyTorch      {r['hf_tokens_per_s']:9.0f} tokens/s   {r['hf_flops'] / g:7.1f} GFLOP/s "
@@ -126,7 +120,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per side (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--matmul-size", type=int, default=2048, help="n of the n x n matmul timed as the ceiling")
 
 
 def run(args) -> None:
-    print(report(measure(args.batch, args.seq_len, args.repeats, args.threads)))
+    if min(args.batch, args.seq_len, args.repeats, args.matmul_size) < 1:
+        raise SystemExit("--batch, --seq-len, --repeats and --matmul-size must be >= 1")
+    print(machine_summary())
+    print(report(measure(args.batch, args.seq_len, args.repeats, args.threads, matmul_size=args.matmul_size)))

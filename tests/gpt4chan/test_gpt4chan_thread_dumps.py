@@ -1,5 +1,5 @@
 """Thread dumps → GPT-4chan text / TFRecords: exact text, worker-count determinism, compression,
-the TFRecord round trip, malformed lines, errors, and flat memory on a growing dump."""
+the TFRecord round trip, malformed lines, errors (the CLI's too), and flat memory on a growing dump."""
 
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ import numpy as np
 import pytest
 import zstandard
 
-from data_helpers import real_tokens, run_script
 from gptj_flax.data import DataError, make_eval_batches, open_source
-from gptj_flax.data.threads import (
-    BAD_JSON, BAD_UTF8, NO_POSTS, POST_WITHOUT_COM, POST_WITHOUT_NO, html_to_text, prepare_threads,
-    write_synthetic_dump,
-)
 from gptj_flax.errors import EXIT_ERROR
+from gptj_flax.gpt4chan import prepare_threads
+from gptj_flax.gpt4chan.thread_dumps import BAD_JSON, BAD_UTF8, NO_POSTS, POST_WITHOUT_COM, POST_WITHOUT_NO
+from synthetic_dump import write_synthetic_dump
+from tests.data.data_helpers import real_tokens, run_script
 
 # A dump covering what real ones hold, one line per entry (bytes: line 6 is deliberately not UTF-8).
 DUMP_LINES = [
@@ -80,24 +79,6 @@ def dump(tmp_path):
 
 def expected_threads(text: str) -> list[str]:
     return [thread + "\n-----\n" for thread in text.split("\n-----\n")[:-1]]
-
-
-@pytest.mark.parametrize("html, text", [
-    ("a<br>b<br/>c</br>d", "a\nb\nc\nd"),
-    ("http://exa<wbr>mple.com", "http://example.com"),
-    ('<a href="#p123" class="quotelink">&gt;&gt;123</a>', ">>123"),
-    ('<span class="quote">&gt;be me</span><br>&gt;&gt; not a link', ">be me\n>> not a link"),
-    ("&amp;amp; &lt;b&gt; &#039;&quot; &eacute;&#x263a;", "&amp; <b> '\" é☺"),
-    ("  <br><br>text<br><br>  ", "text"),
-    ("<p>one</p><p>two</p>", "one\ntwo"),
-    ("x<pre>code<br>more</pre>y<hr>z", "x\ncode\nmore\ny\nz"),
-    ("a <!-- hidden --> b", "a  b"),
-    ("tabs\tand  spaces kept", "tabs\tand  spaces kept"),
-    ("1 < 2 and a<3", "1 < 2 and a<3"),
-    ("", ""),
-])
-def test_html_to_text(html, text):
-    assert html_to_text(html) == text
 
 
 @pytest.mark.parametrize("out_name, decompress", [
@@ -255,3 +236,84 @@ def test_memory_stays_flat_as_the_dump_grows(tmp_path, repo_root):
     grown_mb = (large_kb - small_kb) / 1024
     # 48 MB more input (and ~30 MB more output) must not show up in memory.
     assert grown_mb < 16, f"peak RSS {small_kb} KB on 16 MB, {large_kb} KB on 64 MB"
+
+
+COMPRESSORS = {
+    ".zst": lambda data: zstandard.ZstdCompressor().compress(data),
+    ".gz": gzip.compress,
+    ".xz": lzma.compress,
+}
+
+
+@pytest.mark.parametrize("suffix", list(COMPRESSORS))
+def test_a_truncated_dump_is_refused_alone_or_next_to_a_good_one(tmp_path, suffix):
+    plain = tmp_path / "dump.ndjson"
+    write_synthetic_dump(plain, 400_000, seed=1)
+    compressed = COMPRESSORS[suffix](plain.read_bytes())
+    cut = tmp_path / f"cut.ndjson{suffix}"
+    cut.write_bytes(compressed[:len(compressed) // 2])
+    out = tmp_path / "out.txt"
+    for inputs in (cut, [str(plain), cut]):
+        with pytest.raises(DataError, match=rf"{cut}: truncated: .*the last complete line read was line \d+"):
+            prepare_threads(inputs, text_output=out, workers=1, chunk_bytes=1 << 16, progress=False)
+        assert not out.exists() and not os.path.exists(f"{out}.partial")
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts/prepare_threads.py: every bad input is one `error:` line naming it (paths made absolute)
+
+
+def one_error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def prepare_threads_cli(repo_root, *args) -> int:
+    return run_script(repo_root, "prepare_threads", [*map(str, args), "--quiet"])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
+def test_cli_unreadable_input(tmp_path, repo_root, capsys):
+    locked = tmp_path / "locked.ndjson"
+    locked.write_text('{"posts": [{"no": 1, "com": "hi"}]}\n')
+    locked.chmod(0)
+    assert prepare_threads_cli(repo_root, locked, "--output", tmp_path / "o.txt") == EXIT_ERROR
+    assert one_error_line(capsys) == f"error: {locked}: cannot read (Permission denied)"
+
+
+def test_cli_bad_inputs_give_one_error_line(tmp_path, monkeypatch, repo_root, capsys, tokenizer_dir):
+    monkeypatch.chdir(tmp_path)
+    assert prepare_threads_cli(repo_root, "missing.ndjson", "--output", "out.txt") == EXIT_ERROR
+    assert one_error_line(capsys) == f"error: input not found: {tmp_path / 'missing.ndjson'}"
+
+    (tmp_path / "empty.ndjson").write_bytes(b"")
+    assert prepare_threads_cli(repo_root, "empty.ndjson", "--output", "out.txt") == EXIT_ERROR
+    assert one_error_line(capsys) == (f"error: no threads in {tmp_path / 'empty.ndjson'}: it holds no lines; "
+                                      f"nothing to write")
+    (tmp_path / "junk.ndjson").write_text("not json\n[1]\n")
+    assert prepare_threads_cli(repo_root, "junk.ndjson", "--output", "out.txt") == EXIT_ERROR
+    captured = capsys.readouterr().err
+    assert (f"error: no threads in {tmp_path / 'junk.ndjson'}: every one of its 2 lines is malformed "
+            f"(bad JSON, not a JSON object); nothing to write") in captured
+    (tmp_path / "empty.ndjson.zst").write_bytes(b"")
+    assert prepare_threads_cli(repo_root, "empty.ndjson.zst", "--output", "out.txt") == EXIT_ERROR
+    assert one_error_line(capsys).startswith(f"error: {tmp_path / 'empty.ndjson.zst'}: empty (0 bytes)")
+    (tmp_path / "nothing.ndjson.zst").write_bytes(zstandard.ZstdCompressor().compress(b""))
+    assert prepare_threads_cli(repo_root, "nothing.ndjson.zst", "--output", "out.txt") == EXIT_ERROR
+    assert one_error_line(capsys).startswith(
+        f"error: {tmp_path / 'nothing.ndjson.zst'}: empty: a zstd file that decompresses to 0 bytes")
+    assert not (tmp_path / "out.txt").exists()
+
+    (tmp_path / "dump.ndjson").write_text('{"posts": [{"no": 1, "com": "hi"}]}\n')
+    (tmp_path / "no_tokenizer").mkdir()
+    assert prepare_threads_cli(repo_root, "dump.ndjson", "--tfrecords-dir", "records", "--tokenizer",
+                               "no_tokenizer") == EXIT_ERROR
+    assert one_error_line(capsys).startswith(f"error: cannot load a tokenizer from '{tmp_path / 'no_tokenizer'}'")
+    assert prepare_threads_cli(repo_root, "dump.ndjson", "--output", "out.txt", "--problems-file",
+                               "no/such/dir/problems.txt") == EXIT_ERROR
+    assert one_error_line(capsys) == f"error: {tmp_path / 'no/such/dir/problems.txt'}: No such file or directory"
+    assert not (tmp_path / "out.txt").exists() and not (tmp_path / "out.txt.partial").exists()
+
+    with pytest.raises(DataError, match="input not found"):
+        prepare_threads_cli(repo_root, "missing.ndjson", "--output", "out.txt", "--debug")

@@ -28,6 +28,8 @@ import time
 
 import httpx
 
+from benchmarks.common import BENCH_MODEL, REPO, machine_summary
+
 # Prompts stay under 16 tokens: the server's warm-up compiles that prompt bucket for every batch size.
 PROMPT_WORDS = ("def", "return", "import", "class", "self", "for", "while", "print", "yield", "lambda")
 TOKENIZER_VOCAB = 4096
@@ -118,13 +120,12 @@ def _write_model(directory: str) -> str:
     import jax.numpy as jnp
 
     from gptj_flax.checkpoint import Checkpointer
-    from gptj_flax.config import Config, ModelConfig
+    from gptj_flax.config import Config
+    from gptj_flax.data import train_bpe_tokenizer
     from gptj_flax.data.corpus import stdlib_sources
-    from gptj_flax.data.tokenizer import train_bpe_tokenizer
     from gptj_flax.model import GPTJ
-    from gptj_flax.sampling.bench import BENCH_MODEL
 
-    config = ModelConfig(**BENCH_MODEL)
+    config = BENCH_MODEL
     params = nn.meta.unbox(GPTJ(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
     checkpointer = Checkpointer(directory)
     checkpointer.save(0, params=params, config=Config(model=config))
@@ -142,11 +143,15 @@ def _free_port() -> int:
 
 
 def _start_server(checkpoint: str, max_batch: int, new_tokens: int) -> tuple[subprocess.Popen, str]:
-    """``serve()`` in a child process (no GIL shared with the clients), configured by environment
-    variables as a deployment would be."""
+    """``serve()`` of this checkout in a child process (no GIL shared with the clients), configured by
+    environment variables as a deployment would be."""
+    from gptj_flax.serving.settings import env_name
+
     port = _free_port()
-    env = {**os.environ, "CHECKPOINT": checkpoint, "PORT": str(port), "MAX_BATCH": str(max_batch),
-           "WARMUP_TOKENS": str(new_tokens), "LOG_LEVEL": "warning"}
+    settings = {"checkpoint": checkpoint, "port": port, "max_batch": max_batch, "warmup_tokens": new_tokens,
+                "log_level": "warning"}
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": python_path, **{env_name(name): str(v) for name, v in settings.items()}}
     process = subprocess.Popen(
         [sys.executable, "-c", "import sys; from gptj_flax.serving import serve, settings_from; "
                                "sys.exit(serve(settings_from()))"], env=env)
@@ -166,10 +171,13 @@ def _start_server(checkpoint: str, max_batch: int, new_tokens: int) -> tuple[sub
 def run(args: argparse.Namespace) -> None:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     if min(concurrency) < 1 or args.new_tokens < 1 or args.seconds < 0:
-        raise SystemExit("--concurrency and --new-tokens must be >= 1, --seconds >= 0")
+        raise SystemExit("error: --concurrency and --new-tokens must be >= 1, --seconds >= 0")
     if args.url and args.max_batch is not None:
-        raise SystemExit("--max-batch sets up the server the benchmark starts; with --url the server is yours")
+        raise SystemExit("error: --max-batch sets up the server the benchmark starts; with --url the server is yours")
     max_batch = 32 if args.max_batch is None else args.max_batch
+    machine = machine_summary()  # before the server it starts adds its own load
+    if args.url:
+        machine = f"clients' {machine} (the server's may differ)"
 
     def measure(url: str, api_key: str | None) -> list[Round]:
         return asyncio.run(_measure(url, api_key, concurrency, args.seconds, args.new_tokens))
@@ -188,6 +196,7 @@ def run(args: argparse.Namespace) -> None:
             finally:
                 process.terminate()  # SIGTERM: the server drains and exits
                 process.wait(120)
+    print(machine)
     print(f"{target}\n/v1/completions: prompts of ~12 tokens, max_tokens {args.new_tokens}, temperature 0.8; each "
           f"client sends its next request when answered, for {args.seconds:g} s per row\n")
     header = ("clients", "requests", "requests/s", "gen tokens/s", "p50 latency s", "p99 latency s", "mean batch")

@@ -1,4 +1,9 @@
-"""Throughput of the input pipeline alone (no model), for ``scripts/bench.py data``."""
+"""``scripts/bench.py data``: can the input pipeline feed the demo's train step with room to spare?
+
+Measures, in one run, the tokens/s the pipeline delivers (pre-tokenised TFRecords, and raw text
+tokenised on the fly) at the demo's batch shape, and the tokens/s the demo's train step consumes on
+this machine, and prints their ratios.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,18 @@ import os
 import tempfile
 import time
 
+import jax
 import numpy as np
 
+from benchmarks.common import REPO, machine_summary
+from gptj_flax import data, partitioning
+from gptj_flax.config import cli_path, load_config
 from gptj_flax.data import tfrecord
 from gptj_flax.data.corpus import stdlib_sources
-from gptj_flax.data.iterator import make_train_iterator
-from gptj_flax.data.tokenizer import train_bpe_tokenizer
+from gptj_flax.model import GPTJ
+from gptj_flax.training import optimizer, steps
+
+DEMO_CONFIG = str(REPO / "configs" / "demo_cpu.json")
 
 
 def _timed_batches(iterator, n_batches: int) -> tuple[float, float, int]:
@@ -70,8 +81,8 @@ def benchmark_pipeline(
         index = os.path.join(tmp, "bench.index")
         tfrecord.write_index(index, paths, runs, seq_len=seq_len, eos_id=50256)
         start = time.perf_counter()
-        iterator = make_train_iterator(index, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
-                                       process_index=0, process_count=1, progress=False)
+        iterator = data.make_train_iterator(index, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
+                                            process_index=0, process_count=1, progress=False)
         open_s = time.perf_counter() - start
         batches_s, first_s, slots = _timed_batches(iterator, n_batches)
         results = {"tfrecord_tokens_per_s": slots / batches_s, "tfrecord_open_s": open_s,
@@ -80,10 +91,10 @@ def benchmark_pipeline(
     # (b) Raw text, tokenised when the source opens.
     files = text_files or default_text_files(text_bytes)
     if tokenizer is None:
-        tokenizer = train_bpe_tokenizer(files, vocab_size=8192)
+        tokenizer = data.train_bpe_tokenizer(files, vocab_size=8192)
     start = time.perf_counter()
-    iterator = make_train_iterator(files, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
-                                   tokenizer=tokenizer, process_index=0, process_count=1, progress=False)
+    iterator = data.make_train_iterator(files, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
+                                        tokenizer=tokenizer, process_index=0, process_count=1, progress=False)
     open_s = time.perf_counter() - start
     corpus_tokens = int(sum(int(shard.lengths.sum()) for shard in iterator.source.shards))
     batches_s, _, slots = _timed_batches(iterator, n_batches)
@@ -93,3 +104,51 @@ def benchmark_pipeline(
         "text_tokens_per_s": slots / (open_s + batches_s),
     })
     return results
+
+
+def demo_step_tokens_per_s(config_path: str = DEMO_CONFIG, repeats: int = 5) -> float:
+    """Tokens/s of the demo config's train step (its mesh, batch and sequence length), steady state."""
+    config = load_config(config_path)
+    mesh = partitioning.make_mesh(config.mesh)
+    model, tc = GPTJ(config.model), config.train
+    tx = optimizer.make_optimizer(tc)
+    step = steps.compile_train_step(model, tx, mesh, steps.state_shardings(model, tx, mesh),
+                                    optimizer.schedule(tc), accumulated=True)
+    seq = tc.seq_len or config.model.max_len
+    batch_size = tc.global_batch_size(mesh.shape["data"] * mesh.shape["fsdp"])
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (tc.grad_accum_steps, batch_size, seq + 1))
+    batch = data.make_batch(tokens.astype(np.int32), np.full(tokens.shape[:2], seq + 1), None)
+    state = steps.create_state(model, tx, mesh, jax.random.key(0))
+    with partitioning.activate(mesh):
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+    return repeats * tokens[..., 1:].size / (time.perf_counter() - start)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", default=DEMO_CONFIG, type=cli_path,
+                        help="the train step to compare with (default: the repository's configs/demo_cpu.json)")
+    parser.add_argument("--batches", type=int, default=128, help="batches read from each pipeline")
+    parser.add_argument("--text-bytes", type=int, default=4 << 20,
+                        help="bytes of the standard library's sources tokenised by the text pipeline (default 4 MiB)")
+
+
+def run(args) -> None:
+    if args.batches < 1 or args.text_bytes < 1:
+        raise SystemExit("error: --batches and --text-bytes must be >= 1")
+    config = load_config(args.config)
+    seq = config.train.seq_len or config.model.max_len
+    mesh_shape = config.mesh.resolve(jax.device_count())
+    batch = config.train.global_batch_size(mesh_shape[0] * mesh_shape[1])
+    print(machine_summary())
+    pipe = benchmark_pipeline(seq_len=seq, batch_size=batch, n_batches=args.batches,
+                              grad_accum=config.train.grad_accum_steps, text_bytes=args.text_bytes)
+    step = demo_step_tokens_per_s(args.config)
+    print(f"input pipeline vs the train step of {args.config} (batch {batch} x {seq + 1} tokens)")
+    print(f"  train step consumes            {step:12,.0f} tokens/s")
+    for label, key in (("pre-tokenised TFRecords", "tfrecord_tokens_per_s"), ("text, tokenised on the fly", "text_tokens_per_s")):
+        print(f"  {label:30s} {pipe[key]:12,.0f} tokens/s  = {pipe[key] / step:7.1f}x the step")

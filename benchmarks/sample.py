@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 import tempfile
 import time
 
 import numpy as np
 
-# ~25M parameters: 27.3M with the embedding and LM head.
-BENCH_MODEL = dict(n_layers=6, d_model=512, n_heads=8, rotary_dim=64, vocab_size=8192, max_len=512,
-                   dtype="float32", param_dtype="float32")
+from benchmarks.common import BENCH_MODEL, hf_gptj_config, load_average, machine_summary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,15 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _hf_model(config):
     """A random HuggingFace GPT-J of ``config``'s shape (HF's own initialisation), greedy without EOS."""
     import torch
-    from transformers import GPTJConfig, GPTJForCausalLM
+    from transformers import GPTJForCausalLM
 
     torch.manual_seed(0)
-    hf_config = GPTJConfig(
-        vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model, n_layer=config.n_layers,
-        n_head=config.n_heads, rotary_dim=config.rotary_dim, n_inner=config.d_ff, activation_function="gelu_new",
-        layer_norm_epsilon=config.layer_norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=0,
-    )
+    hf_config = hf_gptj_config(config, eos_token_id=None, pad_token_id=0)
     return _without_eos(GPTJForCausalLM(hf_config).float().eval())
 
 
@@ -144,31 +136,31 @@ def run(args: argparse.Namespace) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from gptj_flax.config import ModelConfig
     from gptj_flax.convert.hf_names import params_from_hf
     from gptj_flax.sampling.api import LanguageModel
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if min(batch_sizes) < 1 or args.new_tokens < 2 or args.repeats < 1:
-        raise SystemExit("batch sizes and --repeats must be >= 1, --new-tokens >= 2")
-    if args.prompt_tokens < 1 or args.prompt_tokens + args.new_tokens > BENCH_MODEL["max_len"]:
-        raise SystemExit(f"need 1 <= --prompt-tokens and prompt + new tokens <= {BENCH_MODEL['max_len']}")
+        raise SystemExit("error: batch sizes and --repeats must be >= 1, --new-tokens >= 2")
+    if args.prompt_tokens < 1 or args.prompt_tokens + args.new_tokens > BENCH_MODEL.max_len:
+        raise SystemExit(f"error: need 1 <= --prompt-tokens and prompt + new tokens <= {BENCH_MODEL.max_len}")
     torch.set_num_threads(args.torch_threads)
     hf_logging.disable_progress_bar()  # keep the report readable
-    config = ModelConfig(**BENCH_MODEL)
+    config = BENCH_MODEL
     hf = _hf_model(config)
     state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     params = params_from_hf(state, config)
     rng = np.random.default_rng(0)
     prompt_ids = rng.integers(0, config.vocab_size, size=(max(batch_sizes), args.prompt_tokens))
 
+    print(machine_summary())
     print(f"model: {config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads, rotary "
           f"{config.rotary_dim}, vocab {config.vocab_size}: {config.param_count() / 1e6:.1f}M parameters, float32")
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens per row, greedy, KV cache on both sides; "
           f"jax {jax.__version__} on one {jax.devices()[0].platform} device, "
           f"torch {torch.__version__} with {torch.get_num_threads()} threads; best of {args.repeats}\n")
 
-    load_before = os.getloadavg()[0]
+    load_before = load_average()
     cold = _load_to_first_token(config, params, list(prompt_ids[0]))
     lm = LanguageModel(config, params)
     ours = [_best_times(list(_ours(lm, prompt_ids[:batch], args.new_tokens)), args.repeats) for batch in batch_sizes]
@@ -193,4 +185,4 @@ def run(args: argparse.Namespace) -> None:
     print("\n(ratio: how many times faster gptj_flax is)")
     print(f"gptj_flax load() of an Orbax checkpoint to first token (restore + compile + prefill): {cold:.2f} s")
     # Both sides share the machine's cores: other processes running at the same time skew the ratios.
-    print(f"load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}")
+    print(f"load average before / after: {load_before:.2f} / {load_average():.2f}")

@@ -14,22 +14,7 @@ above, ``\\n-----\\n`` included (the model learns to end a thread the way GPT-4c
 A literal ``<|endoftext|>`` inside a post splits the thread there, as it splits documents everywhere
 in this package. Threads keep their dump order (the training iterator does the shuffling).
 
-HTML → text (a real parser, :class:`html.parser.HTMLParser`, never regexes):
-
-* text content is kept verbatim — entities decoded (``&gt;`` → ``>``, ``&#039;`` → ``'``), no
-  whitespace collapsing (the original did none) — and tags are dropped, so a quote link
-  ``<a class="quotelink">&gt;&gt;123</a>`` gives ``>>123`` and ``<span class="quote">&gt;x</span>``
-  gives ``>x``; comments and ``<wbr>`` (a word-break hint) give nothing;
-* ``<br>`` (also ``<br/>`` and the stray ``</br>`` browsers read as ``<br>``) gives ``\\n``;
-* a block element (``p``, ``div``, ``pre``, ``li``, ``blockquote``, ``h1``…) ends with ``\\n`` and starts
-  on a new line (a ``\\n`` only if the text so far does not already end with one); ``<hr>`` gives ``\\n``;
-* finally the post's text is stripped of leading and trailing whitespace (``str.strip``), as the
-  original did: trailing ``<br>``s and block ends never leave blank lines, so the only newline after
-  a post is the one joining it to the next.
-
-On 4chan's markup (``<br>``, ``<wbr>``, ``<a>``, ``<span>``, ``<s>``, entities) this gives what the
-original (BeautifulSoup + lxml) gave; it differs only around block elements, where the original put
-the newline before a ``<p>`` and none after it or around a ``<div>``.
+Each post's HTML body becomes text by the rules of :mod:`~gptj_flax.gpt4chan.post_html`.
 
 Malformed input is counted and reported with its line number, never fatal unless ``strict``:
 
@@ -60,11 +45,9 @@ import gzip
 import json
 import multiprocessing
 import os
-import random
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from html.parser import HTMLParser
 
 import numpy as np
 import zstandard
@@ -75,19 +58,13 @@ from gptj_flax.data import tfrecord
 from gptj_flax.data.create import CreateResult
 from gptj_flax.data.errors import DataError, DataWarning
 from gptj_flax.data.tokenizer import encode_documents, eos_token_id, load_tokenizer
+from gptj_flax.gpt4chan.post_html import html_to_text
 
 THREAD_END = "\n-----\n"
 DEFAULT_CHUNK_BYTES = 1 << 20
 # Chunks submitted but not yet written, per worker: enough to keep workers busy while the main
 # process writes, few enough that memory stays a small multiple of chunk_bytes.
 IN_FLIGHT_PER_WORKER = 2
-
-# Elements a browser lays out as blocks: their text sits on lines of its own.
-BLOCK_TAGS = frozenset(
-    "address article aside blockquote dd details dialog div dl dt fieldset figcaption figure footer form "
-    "h1 h2 h3 h4 h5 h6 header li main nav ol p pre section summary table tbody thead tfoot tr ul".split()
-)
-LINE_BREAK_TAGS = frozenset({"br", "hr"})
 
 # Problem kinds, as counted in ThreadsResult.problems.
 BAD_UTF8 = "not UTF-8"
@@ -100,49 +77,6 @@ POST_WITHOUT_COM = "post without com"
 NO_USABLE_POSTS = "no usable posts"
 # Kinds after which the line's thread is not written at all.
 THREAD_SKIPPED = frozenset({BAD_UTF8, BAD_JSON, NOT_A_THREAD, NO_POSTS, NO_USABLE_POSTS})
-
-
-# --------------------------------------------------------------------------------------------
-# HTML → text
-
-
-class _TextExtractor(HTMLParser):
-    """Collects a comment's text content with line breaks where ``<br>`` and block elements put them."""
-
-    def __init__(self):
-        super().__init__(convert_charrefs=True)  # entities arrive decoded in handle_data
-        self.parts: list[str] = []
-
-    def _break_line(self) -> None:
-        if self.parts and not self.parts[-1].endswith("\n"):
-            self.parts.append("\n")
-
-    def handle_starttag(self, tag, attrs):
-        if tag in LINE_BREAK_TAGS:
-            self.parts.append("\n")
-        elif tag in BLOCK_TAGS:
-            self._break_line()
-
-    def handle_startendtag(self, tag, attrs):
-        # <br/> is one break; the default would also call handle_endtag and count it twice.
-        self.handle_starttag(tag, attrs)
-
-    def handle_endtag(self, tag):
-        if tag == "br" or tag in BLOCK_TAGS:  # browsers read a stray </br> as <br>
-            self.parts.append("\n")
-
-    def handle_data(self, data):
-        self.parts.append(data)
-
-
-def html_to_text(html: str) -> str:
-    """A post's HTML body (4chan's ``com``) as plain text; see the module docstring for the rules."""
-    if "<" not in html and "&" not in html:
-        return html.strip()  # most lines of most posts: nothing to parse
-    parser = _TextExtractor()
-    parser.feed(html)
-    parser.close()
-    return "".join(parser.parts).strip()
 
 
 # --------------------------------------------------------------------------------------------
@@ -556,56 +490,3 @@ def prepare_threads(
     return ThreadsResult(lines, threads, posts, malformed_lines, dict(counts), tuple(reported),
                          text_sink.path if text_sink else None, tfrecords, time.perf_counter() - start)
 
-
-# --------------------------------------------------------------------------------------------
-# Synthetic dumps (benchmarks, memory checks, tests)
-
-_WORDS = ("the of and to a in is that it was for on are as with they be at one have this from or had by "
-          "word but what some we can out other were all there when up use your how said an each she which "
-          "kek based cringe anon thread bump sage meme lurk post image board cope seethe").split()
-
-
-def write_synthetic_dump(path: str | os.PathLike, target_bytes: int, *, seed: int = 0) -> int:
-    """Write a plain ndjson dump of at least ``target_bytes`` in 4chan's shape; returns its thread count.
-
-    Bodies mix what real ones hold — ``<br>``, quote links, greentext spans, ``<wbr>`` in URLs,
-    escaped entities, non-ASCII text — and a few posts are empty or have no ``com`` (image-only).
-    Deterministic in ``seed``; nothing is held beyond one thread.
-    """
-    rng = random.Random(seed)
-    no = 10_000_000
-    written = n_threads = 0
-    with open(path, "w", encoding="utf-8") as f:
-        while written < target_bytes:
-            posts = []
-            for _ in range(rng.randint(1, 40)):
-                no += rng.randint(1, 5)
-                post = {"no": no, "time": 1_500_000_000 + no}
-                kind = rng.random()
-                if kind < 0.05:
-                    pass  # image-only: no com
-                elif kind < 0.08:
-                    post["com"] = ""
-                else:
-                    lines = []
-                    for _ in range(rng.randint(1, 6)):
-                        words = " ".join(rng.choices(_WORDS, k=rng.randint(1, 25)))
-                        roll = rng.random()
-                        if roll < 0.2:
-                            lines.append(f'<a href="#p{no - rng.randint(1, 50)}" class="quotelink">'
-                                         f'&gt;&gt;{no - rng.randint(1, 50)}</a>')
-                        elif roll < 0.35:
-                            lines.append(f'<span class="quote">&gt;{words}</span>')
-                        elif roll < 0.4:
-                            lines.append(f"https://example.com/{words.replace(' ', '_')[:40]}<wbr>/page")
-                        elif roll < 0.45:
-                            lines.append(f"{words} &quot;d&eacute;j&agrave; vu&quot; it&#039;s \u65e5\u672c \U0001f602")
-                        else:
-                            lines.append(words)
-                    post["com"] = "<br>".join(lines)
-                posts.append(post)
-            line = json.dumps({"posts": posts}) + "\n"
-            f.write(line)
-            written += len(line.encode("utf-8"))
-            n_threads += 1
-    return n_threads
