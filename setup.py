@@ -17,8 +17,10 @@ from setuptools.command.editable_wheel import editable_wheel
 # imports the hook only if it is there: an editable install whose checkout has moved or lost the
 # file says nothing at every interpreter start, rather than a traceback.
 PTH_NAME = "gptj_flax_lm_eval.pth"
-PTH_LINE = (b"import importlib.util; importlib.util.find_spec('_gptj_flax_lm_eval_hook') "
-            b"and __import__('_gptj_flax_lm_eval_hook')\n")
+PTH_LINE = (
+    b"import importlib.util; importlib.util.find_spec('_gptj_flax_lm_eval_hook') "
+    b"and __import__('_gptj_flax_lm_eval_hook')\n"
+)
 
 
 class BuildPy(build_py):
@@ -56,8 +58,10 @@ class EditableWheel(editable_wheel):
         self.pth_written = False
         super().run()
         if not self.pth_written:  # a setuptools that no longer calls _select_strategy: fail, not a silent miss
-            raise RuntimeError(f"setup.py could not add {PTH_NAME} to the editable wheel: "
-                               "see EditableWheel for the setuptools internals it relies on")
+            raise RuntimeError(
+                f"setup.py could not add {PTH_NAME} to the editable wheel: "
+                "see EditableWheel for the setuptools internals it relies on"
+            )
 
 
 setup(cmdclass={"build_py": BuildPy, "editable_wheel": EditableWheel})

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gptj_flax.config import ModelConfig
+from gptj_flax.config import ModelConfig, jnp_dtype
 from gptj_flax.convert import safetensors_io
 from gptj_flax.convert.common import atomic_directory, progress
-from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE, HF_DTYPES, hf_config_dict
+from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE, hf_config_dict
 from gptj_flax.convert.hf_names import hf_names, hf_shape
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,8 +21,16 @@ REPO = Path(__file__).resolve().parent.parent
 # The model of the train, sample and serve benchmarks: 27.3M parameters with the embedding and LM
 # head. max_len bounds the sample benchmark's prompt + new tokens; the train benchmark sets it to
 # its sequence length (rotary positions: the parameter count does not depend on it).
-BENCH_MODEL = ModelConfig(n_layers=6, d_model=512, n_heads=8, rotary_dim=64, vocab_size=8192, max_len=512,
-                          dtype="float32", param_dtype="float32")
+BENCH_MODEL = ModelConfig(
+    n_layers=6,
+    d_model=512,
+    n_heads=8,
+    rotary_dim=64,
+    vocab_size=8192,
+    max_len=512,
+    dtype="float32",
+    param_dtype="float32",
+)
 
 
 def hf_gptj_config(config: ModelConfig, **overrides):
@@ -33,10 +41,21 @@ def hf_gptj_config(config: ModelConfig, **overrides):
     from transformers import GPTJConfig
 
     fields = dict(
-        vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model, n_layer=config.n_layers,
-        n_head=config.n_heads, rotary_dim=config.rotary_dim, n_inner=config.d_ff, activation_function="gelu_new",
-        layer_norm_epsilon=config.layer_norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+        vocab_size=config.vocab_size,
+        n_positions=config.max_len,
+        n_embd=config.d_model,
+        n_layer=config.n_layers,
+        n_head=config.n_heads,
+        rotary_dim=config.rotary_dim,
+        n_inner=config.d_ff,
+        activation_function="gelu_new",
+        layer_norm_epsilon=config.layer_norm_eps,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return GPTJConfig(**{**fields, **overrides})
 
@@ -44,8 +63,9 @@ def hf_gptj_config(config: ModelConfig, **overrides):
 def cpu_model() -> str:
     """The CPU's model name as ``lscpu`` or ``/proc/cpuinfo`` gives it; the architecture if neither does."""
     try:
-        listing = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
-                                 env={**os.environ, "LC_ALL": "C"}).stdout
+        listing = subprocess.run(
+            ["lscpu"], capture_output=True, text=True, timeout=10, env={**os.environ, "LC_ALL": "C"}
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         listing = ""
     try:
@@ -69,19 +89,28 @@ def machine_summary() -> str:
     return f"machine: {cpu_model()}, {os.cpu_count()} CPUs, load average {load_average():.2f}"
 
 
-def write_random_hf(out: str | os.PathLike, config: ModelConfig, *, seed: int = 0, dtype: str = "fp32",
-                    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
+def write_random_hf(
+    out: str | os.PathLike,
+    config: ModelConfig,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
     """A random GPT-J of ``config``'s shape as a HF directory, generated and written tensor by tensor.
 
     For benchmarks and memory measurements of the converters at sizes no test can hold in memory.
     """
     rng = np.random.default_rng(seed)
-    np_dtype = HF_DTYPES[dtype]
+    np_dtype = np.dtype(jnp_dtype(dtype))
     plan = [(name, hf_shape(name, config), np_dtype) for name in hf_names(config)]
     with atomic_directory(out) as tmp:
-        with safetensors_io.ShardedWriter(tmp, plan, safetensors_io.parse_size(max_shard_size),
-                                          metadata={"format": "pt"}) as writer, \
-                progress(writer.total_bytes, "writing random weights") as bar:
+        with (
+            safetensors_io.ShardedWriter(
+                tmp, plan, safetensors_io.parse_size(max_shard_size), metadata={"format": "pt"}
+            ) as writer,
+            progress(writer.total_bytes, "writing random weights") as bar,
+        ):
             for name, shape, _ in plan:
                 tensor = rng.standard_normal(shape, dtype=np.float32)
                 tensor *= 0.02

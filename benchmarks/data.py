@@ -47,8 +47,15 @@ def default_text_files(max_bytes: int) -> list[str]:
 
 
 def benchmark_pipeline(
-    *, seq_len: int = 2048, batch_size: int = 16, n_batches: int = 128, grad_accum: int | None = None,
-    n_files: int = 4, text_files: list[str] | None = None, text_bytes: int = 4 << 20, tokenizer=None,
+    *,
+    seq_len: int = 2048,
+    batch_size: int = 16,
+    n_batches: int = 128,
+    grad_accum: int | None = None,
+    n_files: int = 4,
+    text_files: list[str] | None = None,
+    text_bytes: int = 4 << 20,
+    tokenizer=None,
     workdir: str | None = None,
 ) -> dict[str, float]:
     """Tokens per second the pipeline delivers, from (a) pre-tokenised TFRecords and (b) raw text.
@@ -81,28 +88,51 @@ def benchmark_pipeline(
         index = os.path.join(tmp, "bench.index")
         tfrecord.write_index(index, paths, runs, seq_len=seq_len, eos_id=50256)
         start = time.perf_counter()
-        iterator = data.make_train_iterator(index, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
-                                            process_index=0, process_count=1, progress=False)
+        iterator = data.make_train_iterator(
+            index,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            grad_accum=grad_accum,
+            process_index=0,
+            process_count=1,
+            progress=False,
+        )
         open_s = time.perf_counter() - start
         batches_s, first_s, slots = _timed_batches(iterator, n_batches)
-        results = {"tfrecord_tokens_per_s": slots / batches_s, "tfrecord_open_s": open_s,
-                   "tfrecord_first_batch_s": first_s, "tfrecord_batches_s": batches_s}
+        results = {
+            "tfrecord_tokens_per_s": slots / batches_s,
+            "tfrecord_open_s": open_s,
+            "tfrecord_first_batch_s": first_s,
+            "tfrecord_batches_s": batches_s,
+        }
 
     # (b) Raw text, tokenised when the source opens.
     files = text_files or default_text_files(text_bytes)
     if tokenizer is None:
         tokenizer = data.train_bpe_tokenizer(files, vocab_size=8192)
     start = time.perf_counter()
-    iterator = data.make_train_iterator(files, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
-                                        tokenizer=tokenizer, process_index=0, process_count=1, progress=False)
+    iterator = data.make_train_iterator(
+        files,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        tokenizer=tokenizer,
+        process_index=0,
+        process_count=1,
+        progress=False,
+    )
     open_s = time.perf_counter() - start
     corpus_tokens = int(sum(int(shard.lengths.sum()) for shard in iterator.source.shards))
     batches_s, _, slots = _timed_batches(iterator, n_batches)
-    results.update({
-        "text_tokenize_tokens_per_s": corpus_tokens / open_s, "text_open_s": open_s,
-        "text_corpus_tokens": corpus_tokens, "text_batch_tokens_per_s": slots / batches_s,
-        "text_tokens_per_s": slots / (open_s + batches_s),
-    })
+    results.update(
+        {
+            "text_tokenize_tokens_per_s": corpus_tokens / open_s,
+            "text_open_s": open_s,
+            "text_corpus_tokens": corpus_tokens,
+            "text_batch_tokens_per_s": slots / batches_s,
+            "text_tokens_per_s": slots / (open_s + batches_s),
+        }
+    )
     return results
 
 
@@ -112,14 +142,15 @@ def demo_step_tokens_per_s(config_path: str = DEMO_CONFIG, repeats: int = 5) -> 
     mesh = partitioning.make_mesh(config.mesh)
     model, tc = GPTJ(config.model), config.train
     tx = optimizer.make_optimizer(tc)
-    step = steps.compile_train_step(model, tx, mesh, steps.state_shardings(model, tx, mesh),
-                                    optimizer.schedule(tc), accumulated=True)
+    step = steps.compile_train_step(
+        model, tx, mesh, steps.state_shardings(model, tx, mesh), optimizer.schedule(tc), accumulated=True
+    )
     seq = tc.seq_len or config.model.max_len
     batch_size = tc.global_batch_size(mesh.shape["data"] * mesh.shape["fsdp"])
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (tc.grad_accum_steps, batch_size, seq + 1))
     batch = data.make_batch(tokens.astype(np.int32), np.full(tokens.shape[:2], seq + 1), None)
     state = steps.create_state(model, tx, mesh, jax.random.key(0))
-    with partitioning.activate(mesh):
+    with partitioning.sharding_scope(mesh):
         state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         start = time.perf_counter()
@@ -130,11 +161,19 @@ def demo_step_tokens_per_s(config_path: str = DEMO_CONFIG, repeats: int = 5) -> 
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--config", default=DEMO_CONFIG, type=cli_path,
-                        help="the train step to compare with (default: the repository's configs/demo_cpu.json)")
+    parser.add_argument(
+        "--config",
+        default=DEMO_CONFIG,
+        type=cli_path,
+        help="the train step to compare with (default: the repository's configs/demo_cpu.json)",
+    )
     parser.add_argument("--batches", type=int, default=128, help="batches read from each pipeline")
-    parser.add_argument("--text-bytes", type=int, default=4 << 20,
-                        help="bytes of the standard library's sources tokenised by the text pipeline (default 4 MiB)")
+    parser.add_argument(
+        "--text-bytes",
+        type=int,
+        default=4 << 20,
+        help="bytes of the standard library's sources tokenised by the text pipeline (default 4 MiB)",
+    )
 
 
 def run(args) -> None:
@@ -145,10 +184,18 @@ def run(args) -> None:
     mesh_shape = config.mesh.resolve(jax.device_count())
     batch = config.train.global_batch_size(mesh_shape[0] * mesh_shape[1])
     print(machine_summary())
-    pipe = benchmark_pipeline(seq_len=seq, batch_size=batch, n_batches=args.batches,
-                              grad_accum=config.train.grad_accum_steps, text_bytes=args.text_bytes)
+    pipe = benchmark_pipeline(
+        seq_len=seq,
+        batch_size=batch,
+        n_batches=args.batches,
+        grad_accum=config.train.grad_accum_steps,
+        text_bytes=args.text_bytes,
+    )
     step = demo_step_tokens_per_s(args.config)
     print(f"input pipeline vs the train step of {args.config} (batch {batch} x {seq + 1} tokens)")
     print(f"  train step consumes            {step:12,.0f} tokens/s")
-    for label, key in (("pre-tokenised TFRecords", "tfrecord_tokens_per_s"), ("text, tokenised on the fly", "text_tokens_per_s")):
+    for label, key in (
+        ("pre-tokenised TFRecords", "tfrecord_tokens_per_s"),
+        ("text, tokenised on the fly", "text_tokens_per_s"),
+    ):
         print(f"  {label:30s} {pipe[key]:12,.0f} tokens/s  = {pipe[key] / step:7.1f}x the step")

@@ -52,8 +52,11 @@ def _ours(lm, prompts: np.ndarray, new_tokens: int):
     from gptj_flax.sampling.samplers import SamplingParams
 
     batch = len(prompts)
-    kwargs = dict(sampling=SamplingParams.build(batch, temperature=0.0), seeds=np.zeros(batch, np.uint32),
-                  eos_id=np.full(batch, -1, np.int32))
+    kwargs = dict(
+        sampling=SamplingParams.build(batch, temperature=0.0),
+        seeds=np.zeros(batch, np.uint32),
+        eos_id=np.full(batch, -1, np.int32),
+    )
 
     def prefill():
         return lm.decoder.start(list(prompts), max_new_tokens=np.full(batch, new_tokens), **kwargs)
@@ -75,8 +78,9 @@ def _huggingface(model, prompts: np.ndarray, new_tokens: int):
 
     def generate(n):
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                                 use_cache=True)
+            out = model.generate(
+                ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n, use_cache=True
+            )
         assert out.shape[1] == ids.shape[1] + n
 
     return lambda: generate(1), lambda: generate(new_tokens)
@@ -99,8 +103,9 @@ def _best_times(functions, repeats: int) -> list[float]:
     return best
 
 
-def _huggingface_times(model_dir: str, prompt_ids: np.ndarray, batch_sizes: list[int], new_tokens: int,
-                       repeats: int, threads: int) -> list[list[float]]:
+def _huggingface_times(
+    model_dir: str, prompt_ids: np.ndarray, batch_sizes: list[int], new_tokens: int, repeats: int, threads: int
+) -> list[list[float]]:
     """(prefill, full generation) best times per batch size, in a process of its own.
 
     A fresh process keeps the two runtimes' thread pools apart: threads of one still spinning
@@ -154,11 +159,15 @@ def run(args: argparse.Namespace) -> None:
     prompt_ids = rng.integers(0, config.vocab_size, size=(max(batch_sizes), args.prompt_tokens))
 
     print(machine_summary())
-    print(f"model: {config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads, rotary "
-          f"{config.rotary_dim}, vocab {config.vocab_size}: {config.param_count() / 1e6:.1f}M parameters, float32")
-    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens per row, greedy, KV cache on both sides; "
-          f"jax {jax.__version__} on one {jax.devices()[0].platform} device, "
-          f"torch {torch.__version__} with {torch.get_num_threads()} threads; best of {args.repeats}\n")
+    print(
+        f"model: {config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads, rotary "
+        f"{config.rotary_dim}, vocab {config.vocab_size}: {config.param_count() / 1e6:.1f}M parameters, float32"
+    )
+    print(
+        f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens per row, greedy, KV cache on both sides; "
+        f"jax {jax.__version__} on one {jax.devices()[0].platform} device, "
+        f"torch {torch.__version__} with {torch.get_num_threads()} threads; best of {args.repeats}\n"
+    )
 
     load_before = load_average()
     cold = _load_to_first_token(config, params, list(prompt_ids[0]))
@@ -167,18 +176,29 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         hf.save_pretrained(model_dir)
         with multiprocessing.get_context("spawn").Pool(1) as pool:
-            theirs = pool.apply(_huggingface_times, (model_dir, prompt_ids, batch_sizes, args.new_tokens,
-                                                     args.repeats, args.torch_threads))
+            theirs = pool.apply(
+                _huggingface_times,
+                (model_dir, prompt_ids, batch_sizes, args.new_tokens, args.repeats, args.torch_threads),
+            )
     rows = []
     for batch, (ours_prefill, ours_full), (hf_prefill, hf_full) in zip(batch_sizes, ours, theirs):
         decoded = batch * (args.new_tokens - 1)
         ours_tps, hf_tps = decoded / (ours_full - ours_prefill), decoded / (hf_full - hf_prefill)
         rows.append((batch, ours_tps, hf_tps, ours_prefill, hf_prefill))
 
-    header = ("batch", "decode tok/s gptj_flax", "decode tok/s torch", "ratio",
-              "prefill ms gptj_flax", "prefill ms torch", "ratio")
-    body = [(str(b), f"{o:,.0f}", f"{h:,.0f}", f"{o / h:.2f}x", f"{op * 1e3:.1f}", f"{hp * 1e3:.1f}", f"{hp / op:.2f}x")
-            for b, o, h, op, hp in rows]
+    header = (
+        "batch",
+        "decode tok/s gptj_flax",
+        "decode tok/s torch",
+        "ratio",
+        "prefill ms gptj_flax",
+        "prefill ms torch",
+        "ratio",
+    )
+    body = [
+        (str(b), f"{o:,.0f}", f"{h:,.0f}", f"{o / h:.2f}x", f"{op * 1e3:.1f}", f"{hp * 1e3:.1f}", f"{hp / op:.2f}x")
+        for b, o, h, op, hp in rows
+    ]
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
     for line in (header, ["-" * w for w in widths], *body):
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))

@@ -41,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts (default 1,8,32)")
     parser.add_argument("--seconds", type=float, default=20, help="measured time per concurrency (default 20)")
     parser.add_argument("--new-tokens", type=int, default=64, help="max_tokens of each request (default 64)")
-    parser.add_argument("--max-batch", type=int, help="--max-batch of the server it starts (not with --url; "
-                                                         "default 32)")
+    parser.add_argument(
+        "--max-batch", type=int, help="--max-batch of the server it starts (not with --url; default 32)"
+    )
 
 
 @dataclasses.dataclass
@@ -81,8 +82,12 @@ async def _round(http: httpx.AsyncClient, clients: int, seconds: float, new_toke
     async def client(c: int) -> None:
         nonlocal tokens
         for r in itertools.count():
-            body = {"prompt": _prompt(c + r), "max_tokens": new_tokens, "temperature": 0.8,
-                    "seed": (seed + 1000 * c + r) % 2**31}
+            body = {
+                "prompt": _prompt(c + r),
+                "max_tokens": new_tokens,
+                "temperature": 0.8,
+                "seed": (seed + 1000 * c + r) % 2**31,
+            }
             sent = time.perf_counter()
             response = await http.post("/v1/completions", json=body)
             latencies.append(time.perf_counter() - sent)
@@ -97,12 +102,19 @@ async def _round(http: httpx.AsyncClient, clients: int, seconds: float, new_toke
     elapsed = time.perf_counter() - start
     after = _batch_totals((await http.get("/metrics")).text)
     batches = after[1] - before[1]
-    return Round(clients, len(latencies), elapsed, tokens, latencies,
-                 (after[0] - before[0]) / batches if batches else float("nan"))
+    return Round(
+        clients,
+        len(latencies),
+        elapsed,
+        tokens,
+        latencies,
+        (after[0] - before[0]) / batches if batches else float("nan"),
+    )
 
 
-async def _measure(url: str, api_key: str | None, concurrency: list[int], seconds: float,
-                   new_tokens: int) -> list[Round]:
+async def _measure(
+    url: str, api_key: str | None, concurrency: list[int], seconds: float, new_tokens: int
+) -> list[Round]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(concurrency))
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as http:
@@ -131,9 +143,12 @@ def _write_model(directory: str) -> str:
     checkpointer.save(0, params=params, config=Config(model=config))
     checkpointer.close()
     train_bpe_tokenizer(stdlib_sources()[:300], vocab_size=TOKENIZER_VOCAB).save_pretrained(
-        os.path.join(directory, "tokenizer"))
-    return (f"random GPT-J, {config.param_count() / 1e6:.1f}M parameters ({config.n_layers} layers, d_model "
-            f"{config.d_model}, vocab {config.vocab_size}, context {config.max_len}), {config.dtype}")
+        os.path.join(directory, "tokenizer")
+    )
+    return (
+        f"random GPT-J, {config.param_count() / 1e6:.1f}M parameters ({config.n_layers} layers, d_model "
+        f"{config.d_model}, vocab {config.vocab_size}, context {config.max_len}), {config.dtype}"
+    )
 
 
 def _free_port() -> int:
@@ -148,13 +163,23 @@ def _start_server(checkpoint: str, max_batch: int, new_tokens: int) -> tuple[sub
     from gptj_flax.serving.settings import env_name
 
     port = _free_port()
-    settings = {"checkpoint": checkpoint, "port": port, "max_batch": max_batch, "warmup_tokens": new_tokens,
-                "log_level": "warning"}
+    settings = {
+        "checkpoint": checkpoint,
+        "port": port,
+        "max_batch": max_batch,
+        "warmup_tokens": new_tokens,
+        "log_level": "warning",
+    }
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": python_path, **{env_name(name): str(v) for name, v in settings.items()}}
     process = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from gptj_flax.serving import serve, settings_from; "
-                               "sys.exit(serve(settings_from()))"], env=env)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from gptj_flax.serving import serve, settings_from; sys.exit(serve(settings_from()))",
+        ],
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 1800
     while time.monotonic() < deadline and process.poll() is None:
@@ -197,11 +222,23 @@ def run(args: argparse.Namespace) -> None:
                 process.terminate()  # SIGTERM: the server drains and exits
                 process.wait(120)
     print(machine)
-    print(f"{target}\n/v1/completions: prompts of ~12 tokens, max_tokens {args.new_tokens}, temperature 0.8; each "
-          f"client sends its next request when answered, for {args.seconds:g} s per row\n")
+    print(
+        f"{target}\n/v1/completions: prompts of ~12 tokens, max_tokens {args.new_tokens}, temperature 0.8; each "
+        f"client sends its next request when answered, for {args.seconds:g} s per row\n"
+    )
     header = ("clients", "requests", "requests/s", "gen tokens/s", "p50 latency s", "p99 latency s", "mean batch")
-    body = [(str(r.clients), str(r.requests), f"{r.requests / r.seconds:.2f}", f"{r.tokens / r.seconds:,.0f}",
-             f"{r.percentile(0.5):.2f}", f"{r.percentile(0.99):.2f}", f"{r.mean_batch:.1f}") for r in rounds]
+    body = [
+        (
+            str(r.clients),
+            str(r.requests),
+            f"{r.requests / r.seconds:.2f}",
+            f"{r.tokens / r.seconds:,.0f}",
+            f"{r.percentile(0.5):.2f}",
+            f"{r.percentile(0.99):.2f}",
+            f"{r.mean_batch:.1f}",
+        )
+        for r in rounds
+    ]
     widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(header)]
     for line in (header, ["-" * w for w in widths], *body):
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
@@ -209,5 +246,7 @@ def run(args: argparse.Namespace) -> None:
     if single is not None:
         for r in rounds:
             if r.clients > 1:
-                print(f"{r.clients} clients: {(r.tokens / r.seconds) / (single.tokens / single.seconds):.1f}x the "
-                      f"generated tokens/s of 1 client")
+                print(
+                    f"{r.clients} clients: {(r.tokens / r.seconds) / (single.tokens / single.seconds):.1f}x the "
+                    f"generated tokens/s of 1 client"
+                )

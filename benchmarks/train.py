@@ -51,8 +51,9 @@ def ours(config: ModelConfig, tokens: np.ndarray, repeats: int, mesh_shape=(1, 1
     mesh = partitioning.make_mesh(mesh_shape)
     tx = optimizer.make_optimizer(train)
     state = steps.create_state(model, tx, mesh, jax.random.key(0))
-    step = steps.compile_train_step(model, tx, mesh, steps.state_shardings(model, tx, mesh),
-                                    optimizer.schedule(train), accumulated=False)
+    step = steps.compile_train_step(
+        model, tx, mesh, steps.state_shardings(model, tx, mesh), optimizer.schedule(train), accumulated=False
+    )
     batch = Batch(tokens, np.ones_like(tokens), np.ones(tokens[:, 1:].shape, np.float32))
     holder = {"state": state}
 
@@ -60,7 +61,7 @@ def ours(config: ModelConfig, tokens: np.ndarray, repeats: int, mesh_shape=(1, 1
         holder["state"], metrics = step(holder["state"], batch)
         jax.block_until_ready(metrics)
 
-    with partitioning.activate(mesh):
+    with partitioning.sharding_scope(mesh):
         return _timed(run, repeats)
 
 
@@ -82,8 +83,14 @@ def huggingface(config: ModelConfig, tokens: np.ndarray, repeats: int) -> float:
     return _timed(run, repeats)
 
 
-def measure(batch_size: int = 8, seq_len: int = 256, repeats: int = 5, threads: int | None = None,
-            config: ModelConfig = BENCH_MODEL, matmul_size: int = 2048) -> dict:
+def measure(
+    batch_size: int = 8,
+    seq_len: int = 256,
+    repeats: int = 5,
+    threads: int | None = None,
+    config: ModelConfig = BENCH_MODEL,
+    matmul_size: int = 2048,
+) -> dict:
     import torch
 
     if threads:
@@ -96,23 +103,33 @@ def measure(batch_size: int = 8, seq_len: int = 256, repeats: int = 5, threads: 
     ours_s = ours(config, tokens, repeats)
     hf_s = huggingface(config, tokens, repeats)
     return {
-        "params": config.param_count(), "batch": batch_size, "seq_len": seq_len, "matmul_size": matmul_size,
-        "ours_tokens_per_s": n_tokens / ours_s, "hf_tokens_per_s": n_tokens / hf_s, "speedup": hf_s / ours_s,
-        "ours_flops": flops / ours_s, "hf_flops": flops / hf_s, "jax_matmul_flops": jax_mm, "torch_matmul_flops": torch_mm,
+        "params": config.param_count(),
+        "batch": batch_size,
+        "seq_len": seq_len,
+        "matmul_size": matmul_size,
+        "ours_tokens_per_s": n_tokens / ours_s,
+        "hf_tokens_per_s": n_tokens / hf_s,
+        "speedup": hf_s / ours_s,
+        "ours_flops": flops / ours_s,
+        "hf_flops": flops / hf_s,
+        "jax_matmul_flops": jax_mm,
+        "torch_matmul_flops": torch_mm,
     }
 
 
 def report(r: dict) -> str:
     g = 1e9
-    return "\n".join([
-        f"train step, {r['params'] / 1e6:.1f}M-parameter GPT-J, batch {r['batch']} x {r['seq_len']} tokens, float32, AdamW",
-        f"  matmul ceiling ({r['matmul_size']}^3 f32):  jax {r['jax_matmul_flops'] / g:7.1f} GFLOP/s   torch {r['torch_matmul_flops'] / g:7.1f} GFLOP/s",
-        f"  gptj_flax       {r['ours_tokens_per_s']:9.0f} tokens/s   {r['ours_flops'] / g:7.1f} GFLOP/s "
-        f"({100 * r['ours_flops'] / r['jax_matmul_flops']:.0f}% of jax matmul)",
-        f"  HF PyTorch      {r['hf_tokens_per_s']:9.0f} tokens/s   {r['hf_flops'] / g:7.1f} GFLOP/s "
-        f"({100 * r['hf_flops'] / r['torch_matmul_flops']:.0f}% of torch matmul)",
-        f"  speed-up gptj_flax / PyTorch: {r['speedup']:.2f}x",
-    ])
+    return "\n".join(
+        [
+            f"train step, {r['params'] / 1e6:.1f}M-parameter GPT-J, batch {r['batch']} x {r['seq_len']} tokens, float32, AdamW",
+            f"  matmul ceiling ({r['matmul_size']}^3 f32):  jax {r['jax_matmul_flops'] / g:7.1f} GFLOP/s   torch {r['torch_matmul_flops'] / g:7.1f} GFLOP/s",
+            f"  gptj_flax       {r['ours_tokens_per_s']:9.0f} tokens/s   {r['ours_flops'] / g:7.1f} GFLOP/s "
+            f"({100 * r['ours_flops'] / r['jax_matmul_flops']:.0f}% of jax matmul)",
+            f"  HF PyTorch      {r['hf_tokens_per_s']:9.0f} tokens/s   {r['hf_flops'] / g:7.1f} GFLOP/s "
+            f"({100 * r['hf_flops'] / r['torch_matmul_flops']:.0f}% of torch matmul)",
+            f"  speed-up gptj_flax / PyTorch: {r['speedup']:.2f}x",
+        ]
+    )
 
 
 def add_arguments(parser) -> None:

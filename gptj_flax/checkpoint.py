@@ -141,8 +141,11 @@ def notice_if_unverified(step_dir: epath.Path, meta: Mapping[str, Any]) -> None:
     if meta.get(INTEGRITY_KEY) == CHUNK_CHECKSUMS or str(step_dir) in _UNVERIFIED_NOTICES:
         return
     _UNVERIFIED_NOTICES.add(str(step_dir))
-    log.warning("%s was written without chunk checksums (by an older gptj_flax): its data cannot be verified "
-                "as it loads. A step saved from it now (by training, or convert.py slim) has them.", step_dir)
+    log.warning(
+        "%s was written without chunk checksums (by an older gptj_flax): its data cannot be verified "
+        "as it loads. A step saved from it now (by training, or convert.py slim) has them.",
+        step_dir,
+    )
 
 
 def _first_line(error: BaseException) -> str:
@@ -172,8 +175,9 @@ def _data_loss(error: BaseException) -> BaseException | None:
     return None
 
 
-def corrupted(directory: epath.Path, step: int, item: str, error: BaseException,
-              steps: list[int]) -> CheckpointCorrupted | None:
+def corrupted(
+    directory: epath.Path, step: int, item: str, error: BaseException, steps: list[int]
+) -> CheckpointCorrupted | None:
     """The :class:`CheckpointCorrupted` for a read of ``item`` that failed with ``error``, else None."""
     loss = _data_loss(error)
     if loss is None:
@@ -184,18 +188,28 @@ def corrupted(directory: epath.Path, step: int, item: str, error: BaseException,
     detail = re.sub(r"\s*\[tensorstore_spec.*", "", text.rsplit('": ', 1)[-1])  # what TensorStore found
     earlier = [s for s in steps if s < step]
     previous = max(earlier) if earlier else None
-    advice = (f"The previous step is {previous}: load {directory / str(previous)} (or step={previous}) instead."
-              if previous is not None else "There is no earlier step in this directory.")
+    advice = (
+        f"The previous step is {previous}: load {directory / str(previous)} (or step={previous}) instead."
+        if previous is not None
+        else "There is no earlier step in this directory."
+    )
     return CheckpointCorrupted(
         f"checkpoint step {step} in {directory} is corrupted: the stored data of {what} of its {item} is damaged "
         f"({detail[:160]}); the step was not loaded. {advice}",
-        directory=directory, step=step, item=item, previous_step=previous)
+        directory=directory,
+        step=step,
+        item=item,
+        previous_step=previous,
+    )
 
 
 def _is_out_of_space(error: BaseException | None) -> bool:
-    return any((isinstance(cause, OSError) and cause.errno == errno.ENOSPC)
-               or "No space left on device" in str(cause) or "os_error_code='28'" in str(cause)
-               for cause in _causes(error))
+    return any(
+        (isinstance(cause, OSError) and cause.errno == errno.ENOSPC)
+        or "No space left on device" in str(cause)
+        or "os_error_code='28'" in str(cause)
+        for cause in _causes(error)
+    )
 
 
 class _QuietOrbax(logging.Filter):
@@ -267,8 +281,15 @@ def split_step_path(path: str | os.PathLike) -> tuple[epath.Path, int | None]:
 class Checkpointer:
     """Save and restore training state in ``directory`` (local path or ``gs://``)."""
 
-    def __init__(self, directory: str | os.PathLike, *, keep_last: int = 2, keep_every: int | None = None,
-                 async_save: bool = True, read_only: bool = False):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep_last: int = 2,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
         self.directory = absolute_path(directory)
         policies = [ocp.checkpoint_managers.LatestN(keep_last)]
         if keep_every:
@@ -285,9 +306,16 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint directory not found: {self.directory}")
         _install_log_filter()
         _ignore_callbacks_into_closed_loops()
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
-            "params": array_tree_handler(), "opt_state": array_tree_handler(),
-            "meta": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()})
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={
+                "params": array_tree_handler(),
+                "opt_state": array_tree_handler(),
+                "meta": ocp.JsonCheckpointHandler(),
+                "config": ocp.JsonCheckpointHandler(),
+            },
+        )
         self._saving: int | None = None  # the step of the save that may still be in flight
         self._failed_save_reported = False
         if not read_only and jax.process_index() == 0:
@@ -316,19 +344,26 @@ class Checkpointer:
         step = self.resolve_step(step)
         where = self.directory / str(step) / item
         if not where.exists():
-            raise CheckpointError(f"{where} is missing: step {step} is incomplete; use another step "
-                                  f"(available: {sorted(self.all_steps())})")
+            raise CheckpointError(
+                f"{where} is missing: step {step} is incomplete; use another step "
+                f"(available: {sorted(self.all_steps())})"
+            )
         try:
             raw = self._manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))[item]
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{where}/metadata is not valid JSON ({e}): step {step} is damaged; use another "
-                                  f"step (available: {sorted(self.all_steps())})") from None
+            raise CheckpointError(
+                f"{where}/metadata is not valid JSON ({e}): step {step} is damaged; use another "
+                f"step (available: {sorted(self.all_steps())})"
+            ) from None
         except (FileNotFoundError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{where} cannot be read ({_first_line(e)}): step {step} is incomplete; use "
-                                  f"another step (available: {sorted(self.all_steps())})") from None
+            raise CheckpointError(
+                f"{where} cannot be read ({_first_line(e)}): step {step} is incomplete; use "
+                f"another step (available: {sorted(self.all_steps())})"
+            ) from None
         if not isinstance(raw, dict):
-            raise CheckpointError(f"{where}/metadata holds {type(raw).__name__}, not a JSON object: step {step} "
-                                  "is damaged")
+            raise CheckpointError(
+                f"{where}/metadata holds {type(raw).__name__}, not a JSON object: step {step} is damaged"
+            )
         return raw
 
     def read_config(self, step: int | None = None) -> Config:
@@ -347,8 +382,16 @@ class Checkpointer:
         return self.read_json(step, "meta").get(INTEGRITY_KEY) == CHUNK_CHECKSUMS
 
     # -- save ------------------------------------------------------------------------------
-    def save(self, step: int, *, params: Any, config: Config, opt_state: Any = None,
-             meta: Mapping[str, Any] | None = None, force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        *,
+        params: Any,
+        config: Config,
+        opt_state: Any = None,
+        meta: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
         """Start an (async) save of ``step``; returns whether a save was started.
 
         An earlier save's failure surfaces here, in :meth:`wait` or :meth:`close`; running out of
@@ -423,7 +466,10 @@ class Checkpointer:
                 f"({'unknown' if free is None else _format_bytes(free)} free there): the step was not saved; "
                 + (f"step {latest} stays the latest complete checkpoint. " if latest is not None else "")
                 + "Free some space, or keep fewer checkpoints (train.keep_last), then resume.",
-                directory=self.directory, step=self._saving, free_bytes=free) from None
+                directory=self.directory,
+                step=self._saving,
+                free_bytes=free,
+            ) from None
 
     # -- restore ---------------------------------------------------------------------------
     def restore(self, step: int | None = None, *, params_target: Any, opt_state_target: Any = None) -> Restored:
@@ -454,8 +500,9 @@ class Checkpointer:
                 raise damaged from None
             if not isinstance(e, (ValueError, KeyError, FileNotFoundError)):
                 raise
-            raise CheckpointError(f"{self.directory}/{step}/{item} does not match the model being restored: "
-                                  f"{_first_line(e)}") from None
+            raise CheckpointError(
+                f"{self.directory}/{step}/{item} does not match the model being restored: {_first_line(e)}"
+            ) from None
 
     def _check_shapes(self, step: int, item: str, target: Any) -> None:
         """Refuse, by parameter path, an array whose stored shape differs from the target's."""
@@ -470,7 +517,8 @@ class Checkpointer:
                 raise CheckpointError(
                     f"{self.directory}/{step}: {item} {'/'.join(map(str, path))} was saved with shape "
                     f"{tuple(have.shape)} but the model being restored expects {tuple(want.shape)} "
-                    "(the model config differs from the one this checkpoint was trained with)")
+                    "(the model config differs from the one this checkpoint was trained with)"
+                )
 
     def set_aside_steps_after(self, step: int) -> list[int]:
         """Move the steps after ``step`` into ``RUN_DIR/abandoned/`` so a run can continue from ``step``.
@@ -498,16 +546,23 @@ def check_mesh(model_config: ModelConfig, mesh: Mesh, rules: partitioning.Rules 
     partitioning.check_divisible(model.abstract_params(model_config), mesh, rules, model.AXIS_FIELDS)
 
 
-def param_targets(model_config: ModelConfig, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES,
-                  dtype: Any = None) -> tuple[Any, Any]:
+def param_targets(
+    model_config: ModelConfig, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES, dtype: Any = None
+) -> tuple[Any, Any]:
     """Restore targets for a model's params on ``mesh``: (tree of ShapeDtypeStruct with shardings,
     shardings), after :func:`check_mesh`."""
     check_mesh(model_config, mesh, rules)
     return partitioning.restore_targets(model.abstract_params(model_config), mesh, rules, dtype)
 
 
-def load_params(path: str | os.PathLike, mesh: Mesh | None = None, *, step: int | None = None,
-                dtype: Any = None, rules: partitioning.Rules = partitioning.DEFAULT_RULES) -> tuple[Config, Any, int]:
+def load_params(
+    path: str | os.PathLike,
+    mesh: Mesh | None = None,
+    *,
+    step: int | None = None,
+    dtype: Any = None,
+    rules: partitioning.Rules = partitioning.DEFAULT_RULES,
+) -> tuple[Config, Any, int]:
     """Load only the parameters of the checkpoint at ``path`` (run dir or step dir) onto ``mesh``.
 
     Returns ``(config, params, step)``; ``params`` leaves are sharded ``jax.Array``s of ``dtype``

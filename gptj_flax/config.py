@@ -34,9 +34,15 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 _DTYPE_BY_NAME = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DTYPE_NAMES = tuple(_DTYPE_BY_NAME)
 _DTYPE_SPELLINGS = {
-    "float32": "float32", "fp32": "float32", "f32": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "f32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
 }
 
 
@@ -55,8 +61,10 @@ def dtype_name(dtype: Any, what: str = "dtype") -> str:
         except TypeError:
             name = None
     if name is None:
-        spellings = ", ".join(f"{canonical} ({'/'.join(s for s, c in _DTYPE_SPELLINGS.items() if c == canonical)})"
-                              for canonical in DTYPE_NAMES)
+        spellings = ", ".join(
+            f"{canonical} ({'/'.join(s for s, c in _DTYPE_SPELLINGS.items() if c == canonical)})"
+            for canonical in DTYPE_NAMES
+        )
         raise ConfigError(f"{what}={dtype!r} is not a supported dtype; use one of {spellings}")
     return name
 
@@ -163,9 +171,7 @@ class ModelConfig:
                 f"choose n_heads among the divisors of d_model (e.g. {_divisors_near(self.d_model, self.n_heads)})"
             )
         if self.rotary_dim % 2:
-            raise ConfigError(
-                f"model.rotary_dim={self.rotary_dim} must be even (rotary rotates pairs of dimensions)"
-            )
+            raise ConfigError(f"model.rotary_dim={self.rotary_dim} must be even (rotary rotates pairs of dimensions)")
         if self.rotary_dim > self.head_dim:
             raise ConfigError(
                 f"model.rotary_dim={self.rotary_dim} exceeds the head dimension "
@@ -294,7 +300,9 @@ class TrainConfig:
             if not isinstance(key, str) or not key:
                 raise ConfigError(f"train.val_set: names must be non-empty strings, got {key!r}")
             _check_string(f"train.val_set.{key}", source, nonempty=True)
-        object.__setattr__(self, "eval_harness_tasks", _string_list("train.eval_harness_tasks", self.eval_harness_tasks))
+        object.__setattr__(
+            self, "eval_harness_tasks", _string_list("train.eval_harness_tasks", self.eval_harness_tasks)
+        )
         object.__setattr__(self, "freeze", _string_list("train.freeze", self.freeze))
 
     def global_batch_size(self, data_parallel: int) -> int:
@@ -314,7 +322,8 @@ class Config:
         if self.train.seq_len is not None and self.train.seq_len > self.model.max_len:
             raise ConfigError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_len={self.model.max_len}: the model has "
-                f"no positions past {self.model.max_len}; lower train.seq_len or raise model.max_len")
+                f"no positions past {self.model.max_len}; lower train.seq_len or raise model.max_len"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -323,7 +332,7 @@ class Config:
             "train": _jsonable(dataclasses.asdict(self.train)),
         }
 
-    def replace(self, **sections) -> "Config":
+    def replace(self, **sections) -> Config:
         return dataclasses.replace(self, **sections)
 
 
@@ -379,9 +388,11 @@ def _build(cls, section: str, values: Mapping[str, Any]):
     try:
         return cls(**values)
     except TypeError as e:  # a required field is missing
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                   and f.name not in values]
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in values
+        ]
         raise ConfigError(f"{section}: missing required key(s) {', '.join(missing) or '?'} ({e})") from None
 
 
@@ -448,10 +459,11 @@ def parse_json_config(text: str, source: str) -> Any:
     except json.JSONDecodeError as e:
         line = text.splitlines()[e.lineno - 1] if e.lineno <= len(text.splitlines()) else ""
         hint = ""
-        if line[e.colno - 1:].lstrip().startswith(("//", "#", "/*")):
+        if line[e.colno - 1 :].lstrip().startswith(("//", "#", "/*")):
             hint = " (comments are allowed only on lines of their own, starting with // or #)"
-        raise ConfigError(f"{source}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}{hint}: "
-                          f"{line.strip()!r}") from None
+        raise ConfigError(
+            f"{source}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}{hint}: {line.strip()!r}"
+        ) from None
 
 
 def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
@@ -508,6 +520,7 @@ def save_config(config: Config, path: str | os.PathLike) -> None:
 # --------------------------------------------------------------------------------------------
 # Command lines
 
+
 def cli_path(text: str) -> str:
     """A path argument made absolute against the current directory.
 
@@ -517,7 +530,7 @@ def cli_path(text: str) -> str:
         return text
     for prefix in ("hf:", "legacy:"):
         if text.startswith(prefix) and len(text) > len(prefix):
-            return prefix + cli_path(text[len(prefix):])
+            return prefix + cli_path(text[len(prefix) :])
     return os.path.abspath(os.path.expanduser(text))
 
 

@@ -31,8 +31,9 @@ class GptjFlaxError(Exception):
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     """Document ``--debug`` in a command's help (:func:`run_cli` acts on it)."""
-    parser.add_argument(DEBUG_FLAG, action="store_true",
-                        help=f"show the full traceback of an error (or set {DEBUG_ENV}=1)")
+    parser.add_argument(
+        DEBUG_FLAG, action="store_true", help=f"show the full traceback of an error (or set {DEBUG_ENV}=1)"
+    )
 
 
 def debug_requested(argv: Sequence[str] | None = None) -> bool:

@@ -134,20 +134,28 @@ class KVCache:
     index: Array
 
     @classmethod
-    def empty(cls, config: ModelConfig, batch: int, length: int) -> "KVCache":
+    def empty(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
         def zeros(*shape):
             return tuple(jnp.zeros(shape, config.compute_dtype) for _ in range(config.n_layers))
 
         heads, head_dim = config.n_heads, config.head_dim
-        return cls(k=zeros(batch, heads, head_dim, length), v=zeros(batch, heads, length, head_dim),
-                   segment_ids=jnp.zeros((batch, length), jnp.int32), index=jnp.zeros((), jnp.int32))
+        return cls(
+            k=zeros(batch, heads, head_dim, length),
+            v=zeros(batch, heads, length, head_dim),
+            segment_ids=jnp.zeros((batch, length), jnp.int32),
+            index=jnp.zeros((), jnp.int32),
+        )
 
     @classmethod
-    def logical_axes(cls, config: ModelConfig) -> "KVCache":
+    def logical_axes(cls, config: ModelConfig) -> KVCache:
         """The same tree with a logical PartitionSpec per leaf (for ``logical_to_sharding``)."""
         P = jax.sharding.PartitionSpec
-        return cls(k=(P(*KEY_AXES),) * config.n_layers, v=(P(*VALUE_AXES),) * config.n_layers,
-                   segment_ids=P("batch", "length"), index=P())
+        return cls(
+            k=(P(*KEY_AXES),) * config.n_layers,
+            v=(P(*VALUE_AXES),) * config.n_layers,
+            segment_ids=P("batch", "length"),
+            index=P(),
+        )
 
 
 class LayerKV(NamedTuple):
@@ -180,8 +188,9 @@ def attention_probs(scores: Array, mask: Array, dtype) -> Array:
     return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1).astype(dtype)
 
 
-def _decode_attention(cfg: ModelConfig, q: Array, k: Array, v: Array, mask: Array,
-                      kv: LayerKV) -> tuple[Array, LayerKV]:
+def _decode_attention(
+    cfg: ModelConfig, q: Array, k: Array, v: Array, mask: Array, kv: LayerKV
+) -> tuple[Array, LayerKV]:
     """One new token's attention: to the cache as it was, plus the token's own key and value,
     then the new key and value written into the cache.
 
@@ -196,8 +205,9 @@ def _decode_attention(cfg: ModelConfig, q: Array, k: Array, v: Array, mask: Arra
     # the token's own slot (index) holds nothing yet: its score comes from the new key instead
     allowed = jnp.concatenate([mask & (slots != kv.index), jnp.ones((*mask.shape[:-1], 1), bool)], axis=-1)
     probs = attention_probs(jnp.concatenate([past, own], axis=-1), allowed, cfg.compute_dtype)
-    out = (jnp.einsum("bhqk,bhkd->bqhd", probs[..., :-1], kv.v)
-           + probs[..., -1:].transpose(0, 2, 1, 3) * v.transpose(0, 2, 1, 3))
+    out = jnp.einsum("bhqk,bhkd->bqhd", probs[..., :-1], kv.v) + probs[..., -1:].transpose(0, 2, 1, 3) * v.transpose(
+        0, 2, 1, 3
+    )
     # The writes must follow the matmuls that read the old cache, or XLA copies each cache buffer
     # at every step to keep the old one readable. An optimization barrier is expanded too early in
     # XLA's CPU pipeline to order them, so the written values depend on the attention's result
@@ -217,11 +227,13 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array, sin: Array, cos: Array, mask: Array,
-                 kv: LayerKV | None = None) -> tuple[Array, LayerKV | None]:
+    def __call__(
+        self, x: Array, sin: Array, cos: Array, mask: Array, kv: LayerKV | None = None
+    ) -> tuple[Array, LayerKV | None]:
         """Self-attention of ``x``; with ``kv`` the new keys/values are cached and the queries
         attend to every cached slot ``mask`` allows. Returns (output, updated ``kv``)."""
         cfg = self.config
+
         # Kernels stay 3-D ([embed, heads, kv] and [heads, kv, embed]) so each dim has its own name.
         def kernel(name, shape, stddev, axes):
             return self.param(name, _init(stddev, axes), shape, cfg.weight_dtype).astype(cfg.compute_dtype)
@@ -245,8 +257,12 @@ class Attention(nn.Module):
             probs = attention_probs(attention_scores(q, k, cfg.head_dim), mask, cfg.compute_dtype)
             out = jnp.einsum("bhqk,bhkd->bqhd", probs, v)
 
-        w_out = kernel("out_proj", (cfg.n_heads, cfg.head_dim, cfg.d_model),
-                       2.0 / cfg.n_layers / np.sqrt(cfg.d_model), ("heads", "kv", "embed"))
+        w_out = kernel(
+            "out_proj",
+            (cfg.n_heads, cfg.head_dim, cfg.d_model),
+            2.0 / cfg.n_layers / np.sqrt(cfg.d_model),
+            ("heads", "kv", "embed"),
+        )
         return jnp.einsum("bthk,hkd->btd", out, w_out), kv
 
 
@@ -293,8 +309,9 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, h: Array, sin: Array, cos: Array, mask: Array,
-                 kv: LayerKV | None = None) -> tuple[Array, LayerKV | None]:
+    def __call__(
+        self, h: Array, sin: Array, cos: Array, mask: Array, kv: LayerKV | None = None
+    ) -> tuple[Array, LayerKV | None]:
         h = nn.with_logical_constraint(h, RESIDUAL_AXES)
         x = layer_norm(self.config, "ln_1")(h)
         attn, kv = Attention(self.config, name="attn")(x, sin, cos, mask, kv)
@@ -325,8 +342,9 @@ class LMHead(nn.Module):
     @nn.compact
     def __call__(self, h: Array) -> Array:
         cfg = self.config
-        kernel = self.param("kernel", _init(cfg.d_model**-0.5, ("embed", "vocab")), (cfg.d_model, cfg.vocab_size),
-                            cfg.weight_dtype)
+        kernel = self.param(
+            "kernel", _init(cfg.d_model**-0.5, ("embed", "vocab")), (cfg.d_model, cfg.vocab_size), cfg.weight_dtype
+        )
         bias = self.param("bias", _zeros(("vocab",)), (cfg.vocab_size,), cfg.weight_dtype)
         return project_to_vocab(h.astype(cfg.compute_dtype), kernel, bias)
 
@@ -350,14 +368,18 @@ class GPTJ(nn.Module):
     def setup(self):
         cfg = self.config
         self.wte = self.param(
-            "wte", _init(cfg.vocab_size**-0.5, ("vocab", "embed")), (cfg.vocab_size, cfg.d_model), cfg.weight_dtype)
+            "wte", _init(cfg.vocab_size**-0.5, ("vocab", "embed")), (cfg.vocab_size, cfg.d_model), cfg.weight_dtype
+        )
         if cfg.scan_layers:
             block = ScannedBlock
             if cfg.remat_policy != "none":
                 block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
             self.layers = nn.scan(
-                block, variable_axes={"params": 0}, split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.n_layers,
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(cfg)
         else:
@@ -373,8 +395,7 @@ class GPTJ(nn.Module):
         """float32 logits [B, T, vocab]."""
         return self.lm_head(self.hidden_states(tokens, positions, segment_ids))
 
-    def hidden_states(self, tokens: Array, positions: Array | None = None,
-                      segment_ids: Array | None = None) -> Array:
+    def hidden_states(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
         """The final LayerNorm's output [B, T, d_model], before the LM head."""
         positions, segment_ids = self._defaults(tokens, positions, segment_ids)
         sin, cos = rotary_tables(positions, self.config.rotary_dim)
@@ -387,8 +408,15 @@ class GPTJ(nn.Module):
                 h, _ = getattr(self, f"layer_{i}")(h, sin, cos, mask)
         return self.ln_f(h)
 
-    def decode(self, tokens: Array, positions: Array | None, segment_ids: Array | None, cache: KVCache, *,
-               last_logits_only: bool = False) -> tuple[Array, KVCache]:
+    def decode(
+        self,
+        tokens: Array,
+        positions: Array | None,
+        segment_ids: Array | None,
+        cache: KVCache,
+        *,
+        last_logits_only: bool = False,
+    ) -> tuple[Array, KVCache]:
         """Write ``tokens`` into ``cache`` at slots ``cache.index …`` and attend to everything cached
         before them (a prefill: the whole prompt at once; decoding: one token per call).
 
@@ -397,8 +425,10 @@ class GPTJ(nn.Module):
         """
         cfg = self.config
         if cfg.scan_layers:
-            raise ValueError("cached decoding runs the unrolled layers: use a config with scan_layers=False "
-                             "and unstack_layers(params)")
+            raise ValueError(
+                "cached decoding runs the unrolled layers: use a config with scan_layers=False "
+                "and unstack_layers(params)"
+            )
         positions, segment_ids = self._defaults(tokens, positions, segment_ids)
         sin, cos = rotary_tables(positions, cfg.rotary_dim)
         key_segments = lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache.index))
@@ -412,8 +442,9 @@ class GPTJ(nn.Module):
         if last_logits_only:
             h = h[:, -1:]
         logits = self.lm_head(self.ln_f(h))
-        return logits, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=key_segments,
-                               index=cache.index + tokens.shape[1])
+        return logits, KVCache(
+            k=tuple(new_k), v=tuple(new_v), segment_ids=key_segments, index=cache.index + tokens.shape[1]
+        )
 
     def _defaults(self, tokens, positions, segment_ids):
         if positions is None:
@@ -505,8 +536,9 @@ def loss_sums(logits: Array, targets: Array, weights: Array, z_loss: float = 0.0
     return jnp.sum(objective * weights), jnp.sum(nll * weights), jnp.sum(weights)
 
 
-def chunked_loss_sums(hidden: Array, head: dict, targets: Array, weights: Array, z_loss: float = 0.0,
-                      chunk: int = 256) -> tuple[Array, Array, Array]:
+def chunked_loss_sums(
+    hidden: Array, head: dict, targets: Array, weights: Array, z_loss: float = 0.0, chunk: int = 256
+) -> tuple[Array, Array, Array]:
     """:func:`loss_sums` of ``LMHead(hidden)``, computed ``chunk`` positions at a time.
 
     The full float32 logits of a training batch (batch × length × vocab) never exist at once: each chunk's logits are made, reduced to three

@@ -1,8 +1,8 @@
 """Will this config's train step fit a TPU slice? Compile it for the slice on this (CPU) machine.
 
-    pip install -e '.[tpu]'
-    python scripts/aot_check.py --config configs/gptj_6b.json --topology v3:2x2 [--mesh 1,1,8]
-                                [--set model.remat_policy=full --set train.per_replica_batch=2 …]
+pip install -e '.[tpu]'
+python scripts/aot_check.py --config configs/gptj_6b.json --topology v3:2x2 [--mesh 1,1,8]
+                            [--set model.remat_policy=full --set train.per_replica_batch=2 …]
 """
 
 import argparse
@@ -15,8 +15,9 @@ from gptj_flax.errors import add_debug_flag, run_cli
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, type=cli_path)
-    parser.add_argument("--topology", required=True, action="append",
-                        help="a TPU slice such as v3:2x2, v4:2x2x1, v5e:2x4 (repeatable)")
+    parser.add_argument(
+        "--topology", required=True, action="append", help="a TPU slice such as v3:2x2, v4:2x2x1, v5e:2x4 (repeatable)"
+    )
     parser.add_argument("--mesh", help="data,fsdp,model sizes (default: the config's)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     add_debug_flag(parser)

@@ -43,8 +43,7 @@ def main() -> None:
     chosen = next((arg for arg in sys.argv[1:] if arg in BENCHMARKS), None)
     if chosen is not None:
         if chosen in VIRTUAL_CPU_DEVICES:
-            os.environ.setdefault("XLA_FLAGS",
-                                  f"--xla_force_host_platform_device_count={VIRTUAL_CPU_DEVICES[chosen]}")
+            os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={VIRTUAL_CPU_DEVICES[chosen]}")
         module = importlib.import_module(BENCHMARKS[chosen][0])
         module.add_arguments(subparsers[chosen])
     args = parser.parse_args()

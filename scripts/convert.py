@@ -40,31 +40,48 @@ def main() -> None:
     p.add_argument("src", help="directory with config.json and safetensors or pytorch_model.bin weights")
     p.add_argument("out", help="new Orbax checkpoint directory")
     p.add_argument("--unrolled", action="store_true", help="store layer_0 … layer_N instead of scanned layers")
-    p.add_argument("--no-tokenizer", action="store_true",
-                   help="convert the weights alone; without it SRC's tokenizer files are carried and must load")
+    p.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="convert the weights alone; without it SRC's tokenizer files are carried and must load",
+    )
     p.add_argument("--dtype", type=cli_dtype, help=COMPUTE_DTYPE_HELP)
 
     p = commands.add_parser("to-hf", help="Orbax checkpoint -> HuggingFace GPT-J directory")
     p.add_argument("ckpt", help="Orbax run directory (latest step) or step directory")
     p.add_argument("out", help="new HuggingFace model directory")
-    p.add_argument("--dtype", type=cli_dtype, default="float32",
-                   help="stored weight dtype: float32, float16 or bfloat16 (default: %(default)s)")
-    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
-                   help="split the safetensors above this size, e.g. 5GB, 500MB (default: %(default)s)")
+    p.add_argument(
+        "--dtype",
+        type=cli_dtype,
+        default="float32",
+        help="stored weight dtype: float32, float16 or bfloat16 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="split the safetensors above this size, e.g. 5GB, 500MB (default: %(default)s)",
+    )
 
     p = commands.add_parser("from-legacy", help="mesh-transformer-jax step directory -> Orbax checkpoint")
     p.add_argument("step_dir", help="the step_N directory holding shard_0 … shard_{S-1}")
     p.add_argument("out", help="new Orbax checkpoint directory")
     p.add_argument("--config", required=True, help="the JSON config the checkpoint was trained with (legacy or modern)")
-    p.add_argument("--with-opt-state", action="store_true",
-                   help="carry Adam's count and moments (full checkpoints) into the training optimiser's state")
+    p.add_argument(
+        "--with-opt-state",
+        action="store_true",
+        help="carry Adam's count and moments (full checkpoints) into the training optimiser's state",
+    )
     p.add_argument("--dtype", type=cli_dtype, help=COMPUTE_DTYPE_HELP)
 
     p = commands.add_parser("slim", help="drop the optimiser state and store params in half precision")
     p.add_argument("ckpt", help="Orbax run directory (latest step) or step directory")
     p.add_argument("out", help="new Orbax checkpoint directory")
-    p.add_argument("--dtype", type=cli_dtype, default="bfloat16",
-                   help="stored parameter dtype: bfloat16 or float16 (default: %(default)s)")
+    p.add_argument(
+        "--dtype",
+        type=cli_dtype,
+        default="bfloat16",
+        help="stored parameter dtype: bfloat16 or float16 (default: %(default)s)",
+    )
     for each in (parser, *commands.choices.values()):  # accepted before or after the command
         add_debug_flag(each)
 
@@ -74,8 +91,9 @@ def main() -> None:
             setattr(args, name, str(absolute_path(getattr(args, name))))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     if args.command == "from-hf":
-        out = convert.from_hf(args.src, args.out, scan_layers=not args.unrolled, tokenizer=not args.no_tokenizer,
-                              dtype=args.dtype)
+        out = convert.from_hf(
+            args.src, args.out, scan_layers=not args.unrolled, tokenizer=not args.no_tokenizer, dtype=args.dtype
+        )
         print(f"wrote {out}: parameters float32, compute {OrbaxParams.open(out).config.model.dtype}")
     elif args.command == "to-hf":
         out = convert.to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)

@@ -17,21 +17,32 @@ from gptj_flax.errors import add_debug_flag, run_cli
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+",
-                   help="files or directories of .txt / .jsonl, optionally .zst / .gz / .xz compressed")
+    p.add_argument(
+        "inputs", nargs="+", help="files or directories of .txt / .jsonl, optionally .zst / .gz / .xz compressed"
+    )
     p.add_argument("--output-dir", required=True, help="where the .tfrecords, .index and .meta.json go")
     p.add_argument("--name", default="data", help="dataset name: NAME.index, NAME_<i>_<count>.tfrecords")
     p.add_argument("--tokenizer", default="gpt2", help="a tokenizer directory or HuggingFace hub name (default gpt2)")
     p.add_argument("--seq-len", type=int, default=2048, help="model context; records hold seq-len + 1 tokens")
     p.add_argument("--jsonl-key", default="text", help="the field of each jsonl object that holds the text")
     p.add_argument("--normalize-with-ftfy", action="store_true", help="repair mojibake and NFKC-normalise documents")
-    p.add_argument("--min-unique-tokens", type=int, default=0,
-                   help="drop documents with fewer distinct tokens than this (repetitive junk)")
+    p.add_argument(
+        "--min-unique-tokens",
+        type=int,
+        default=0,
+        help="drop documents with fewer distinct tokens than this (repetitive junk)",
+    )
     p.add_argument("--seed", type=int, default=10, help="seed of the document shuffle")
     p.add_argument("--preserve-data-order", action="store_true", help="keep documents in input order")
-    p.add_argument("--n-repack-epochs", type=int, default=1,
-                   help="write the corpus this many times, each pass in a new order on new record boundaries")
-    p.add_argument("--sequences-per-file", type=int, default=10_000, help="records per TFRecord file (bounds file size)")
+    p.add_argument(
+        "--n-repack-epochs",
+        type=int,
+        default=1,
+        help="write the corpus this many times, each pass in a new order on new record boundaries",
+    )
+    p.add_argument(
+        "--sequences-per-file", type=int, default=10_000, help="records per TFRecord file (bounds file size)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_debug_flag(p)
     args = p.parse_args(argv)
@@ -45,13 +56,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     result = create_tfrecords(
-        args.inputs, args.output_dir, name=args.name, tokenizer=args.tokenizer, seq_len=args.seq_len,
-        normalize_with_ftfy=args.normalize_with_ftfy, min_unique_tokens=args.min_unique_tokens, seed=args.seed,
-        preserve_data_order=args.preserve_data_order, n_repack_epochs=args.n_repack_epochs,
-        sequences_per_file=args.sequences_per_file, jsonl_key=args.jsonl_key, progress=not args.quiet,
+        args.inputs,
+        args.output_dir,
+        name=args.name,
+        tokenizer=args.tokenizer,
+        seq_len=args.seq_len,
+        normalize_with_ftfy=args.normalize_with_ftfy,
+        min_unique_tokens=args.min_unique_tokens,
+        seed=args.seed,
+        preserve_data_order=args.preserve_data_order,
+        n_repack_epochs=args.n_repack_epochs,
+        sequences_per_file=args.sequences_per_file,
+        jsonl_key=args.jsonl_key,
+        progress=not args.quiet,
     )
-    print(f"{result.documents} documents ({result.dropped_documents} dropped), {result.tokens} tokens → "
-          f"{result.sequences} sequences in {len(result.files)} files\nindex: {result.index_path}")
+    print(
+        f"{result.documents} documents ({result.dropped_documents} dropped), {result.tokens} tokens → "
+        f"{result.sequences} sequences in {len(result.files)} files\nindex: {result.index_path}"
+    )
     return 0
 
 

@@ -28,7 +28,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/demo_cpu.json", type=cli_path)
     parser.add_argument("--mesh", help="data,fsdp,model sizes (default: the config's 2,2,2)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value"
+    )
     parser.add_argument("--prompt", default="def ", help="what the sample starts from")
     add_debug_flag(parser)
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
@@ -42,8 +44,10 @@ def main() -> int:
 
     config = load_config(args.config, args.set)
     mesh = partitioning.make_mesh(args.mesh or config.mesh)
-    print(f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}; "
-          f"model of {config.model.param_count():,} parameters")
+    print(
+        f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}; "
+        f"model of {config.model.param_count():,} parameters"
+    )
     prepare_demo_data(os.path.dirname(config.train.train_set), config.model.vocab_size)
     result = train(config, mesh=mesh)
     if result.preempted:
@@ -58,7 +62,9 @@ def main() -> int:
 
     lm = gptj_flax.load(result.run_dir, mesh=mesh)
     completion = lm.generate(args.prompt, max_new_tokens=80, temperature=0.7, top_k=40, seed=0)
-    print(f"\nsample ({completion.finish_reason}, {completion.completion_tokens} tokens):\n{args.prompt}{completion.text}")
+    print(
+        f"\nsample ({completion.finish_reason}, {completion.completion_tokens} tokens):\n{args.prompt}{completion.text}"
+    )
     return 0 if last < first else 1
 
 

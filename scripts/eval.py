@@ -25,15 +25,23 @@ def tokenizer_source(text: str) -> str:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, type=cli_path,
-                        help="run directory (latest step), a step directory, or a HuggingFace directory (hf:DIR)")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        type=cli_path,
+        help="run directory (latest step), a step directory, or a HuggingFace directory (hf:DIR)",
+    )
     parser.add_argument("--step", type=int, help="this step instead of the latest")
     parser.add_argument("--mesh", help="data,fsdp,model sizes or a layout name (default: one device)")
-    parser.add_argument("--dtype", type=cli_dtype,
-                        help="parameter and compute dtype: float32/fp32, bfloat16/bf16 or float16/fp16 "
-                             "(default: as stored, and the config's compute dtype)")
-    parser.add_argument("--tokenizer", type=tokenizer_source,
-                        help="tokenizer directory (default: the one saved with the checkpoint)")
+    parser.add_argument(
+        "--dtype",
+        type=cli_dtype,
+        help="parameter and compute dtype: float32/fp32, bfloat16/bf16 or float16/fp16 "
+        "(default: as stored, and the config's compute dtype)",
+    )
+    parser.add_argument(
+        "--tokenizer", type=tokenizer_source, help="tokenizer directory (default: the one saved with the checkpoint)"
+    )
     add_debug_flag(parser)
 
 
@@ -50,18 +58,27 @@ def parse_args() -> argparse.Namespace:
     harness.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
     harness.add_argument("--limit", type=float, help="examples per task (a count, or a fraction if < 1)")
     harness.add_argument("--include-path", type=cli_path, help="a directory of extra task YAML files")
-    harness.add_argument("--no-builtin-tasks", action="store_true",
-                         help="index only --include-path's tasks (skips reading lm-eval's ~13,000 task files)")
+    harness.add_argument(
+        "--no-builtin-tasks",
+        action="store_true",
+        help="index only --include-path's tasks (skips reading lm-eval's ~13,000 task files)",
+    )
     harness.add_argument("--max-gen-toks", type=int, default=256, help="generation length when a task sets none")
-    harness.add_argument("--bootstrap-iters", type=int, default=100_000,
-                         help="resamples for perplexity stderrs (0: no stderrs)")
+    harness.add_argument(
+        "--bootstrap-iters", type=int, default=100_000, help="resamples for perplexity stderrs (0: no stderrs)"
+    )
     harness.add_argument("--seed", type=int, default=1234, help="lm-eval's seeds (few-shot sampling, …)")
     harness.add_argument("--log-samples", action="store_true", help="also store every request and response")
 
     perplexity = commands.add_parser("perplexity", help="token-weighted loss and perplexity over a dataset")
     add_model_arguments(perplexity)
-    perplexity.add_argument("--data", required=True, nargs="+", type=cli_path,
-                            help=".index / .tfrecords file, text or jsonl files or directories, or tfds:NAME[@SPLIT]")
+    perplexity.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        type=cli_path,
+        help=".index / .tfrecords file, text or jsonl files or directories, or tfds:NAME[@SPLIT]",
+    )
     perplexity.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context)")
     perplexity.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     perplexity.add_argument("--max-batches", type=int, help="only the first this many batches")
@@ -74,8 +91,9 @@ def parse_args() -> argparse.Namespace:
     compare.add_argument("b", type=cli_path, help="results JSON of model B")
     compare.add_argument("--names", nargs=2, metavar=("A", "B"), help="column names (default: the file names)")
     compare.add_argument("--markdown", type=cli_path, help="also write the table to this file")
-    compare.add_argument("--plot", default="comparison.png", type=cli_path,
-                         help="bar chart PNG to write (default: %(default)s)")
+    compare.add_argument(
+        "--plot", default="comparison.png", type=cli_path, help="bar chart PNG to write (default: %(default)s)"
+    )
     add_debug_flag(compare)
     return parser.parse_args(join_negative_values(sys.argv[1:]))
 
@@ -89,15 +107,31 @@ def run_harness(args: argparse.Namespace) -> None:
 
     partitioning.initialize_distributed()  # on a TPU pod every host runs this command; elsewhere nothing
     tasks = [name for entry in args.tasks for name in entry.split(",") if name]
-    model = GPTJFlaxLM.from_checkpoint(args.checkpoint, mesh=args.mesh, dtype=args.dtype, step=args.step,
-                                       tokenizer=args.tokenizer, batch_size=args.batch_size,
-                                       max_gen_toks=args.max_gen_toks)
+    model = GPTJFlaxLM.from_checkpoint(
+        args.checkpoint,
+        mesh=args.mesh,
+        dtype=args.dtype,
+        step=args.step,
+        tokenizer=args.tokenizer,
+        batch_size=args.batch_size,
+        max_gen_toks=args.max_gen_toks,
+    )
     if jax.process_index() == 0:
-        print(f"{args.checkpoint} step {model.step}: parameters {model.param_dtype}, compute {model.config.dtype}",
-              file=sys.stderr)
+        print(
+            f"{args.checkpoint} step {model.step}: parameters {model.param_dtype}, compute {model.config.dtype}",
+            file=sys.stderr,
+        )
     index = task_manager(args.include_path, include_defaults=not args.no_builtin_tasks)
-    results = run_tasks(model, tasks, num_fewshot=args.num_fewshot, limit=args.limit, tasks_index=index,
-                        bootstrap_iters=args.bootstrap_iters, log_samples=args.log_samples, seed=args.seed)
+    results = run_tasks(
+        model,
+        tasks,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        tasks_index=index,
+        bootstrap_iters=args.bootstrap_iters,
+        log_samples=args.log_samples,
+        seed=args.seed,
+    )
     if jax.process_index() == 0:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
@@ -113,13 +147,25 @@ def run_perplexity(args: argparse.Namespace) -> None:
 
     partitioning.initialize_distributed()  # on a TPU pod every host runs this command; elsewhere nothing
     source = args.data[0] if len(args.data) == 1 else args.data
-    result = perplexity(args.checkpoint, source, mesh=args.mesh, seq_len=args.seq_len, batch_size=args.batch_size,
-                        max_batches=args.max_batches, dtype=args.dtype, step=args.step, tokenizer=args.tokenizer,
-                        tfds_data_dir=args.tfds_data_dir, progress=not args.no_progress)
+    result = perplexity(
+        args.checkpoint,
+        source,
+        mesh=args.mesh,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        max_batches=args.max_batches,
+        dtype=args.dtype,
+        step=args.step,
+        tokenizer=args.tokenizer,
+        tfds_data_dir=args.tfds_data_dir,
+        progress=not args.no_progress,
+    )
     if jax.process_index() == 0:
-        print(f"step {result.step}: loss {result.loss:.4f}, perplexity {result.perplexity:.4f} "
-              f"over {result.tokens:,} tokens ({result.batches} batches of {args.batch_size} x {result.seq_len}; "
-              f"parameters {result.param_dtype}, compute {result.dtype})")
+        print(
+            f"step {result.step}: loss {result.loss:.4f}, perplexity {result.perplexity:.4f} "
+            f"over {result.tokens:,} tokens ({result.batches} batches of {args.batch_size} x {result.seq_len}; "
+            f"parameters {result.param_dtype}, compute {result.dtype})"
+        )
         if args.output:
             with open(args.output, "w") as f:
                 json.dump(result.to_dict(), f, indent=2)

@@ -48,10 +48,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     result = prepare_threads(
-        args.inputs, text_output=args.output, tfrecords_dir=args.tfrecords_dir, name=args.name,
-        tokenizer=args.tokenizer, seq_len=args.seq_len, sequences_per_file=args.sequences_per_file,
-        workers=args.workers, strict=args.strict, max_reported=args.max_reported,
-        problems_path=args.problems_file, progress=not args.quiet,
+        args.inputs,
+        text_output=args.output,
+        tfrecords_dir=args.tfrecords_dir,
+        name=args.name,
+        tokenizer=args.tokenizer,
+        seq_len=args.seq_len,
+        sequences_per_file=args.sequences_per_file,
+        workers=args.workers,
+        strict=args.strict,
+        max_reported=args.max_reported,
+        problems_path=args.problems_file,
+        progress=not args.quiet,
     )
     for message in result.reported:
         print(message, file=sys.stderr)
@@ -67,8 +75,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"text: {result.text_path}")
     if result.tfrecords:
         t = result.tfrecords
-        print(f"tfrecords: {t.documents} documents, {t.tokens} tokens → {t.sequences} sequences in "
-              f"{len(t.files)} files\nindex: {t.index_path}")
+        print(
+            f"tfrecords: {t.documents} documents, {t.tokens} tokens → {t.sequences} sequences in "
+            f"{len(t.files)} files\nindex: {t.index_path}"
+        )
     return 0
 
 

@@ -19,13 +19,20 @@ from gptj_flax.sampling import SamplingError
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=cli_path,
-                        help="run directory (latest step), a step directory, or a HuggingFace directory (hf:DIR)")
+    parser.add_argument(
+        "checkpoint",
+        type=cli_path,
+        help="run directory (latest step), a step directory, or a HuggingFace directory (hf:DIR)",
+    )
     parser.add_argument("--step", type=int, default=None, help="load this step instead of the latest")
     parser.add_argument("--mesh", default=None, help="data,fsdp,model sizes or a layout name (default: one device)")
-    parser.add_argument("--dtype", default=None, type=cli_dtype,
-                        help="parameter and compute dtype: float32/fp32, bfloat16/bf16 or float16/fp16 "
-                             "(default: as stored, and the config's compute dtype)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        type=cli_dtype,
+        help="parameter and compute dtype: float32/fp32, bfloat16/bf16 or float16/fp16 "
+        "(default: as stored, and the config's compute dtype)",
+    )
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prompt", help="complete this prompt and exit")
     mode.add_argument("--prompt-file", type=cli_path, help="complete the text of this file and exit")
@@ -41,8 +48,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
-    parser.add_argument("--original-order", action="store_true",
-                        help="apply temperature after top-k/top-p, as mesh-transformer-jax did")
+    parser.add_argument(
+        "--original-order", action="store_true", help="apply temperature after top-k/top-p, as mesh-transformer-jax did"
+    )
     add_debug_flag(parser)
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
     if args.num_samples < 1:
@@ -67,10 +75,19 @@ def main() -> None:
     args = parse_args()
     lm = gptj_flax.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, step=args.step)
     print(lm, file=sys.stderr)  # states the parameter and compute dtypes in effect
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, typical_p=args.typical_p, min_p=args.min_p,
-                    repetition_penalty=args.repetition_penalty, stop=args.stop or None, seed=args.seed,
-                    ignore_eos=args.ignore_eos, original_order=args.original_order)
+    settings = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        typical_p=args.typical_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop or None,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        original_order=args.original_order,
+    )
     if not args.interactive:
         if args.prompt is not None:
             prompt = args.prompt

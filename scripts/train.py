@@ -30,20 +30,34 @@ def non_negative_int(text: str) -> int:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, type=cli_path,
-                        help="modern or legacy (mesh-transformer-jax) JSON config")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a config value, e.g. --set train.lr=3e-5 (repeatable)")
+    parser.add_argument(
+        "--config", required=True, type=cli_path, help="modern or legacy (mesh-transformer-jax) JSON config"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value, e.g. --set train.lr=3e-5 (repeatable)",
+    )
     parser.add_argument("--mesh", help="data,fsdp,model sizes (-1 = the rest) or a layout name; default: config")
-    parser.add_argument("--init-from", type=cli_path,
-                        help="hf:DIR, legacy:DIR or an Orbax checkpoint to fine-tune from")
+    parser.add_argument(
+        "--init-from", type=cli_path, help="hf:DIR, legacy:DIR or an Orbax checkpoint to fine-tune from"
+    )
     parser.add_argument("--fresh-opt", action="store_true", help="with --init-from: discard its optimiser moments")
     parser.add_argument("--peak-flops", type=float, help="peak FLOP/s per device for MFU (default: by device kind)")
-    parser.add_argument("--stop-after", type=non_negative_int,
-                        help="stop after this many steps in this invocation (with a save); 0 runs none")
-    parser.add_argument("--resume-step", type=non_negative_int, metavar="STEP",
-                        help="resume from this step of train.run_dir instead of the latest (e.g. the one before a "
-                             "corrupted step); the later steps are moved to RUN_DIR/abandoned/")
+    parser.add_argument(
+        "--stop-after",
+        type=non_negative_int,
+        help="stop after this many steps in this invocation (with a save); 0 runs none",
+    )
+    parser.add_argument(
+        "--resume-step",
+        type=non_negative_int,
+        metavar="STEP",
+        help="resume from this step of train.run_dir instead of the latest (e.g. the one before a "
+        "corrupted step); the later steps are moved to RUN_DIR/abandoned/",
+    )
     parser.add_argument("--coordinator", help="HOST:PORT of process 0 (multi-host off TPU VMs)")
     parser.add_argument("--num-processes", type=int)
     parser.add_argument("--process-id", type=int)
@@ -69,13 +83,26 @@ def main() -> int:
     if config.train.eval_harness_tasks:
         from gptj_flax.evaluation.during_training import HarnessDuringTraining
 
-        harness = HarnessDuringTraining(config.train.eval_harness_tasks,
-                                        results_dir=os.path.join(config.train.run_dir, "harness"))
-    result = train(config, mesh=mesh, init_from=args.init_from, fresh_opt=args.fresh_opt,
-                   peak_flops=args.peak_flops, stop_after=args.stop_after, progress=not args.no_progress,
-                   harness=harness, resume_step=args.resume_step)
+        harness = HarnessDuringTraining(
+            config.train.eval_harness_tasks, results_dir=os.path.join(config.train.run_dir, "harness")
+        )
+    result = train(
+        config,
+        mesh=mesh,
+        init_from=args.init_from,
+        fresh_opt=args.fresh_opt,
+        peak_flops=args.peak_flops,
+        stop_after=args.stop_after,
+        progress=not args.no_progress,
+        harness=harness,
+        resume_step=args.resume_step,
+    )
     if result.saved_step is None:
-        done = f" (train.total_steps={config.train.total_steps} reached)" if result.step >= config.train.total_steps else ""
+        done = (
+            f" (train.total_steps={config.train.total_steps} reached)"
+            if result.step >= config.train.total_steps
+            else ""
+        )
         print(f"step {result.step}: no training step ran{done}, nothing saved in {result.run_dir}")
     elif result.interrupted:
         print(f"step {result.step}: interrupted, saved in {result.run_dir}")

@@ -78,7 +78,8 @@ def write_tasks(directory) -> str:
               - metric: acc
                 aggregation: mean
                 higher_is_better: true
-            """) + data_files("choice"),
+            """)
+        + data_files("choice"),
         "tiny_text": textwrap.dedent("""\
             output_type: loglikelihood_rolling
             doc_to_text: ""
@@ -86,7 +87,8 @@ def write_tasks(directory) -> str:
             metric_list:
               - metric: word_perplexity
               - metric: bits_per_byte
-            """) + data_files("text"),
+            """)
+        + data_files("text"),
         "tiny_generation": textwrap.dedent("""\
             output_type: generate_until
             doc_to_text: "{{prompt}}"
@@ -99,7 +101,8 @@ def write_tasks(directory) -> str:
               - metric: exact_match
                 aggregation: mean
                 higher_is_better: true
-            """) + data_files("generation"),
+            """)
+        + data_files("generation"),
     }
     for task, body in tasks.items():
         with open(os.path.join(directory, f"{task}.yaml"), "w") as f:

@@ -11,7 +11,6 @@ from gptj_flax.config import ModelConfig
 from gptj_flax.convert.hf_names import params_from_hf
 from gptj_flax.model import loss_sums
 
-
 # A few kinds of short text, repeated: enough for a small local BPE tokenizer and prompts.
 CORPUS = [
     "def add(a, b):\n    return a + b\n\n",
@@ -23,8 +22,16 @@ CORPUS = [
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    base = dict(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=128, max_len=64,
-                dtype="float32", param_dtype="float32")
+    base = dict(
+        n_layers=2,
+        d_model=64,
+        n_heads=4,
+        rotary_dim=8,
+        vocab_size=128,
+        max_len=64,
+        dtype="float32",
+        param_dtype="float32",
+    )
     base.update(overrides)
     return ModelConfig(**base)
 
@@ -42,7 +49,10 @@ def hf_model(config: ModelConfig, seed: int = 0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             scale = 0.2 if p.ndim > 1 else 0.5
-            p.copy_(torch.randn_like(p) * scale + (1.0 if name.endswith("ln_1.weight") or name.endswith("ln_f.weight") else 0.0))
+            p.copy_(
+                torch.randn_like(p) * scale
+                + (1.0 if name.endswith("ln_1.weight") or name.endswith("ln_f.weight") else 0.0)
+            )
     return model
 
 

@@ -53,12 +53,25 @@ def dense_model(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """
     rng = np.random.default_rng(seed)
     d, f, v = config.d_model, config.d_ff, config.vocab_size
-    model = {"embed_w": _weights(rng, (v, d)), "embed_b": _grid(rng, (d,), 64),
-             "head_w": _weights(rng, (d, v)), "head_b": _weights(rng, (v,)),
-             "ln_f_scale": 1.0 + _weights(rng, (d,)) / 4, "ln_f_offset": _weights(rng, (d,))}
+    model = {
+        "embed_w": _weights(rng, (v, d)),
+        "embed_b": _grid(rng, (d,), 64),
+        "head_w": _weights(rng, (d, v)),
+        "head_b": _weights(rng, (v,)),
+        "ln_f_scale": 1.0 + _weights(rng, (d,)) / 4,
+        "ln_f_offset": _weights(rng, (d,)),
+    }
     for i in range(config.n_layers):
-        for name, shape in (("q", (d, d)), ("k", (d, d)), ("v", (d, d)), ("out", (d, d)), ("fc_in_w", (d, f)),
-                            ("fc_in_b", (f,)), ("fc_out_w", (f, d)), ("ln_offset", (d,))):
+        for name, shape in (
+            ("q", (d, d)),
+            ("k", (d, d)),
+            ("v", (d, d)),
+            ("out", (d, d)),
+            ("fc_in_w", (d, f)),
+            ("fc_in_b", (f,)),
+            ("fc_out_w", (f, d)),
+            ("ln_offset", (d,)),
+        ):
             model[f"layer_{i}/{name}"] = _weights(rng, shape)
         model[f"layer_{i}/fc_out_b"] = _grid(rng, (d,), 64)
         model[f"layer_{i}/ln_scale"] = 1.0 + _weights(rng, (d,)) / 4
@@ -77,18 +90,29 @@ def hf_state_dict(model: dict[str, np.ndarray], config: ModelConfig) -> dict[str
 
     The embedding bias, which HF lacks, folds into every row of ``wte``.
     """
-    sd = {"transformer.wte.weight": model["embed_w"] + model["embed_b"][None],
-          "transformer.ln_f.weight": model["ln_f_scale"], "transformer.ln_f.bias": model["ln_f_offset"],
-          "lm_head.weight": model["head_w"].T, "lm_head.bias": model["head_b"]}
+    sd = {
+        "transformer.wte.weight": model["embed_w"] + model["embed_b"][None],
+        "transformer.ln_f.weight": model["ln_f_scale"],
+        "transformer.ln_f.bias": model["ln_f_offset"],
+        "lm_head.weight": model["head_w"].T,
+        "lm_head.bias": model["head_b"],
+    }
     for i in range(config.n_layers):
         p, h = f"layer_{i}/", f"transformer.h.{i}."
-        sd.update({
-            h + "ln_1.weight": model[p + "ln_scale"], h + "ln_1.bias": model[p + "ln_offset"],
-            h + "attn.q_proj.weight": model[p + "q"].T, h + "attn.k_proj.weight": model[p + "k"].T,
-            h + "attn.v_proj.weight": model[p + "v"].T, h + "attn.out_proj.weight": model[p + "out"].T,
-            h + "mlp.fc_in.weight": model[p + "fc_in_w"].T, h + "mlp.fc_in.bias": model[p + "fc_in_b"],
-            h + "mlp.fc_out.weight": model[p + "fc_out_w"].T, h + "mlp.fc_out.bias": model[p + "fc_out_b"],
-        })
+        sd.update(
+            {
+                h + "ln_1.weight": model[p + "ln_scale"],
+                h + "ln_1.bias": model[p + "ln_offset"],
+                h + "attn.q_proj.weight": model[p + "q"].T,
+                h + "attn.k_proj.weight": model[p + "k"].T,
+                h + "attn.v_proj.weight": model[p + "v"].T,
+                h + "attn.out_proj.weight": model[p + "out"].T,
+                h + "mlp.fc_in.weight": model[p + "fc_in_w"].T,
+                h + "mlp.fc_in.bias": model[p + "fc_in_b"],
+                h + "mlp.fc_out.weight": model[p + "fc_out_w"].T,
+                h + "mlp.fc_out.bias": model[p + "fc_out_b"],
+            }
+        )
     return {k: np.ascontiguousarray(v, np.float32) for k, v in sd.items()}
 
 
@@ -123,20 +147,26 @@ def _shard_params(model, config, shards, rng, *, moments: bool) -> list[dict]:
             ROOT + "embedding_shard/~/linear": {"w": rows(model["embed_w"], i), "b": embed_b[i]},
             ROOT + "projection_shard/~/linear": {"w": cols(model["head_w"], i), "b": cols(model["head_b"], i)},
             ROOT + "projection_shard/~/replicated_layer_norm": {
-                "scale": norm(model["ln_f_scale"], i, 1.0), "offset": norm(model["ln_f_offset"], i, 0.0)},
+                "scale": norm(model["ln_f_scale"], i, 1.0),
+                "offset": norm(model["ln_f_offset"], i, 0.0),
+            },
         }
         for layer in range(config.n_layers):
             p, m = f"layer_{layer}/", f"{ROOT}layer_{layer}/~/"
-            params.update({
-                m + "linear": {"w": cols(model[p + "q"], i)},
-                m + "linear_1": {"w": cols(model[p + "v"], i)},
-                m + "linear_2": {"w": cols(model[p + "k"], i)},
-                m + "linear_3": {"w": rows(model[p + "out"], i)},
-                m + "linear_4": {"w": cols(model[p + "fc_in_w"], i), "b": cols(model[p + "fc_in_b"], i)},
-                m + "linear_5": {"w": rows(model[p + "fc_out_w"], i), "b": fc_out_b[layer][i]},
-                m + "replicated_layer_norm": {"scale": norm(model[p + "ln_scale"], i, 1.0),
-                                              "offset": norm(model[p + "ln_offset"], i, 0.0)},
-            })
+            params.update(
+                {
+                    m + "linear": {"w": cols(model[p + "q"], i)},
+                    m + "linear_1": {"w": cols(model[p + "v"], i)},
+                    m + "linear_2": {"w": cols(model[p + "k"], i)},
+                    m + "linear_3": {"w": rows(model[p + "out"], i)},
+                    m + "linear_4": {"w": cols(model[p + "fc_in_w"], i), "b": cols(model[p + "fc_in_b"], i)},
+                    m + "linear_5": {"w": rows(model[p + "fc_out_w"], i), "b": fc_out_b[layer][i]},
+                    m + "replicated_layer_norm": {
+                        "scale": norm(model[p + "ln_scale"], i, 1.0),
+                        "offset": norm(model[p + "ln_offset"], i, 0.0),
+                    },
+                }
+            )
         out.append(params)
     return out
 
@@ -154,9 +184,19 @@ def _savez(path: Path, arrays: list[np.ndarray]) -> None:
                     np.lib.format.write_array(f, np.asarray(array, order="C"), allow_pickle=False)
 
 
-def write_legacy_checkpoint(step_dir: Path, model: dict[str, np.ndarray], config: ModelConfig, *, shards: int,
-                            step: int = 1000, dtype=np.float32, moments: tuple[dict, dict] | None = None,
-                            adam_count: int = 0, schedule_count: int = 0, seed: int = 0) -> None:
+def write_legacy_checkpoint(
+    step_dir: Path,
+    model: dict[str, np.ndarray],
+    config: ModelConfig,
+    *,
+    shards: int,
+    step: int = 1000,
+    dtype=np.float32,
+    moments: tuple[dict, dict] | None = None,
+    adam_count: int = 0,
+    schedule_count: int = 0,
+    seed: int = 0,
+) -> None:
     """Write ``model`` as the original did: full (with ``moments`` = (mu, nu)) or slim (without)."""
     rng = np.random.default_rng(seed)
     params = _shard_params(model, config, shards, rng, moments=False)
@@ -164,28 +204,47 @@ def write_legacy_checkpoint(step_dir: Path, model: dict[str, np.ndarray], config
         mus = _shard_params(moments[0], config, shards, rng, moments=True)
         nus = _shard_params(moments[1], config, shards, rng, moments=True)
     for i in range(shards):
-        state = {"params": jax.tree.map(lambda x: np.asarray(x).astype(dtype), params[i]),
-                 "step": np.array(step, np.int32)}
+        state = {
+            "params": jax.tree.map(lambda x: np.asarray(x).astype(dtype), params[i]),
+            "step": np.array(step, np.int32),
+        }
         if moments is not None:  # the original chain: scale, clip, adam, weight decay, scale, schedule
             state["opt_state"] = (
-                optax.EmptyState(), optax.EmptyState(),
+                optax.EmptyState(),
+                optax.EmptyState(),
                 optax.ScaleByAdamState(count=np.array(adam_count, np.int32), mu=mus[i], nu=nus[i]),
-                optax.EmptyState(), optax.EmptyState(), optax.ScaleByScheduleState(count=np.array(schedule_count, np.int32)),
+                optax.EmptyState(),
+                optax.EmptyState(),
+                optax.ScaleByScheduleState(count=np.array(schedule_count, np.int32)),
             )
         leaves = jax.tree.leaves(state)
         shard_dir = step_dir / f"shard_{i}"
         shard_dir.mkdir(parents=True)
         k, m = divmod(len(leaves), 16)
         for piece in range(16):
-            _savez(shard_dir / f"{piece}.npz", leaves[piece * k + min(piece, m):(piece + 1) * k + min(piece + 1, m)])
+            _savez(shard_dir / f"{piece}.npz", leaves[piece * k + min(piece, m) : (piece + 1) * k + min(piece + 1, m)])
     meta = {"step": step, "checkpoints": [step], "aux": {str(step): {}}}
     (step_dir.parent / "meta.json").write_text(json.dumps(meta))
 
 
 def legacy_config_dict(config: ModelConfig, shards: int) -> dict:
     """The original's JSON config for ``config`` trained on ``shards`` cores per replica."""
-    return {"layers": config.n_layers, "d_model": config.d_model, "n_heads": config.n_heads,
-            "n_vocab": config.vocab_size, "norm": "layernorm", "pe": "rotary", "pe_rotary_dims": config.rotary_dim,
-            "seq": config.max_len, "cores_per_replica": shards, "per_replica_batch": 1,
-            "gradient_accumulation_steps": 1, "warmup_steps": 1, "anneal_steps": 1, "lr": 1e-4, "end_lr": 1e-5,
-            "weight_decay": 0.1, "total_steps": 2}
+    return {
+        "layers": config.n_layers,
+        "d_model": config.d_model,
+        "n_heads": config.n_heads,
+        "n_vocab": config.vocab_size,
+        "norm": "layernorm",
+        "pe": "rotary",
+        "pe_rotary_dims": config.rotary_dim,
+        "seq": config.max_len,
+        "cores_per_replica": shards,
+        "per_replica_batch": 1,
+        "gradient_accumulation_steps": 1,
+        "warmup_steps": 1,
+        "anneal_steps": 1,
+        "lr": 1e-4,
+        "end_lr": 1e-5,
+        "weight_decay": 0.1,
+        "total_steps": 2,
+    }

@@ -18,8 +18,14 @@ NUMBER = r"[\d,]+(?:\.\d+)?"
 def bench(repo_root, cwd, *args: str) -> str:
     """``python scripts/bench.py ARGS`` as a user runs it: from ``cwd``, no PYTHONPATH, no test device flags."""
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "XLA_FLAGS")}
-    done = subprocess.run([sys.executable, str(repo_root / "scripts" / "bench.py"), *args], cwd=cwd,
-                          env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [sys.executable, str(repo_root / "scripts" / "bench.py"), *args],
+        cwd=cwd,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     assert done.stdout.startswith("machine: "), done.stdout
     return done.stdout
@@ -33,8 +39,21 @@ def figure(pattern: str, out: str) -> float:
 
 @pytest.mark.slow
 def test_train_benchmark(repo_root, tmp_path):
-    out = bench(repo_root, tmp_path, "train", "--batch", "1", "--seq-len", "8", "--repeats", "1", "--threads", "1",
-                "--matmul-size", "64")
+    out = bench(
+        repo_root,
+        tmp_path,
+        "train",
+        "--batch",
+        "1",
+        "--seq-len",
+        "8",
+        "--repeats",
+        "1",
+        "--threads",
+        "1",
+        "--matmul-size",
+        "64",
+    )
     assert "train step, 27.3M-parameter GPT-J, batch 1 x 8 tokens, float32, AdamW" in out
     assert figure(rf"matmul ceiling \(64\^3 f32\):\s+jax\s+({NUMBER}) GFLOP/s", out) > 0
     assert figure(rf"gptj_flax\s+({NUMBER}) tokens/s", out) > 0
@@ -45,7 +64,9 @@ def test_train_benchmark(repo_root, tmp_path):
 @pytest.mark.slow
 def test_data_benchmark_compares_with_the_demo_config_by_default(repo_root, tmp_path):
     out = bench(repo_root, tmp_path, "data", "--batches", "2", "--text-bytes", "20000")
-    assert f"input pipeline vs the train step of {repo_root / 'configs' / 'demo_cpu.json'} (batch 16 x 129 tokens)" in out
+    assert (
+        f"input pipeline vs the train step of {repo_root / 'configs' / 'demo_cpu.json'} (batch 16 x 129 tokens)" in out
+    )
     assert figure(rf"train step consumes\s+({NUMBER}) tokens/s", out) > 0
     for label in ("pre-tokenised TFRecords", "text, tokenised on the fly"):
         assert figure(rf"{re.escape(label)}\s+{NUMBER} tokens/s\s+=\s+({NUMBER})x the step", out) > 0
@@ -53,11 +74,25 @@ def test_data_benchmark_compares_with_the_demo_config_by_default(repo_root, tmp_
 
 @pytest.mark.slow
 def test_sample_benchmark(repo_root, tmp_path):
-    out = bench(repo_root, tmp_path, "sample", "--batch-sizes", "1,2", "--prompt-tokens", "4", "--new-tokens", "2",
-                "--repeats", "1", "--torch-threads", "1")
+    out = bench(
+        repo_root,
+        tmp_path,
+        "sample",
+        "--batch-sizes",
+        "1,2",
+        "--prompt-tokens",
+        "4",
+        "--new-tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--torch-threads",
+        "1",
+    )
     assert "27.3M parameters, float32" in out
-    rows = re.findall(rf"^\s+(\d+)\s+({NUMBER})\s+({NUMBER})\s+{NUMBER}x\s+({NUMBER})\s+({NUMBER})\s+{NUMBER}x$", out,
-                      re.MULTILINE)
+    rows = re.findall(
+        rf"^\s+(\d+)\s+({NUMBER})\s+({NUMBER})\s+{NUMBER}x\s+({NUMBER})\s+({NUMBER})\s+{NUMBER}x$", out, re.MULTILINE
+    )
     assert [row[0] for row in rows] == ["1", "2"], out
     assert all(float(value.replace(",", "")) > 0 for row in rows for value in row[1:])
     assert figure(rf"to first token \(restore \+ compile \+ prefill\): ({NUMBER}) s", out) > 0
@@ -65,8 +100,9 @@ def test_sample_benchmark(repo_root, tmp_path):
 
 @pytest.mark.slow
 def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
-    out = bench(repo_root, tmp_path, "serve", "--concurrency", "1,2", "--seconds", "0", "--new-tokens", "2",
-                "--max-batch", "2")
+    out = bench(
+        repo_root, tmp_path, "serve", "--concurrency", "1,2", "--seconds", "0", "--new-tokens", "2", "--max-batch", "2"
+    )
     assert "random GPT-J, 27.3M parameters" in out and "server --max-batch 2" in out
     rows = re.findall(rf"^\s+(\d+)\s+(\d+)\s+({NUMBER})\s+({NUMBER})\s", out, re.MULTILINE)
     assert [(row[0], row[1]) for row in rows] == [("1", "1"), ("2", "2")], out  # --seconds 0: one request each
@@ -77,8 +113,9 @@ def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
 def test_pipeline_benchmark_returns_throughputs(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 3000)
-    results = benchmark_pipeline(seq_len=64, batch_size=4, n_batches=6, n_files=2, text_files=[str(text)],
-                                 workdir=str(tmp_path))
+    results = benchmark_pipeline(
+        seq_len=64, batch_size=4, n_batches=6, n_files=2, text_files=[str(text)], workdir=str(tmp_path)
+    )
     for key in ("tfrecord_tokens_per_s", "text_tokens_per_s", "text_tokenize_tokens_per_s"):
         assert results[key] > 0
     assert results["text_corpus_tokens"] > 0
@@ -87,6 +124,5 @@ def test_pipeline_benchmark_returns_throughputs(tmp_path):
 @pytest.mark.slow
 def test_pretokenised_pipeline_is_fast(tmp_path):
     """The target: well over 1M tokens/s from pre-tokenised records, at GPT-J's sequence length."""
-    results = benchmark_pipeline(seq_len=2048, batch_size=16, n_batches=256, text_bytes=1 << 20,
-                                 workdir=str(tmp_path))
+    results = benchmark_pipeline(seq_len=2048, batch_size=16, n_batches=256, text_bytes=1 << 20, workdir=str(tmp_path))
     assert results["tfrecord_tokens_per_s"] > 1e6, results

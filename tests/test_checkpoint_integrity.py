@@ -25,10 +25,10 @@ import pytest
 import tensorstore as ts
 from etils import epath
 
-from benchmarks.common import write_random_hf
 import gptj_flax
+from benchmarks.common import write_random_hf
 from gptj_flax import checkpoint, partitioning
-from gptj_flax.checkpoint import CheckpointCorrupted, CheckpointDiskFull, CheckpointError, Checkpointer
+from gptj_flax.checkpoint import CheckpointCorrupted, CheckpointDiskFull, Checkpointer, CheckpointError
 from gptj_flax.config import Config, TrainConfig
 from gptj_flax.convert import from_hf
 from gptj_flax.model import GPTJ
@@ -38,7 +38,7 @@ CFG = tiny_config(n_layers=2, d_model=32, n_heads=4, rotary_dim=4, vocab_size=64
 CONFIG = Config(model=CFG, train=TrainConfig(batch_size=2))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _random_params(seed: int, model=CFG):
     params = nn.meta.unbox(GPTJ(model).init(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32)))["params"]
     return jax.tree.map(lambda x: x + 0.01 * seed, params)
@@ -51,7 +51,8 @@ def _sharded_state(seed: int, mesh):
     opt_state = optax.adam(1e-3).init(params)
     moments = np.random.default_rng(seed)
     opt_state = jax.tree.map(  # moments that are not all zero (noise: chunks that do not compress away)
-        lambda x: x + jnp.asarray(moments.random(x.shape), x.dtype) if x.ndim else x, opt_state)
+        lambda x: x + jnp.asarray(moments.random(x.shape), x.dtype) if x.ndim else x, opt_state
+    )
     return params, opt_state
 
 
@@ -151,21 +152,32 @@ def test_a_corrupted_optimiser_state_chunk_is_refused(tmp_path):
     other = partitioning.make_mesh((1, 2, 4))  # restored onto another mesh: verification does not depend on it
     params_target, opt_target = _targets(other, _sharded_state(0, other)[1])
     ckpt = Checkpointer(tmp_path / "run", read_only=True)
-    with pytest.raises(CheckpointCorrupted, match=r"step 2 .* is corrupted: the stored data of array 0/(mu|nu)/\S+ "
-                                                  r"of its opt_state is damaged") as caught:
+    with pytest.raises(
+        CheckpointCorrupted,
+        match=r"step 2 .* is corrupted: the stored data of array 0/(mu|nu)/\S+ "
+        r"of its opt_state is damaged",
+    ) as caught:
         ckpt.restore(params_target=params_target, opt_state_target=opt_target)
     assert (caught.value.item, caught.value.previous_step) == ("opt_state", 1)
     restored = ckpt.restore(1, params_target=params_target, opt_state_target=opt_target)
     ckpt.close()
     assert restored.step == 1
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.opt_state),
-                 jax.tree.map(np.asarray, _sharded_state(1, mesh)[1]))
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.tree.map(np.asarray, restored.opt_state),
+        jax.tree.map(np.asarray, _sharded_state(1, mesh)[1]),
+    )
 
 
 def test_to_hf_on_a_corrupted_checkpoint_is_one_error_line(run, tmp_path, repo_root):
     flip_bytes_in_a_chunk(run / "2" / "params")
-    result = subprocess.run([sys.executable, "scripts/convert.py", "to-hf", str(run), str(tmp_path / "hf")],
-                            cwd=repo_root, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "scripts/convert.py", "to-hf", str(run), str(tmp_path / "hf")],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip() and "writing safetensors" not in line]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr  # progress bars aside
@@ -178,9 +190,14 @@ def test_checkpoints_written_before_checksums_still_load_with_one_notice(tmp_pat
     """A step as the previous version wrote it: Orbax's default zarr v2 arrays, no checksums, no marker."""
     params = _random_params(3)
     manager = ocp.CheckpointManager(epath.Path(tmp_path / "old"), item_names=("params", "meta", "config"))
-    manager.save(7, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                            meta=ocp.args.JsonSave({"step": 7}),
-                                            config=ocp.args.JsonSave(CONFIG.to_dict())))
+    manager.save(
+        7,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            meta=ocp.args.JsonSave({"step": 7}),
+            config=ocp.args.JsonSave(CONFIG.to_dict()),
+        ),
+    )
     manager.wait_until_finished()
     manager.close()
     assert (tmp_path / "old" / "7" / "params" / "_METADATA").exists()
@@ -219,9 +236,11 @@ def test_a_changed_shape_names_the_parameter_and_both_shapes(run, capfd):
     ckpt.close()
     message = str(caught.value)
     assert "\n" not in message
-    found = re.fullmatch(rf"{run}/2: params (\S+) was saved with shape \((.*)\) but the model being restored "
-                         r"expects \((.*)\) \(the model config differs from the one this checkpoint was trained with\)",
-                         message)
+    found = re.fullmatch(
+        rf"{run}/2: params (\S+) was saved with shape \((.*)\) but the model being restored "
+        r"expects \((.*)\) \(the model config differs from the one this checkpoint was trained with\)",
+        message,
+    )
     assert found, message
     path = tuple(found.group(1).split("/"))
     saved = ocp.tree.to_flat_dict(checkpoint.param_targets(CONFIG.model, mesh)[0])[path].shape
@@ -246,8 +265,9 @@ def small_disk(tmp_path):
     """A 1.5 MB tmpfs (needs root and a kernel that lets us mount one)."""
     mount_point = tmp_path / "disk"
     mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     yield mount_point
@@ -280,8 +300,11 @@ def test_a_full_disk_during_an_async_save_is_one_error_and_keeps_the_previous_st
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith(f"no space left on the device writing checkpoint step 3 into {run} (")
-    assert re.search(r" \((\d+ B|\d+\.\d KB) free there\): the step was not saved; step 2 stays the latest "
-                     r"complete checkpoint\. Free some space", message), message
+    assert re.search(
+        r" \((\d+ B|\d+\.\d KB) free there\): the step was not saved; step 2 stays the latest "
+        r"complete checkpoint\. Free some space",
+        message,
+    ), message
     assert caught.value.step == 3 and caught.value.free_bytes < 20000
     assert not [r for r in caplog.records if "No space left" in r.getMessage() or r.exc_info]  # no tracebacks
 
@@ -291,8 +314,9 @@ def test_a_full_disk_during_an_async_save_is_one_error_and_keeps_the_previous_st
     target, _ = checkpoint.param_targets(CONFIG.model, mesh)
     restored = again.restore(params_target=target)
     again.close()
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.params),
-                 jax.tree.map(np.asarray, params))
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.params), jax.tree.map(np.asarray, params)
+    )
     # Space freed, the run goes on: its first save clears the half-written step.
     resumed = Checkpointer(run, keep_last=2)
     resumed.save(3, params=params, config=CONFIG)
@@ -329,12 +353,20 @@ def test_a_two_process_save_is_checksummed_by_each_process_and_verified_on_one(t
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(repo_root)}
-    model = ",".join(f"{k}={getattr(CFG, k)}" for k in ("n_layers", "d_model", "n_heads", "rotary_dim", "vocab_size",
-                                                         "max_len"))
-    procs = [subprocess.Popen([sys.executable, "-c", MULTI_PROCESS_SAVE, str(pid), str(port), str(tmp_path / "run"),
-                               model],
-                              cwd=repo_root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for pid in range(2)]
+    model = ",".join(
+        f"{k}={getattr(CFG, k)}" for k in ("n_layers", "d_model", "n_heads", "rotary_dim", "vocab_size", "max_len")
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", MULTI_PROCESS_SAVE, str(pid), str(port), str(tmp_path / "run"), model],
+            cwd=repo_root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for pid in range(2)
+    ]
     for proc in procs:
         out = proc.communicate(timeout=600)[0]
         assert proc.returncode == 0, out[-3000:]
@@ -345,8 +377,9 @@ def test_a_two_process_save_is_checksummed_by_each_process_and_verified_on_one(t
 
     _, params, _ = checkpoint.load_params(tmp_path / "run", partitioning.make_mesh((1, 4, 2)))
     for leaf in jax.tree.leaves(params):  # what both processes wrote, read back on another mesh
-        np.testing.assert_array_equal(np.asarray(leaf),
-                                      np.random.default_rng(list(leaf.shape)).random(leaf.shape, dtype=np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(leaf), np.random.default_rng(list(leaf.shape)).random(leaf.shape, dtype=np.float32)
+        )
     flip_bytes_in_a_chunk(params_dir / "ocdbt.process_1")  # a chunk only process 1 wrote
     with pytest.raises(CheckpointCorrupted, match=r"checkpoint step 4 .* is corrupted"):
         checkpoint.load_params(tmp_path / "run", partitioning.make_mesh((1, 4, 2)))

@@ -12,7 +12,13 @@ import pytest
 from gptj_flax import partitioning
 from gptj_flax.checkpoint import check_mesh
 from gptj_flax.config import (
-    ConfigError, MeshConfig, ModelConfig, apply_overrides, dtype_name, from_dict, load_config,
+    ConfigError,
+    MeshConfig,
+    ModelConfig,
+    apply_overrides,
+    dtype_name,
+    from_dict,
+    load_config,
 )
 from gptj_flax.model import abstract_params
 
@@ -26,7 +32,15 @@ def test_legacy_and_modern_6b_configs_are_the_same(repo_root):
     assert legacy == modern
     m = legacy.model
     assert (m.n_layers, m.d_model, m.n_heads, m.head_dim, m.rotary_dim, m.d_ff, m.vocab_size, m.max_len) == (
-        28, 4096, 16, 256, 64, 16384, 50400, 2048)
+        28,
+        4096,
+        16,
+        256,
+        64,
+        16384,
+        50400,
+        2048,
+    )
     assert legacy.mesh.model == 8  # cores_per_replica
     assert legacy.train.run_dir == "gs://neo-models/mesh_jax_pile_6B_rotary"
     assert legacy.train.global_batch_size(data_parallel=32) == 32  # per_replica_batch × replicas
@@ -77,15 +91,18 @@ def _model(**changes):
     return {"model": base}
 
 
-@pytest.mark.parametrize("changes, field, hint", [
-    ({"n_heads": 5}, "model.d_model=64 is not divisible by model.n_heads=5", "choose n_heads"),
-    ({"rotary_dim": 7}, "model.rotary_dim=7 must be even", "pairs"),
-    ({"rotary_dim": 32}, "model.rotary_dim=32 exceeds the head dimension", "rotary_dim <= 16"),
-    ({"n_layers": 0}, "model.n_layers must be a positive integer", "got 0"),
-    ({"dtype": "fp8"}, "model.dtype='fp8'", "bfloat16"),
-    ({"remat_policy": "sometimes"}, "model.remat_policy='sometimes'", "dots"),
-    ({"n_layer": 3}, "unknown key model.'n_layer'", "did you mean 'n_layers'"),
-])
+@pytest.mark.parametrize(
+    "changes, field, hint",
+    [
+        ({"n_heads": 5}, "model.d_model=64 is not divisible by model.n_heads=5", "choose n_heads"),
+        ({"rotary_dim": 7}, "model.rotary_dim=7 must be even", "pairs"),
+        ({"rotary_dim": 32}, "model.rotary_dim=32 exceeds the head dimension", "rotary_dim <= 16"),
+        ({"n_layers": 0}, "model.n_layers must be a positive integer", "got 0"),
+        ({"dtype": "fp8"}, "model.dtype='fp8'", "bfloat16"),
+        ({"remat_policy": "sometimes"}, "model.remat_policy='sometimes'", "dots"),
+        ({"n_layer": 3}, "unknown key model.'n_layer'", "did you mean 'n_layers'"),
+    ],
+)
 def test_bad_model_config_names_the_field(changes, field, hint):
     with pytest.raises(ConfigError) as e:
         from_dict(_model(**changes))
@@ -110,11 +127,17 @@ def test_unknown_top_level_and_legacy_keys_are_named(repo_root):
         from_dict(legacy)
 
 
-@pytest.mark.parametrize("mesh, message", [
-    ((1, 1, 3), "model.n_heads=4 is not divisible by the 'model' mesh axis of size 3 in mesh (data=1, fsdp=1, model=3)"),
-    ((1, 1, 8), "model.n_heads=4 is not divisible by the 'model' mesh axis of size 8"),
-    ((1, 3, 1), "model.d_model=64 is not divisible by the 'fsdp' mesh axis of size 3"),
-])
+@pytest.mark.parametrize(
+    "mesh, message",
+    [
+        (
+            (1, 1, 3),
+            "model.n_heads=4 is not divisible by the 'model' mesh axis of size 3 in mesh (data=1, fsdp=1, model=3)",
+        ),
+        ((1, 1, 8), "model.n_heads=4 is not divisible by the 'model' mesh axis of size 8"),
+        ((1, 3, 1), "model.d_model=64 is not divisible by the 'fsdp' mesh axis of size 3"),
+    ],
+)
 def test_mesh_divisibility_names_field_and_mesh(mesh, message):
     cfg = from_dict(_model()).model
     with pytest.raises(ConfigError) as e:
@@ -125,8 +148,9 @@ def test_mesh_divisibility_names_field_and_mesh(mesh, message):
 
 def test_vocab_divisibility_suggests_padding():
     cfg = ModelConfig(n_layers=1, d_model=64, n_heads=8, rotary_dim=8, vocab_size=50257)
-    with pytest.raises(ConfigError, match="vocab_size=50257.*parameter lm_head/bias splits its 'vocab' axis.*pad the "
-                                          "vocabulary"):
+    with pytest.raises(
+        ConfigError, match="vocab_size=50257.*parameter lm_head/bias splits its 'vocab' axis.*pad the vocabulary"
+    ):
         check_mesh(cfg, partitioning.make_mesh((1, 1, 8)))
 
 
@@ -139,8 +163,11 @@ def test_the_divisibility_check_follows_the_rules_table():
     with pytest.raises(ConfigError, match="model.d_model=36 .*'fsdp' mesh axis of size 8"):
         check_mesh(dataclasses.replace(cfg, d_model=36, n_heads=4, rotary_dim=8), mesh, rules)
     check_mesh(cfg, mesh, rules)  # d_ff=96 and d_model=64 both divide by 8
-    with pytest.raises(ConfigError, match=r"model.d_ff=100 is not divisible by the 'fsdp' mesh axis of size 8.*"
-                                          r"layers/mlp/fc_in/bias splits its 'mlp' axis"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.d_ff=100 is not divisible by the 'fsdp' mesh axis of size 8.*"
+        r"layers/mlp/fc_in/bias splits its 'mlp' axis",
+    ):
         check_mesh(dataclasses.replace(cfg, d_ff=100), mesh, rules)
     check_mesh(dataclasses.replace(cfg, d_ff=100), mesh)  # the default rules put mlp on 'model' (size 1)
 
@@ -152,19 +179,35 @@ def test_data_parallel_size_is_what_the_rules_split_the_batch_over():
     assert partitioning.data_parallel_size(partitioning.make_mesh((2, 4, 1)), rules) == 2
 
 
-@pytest.mark.parametrize("spelling, canonical", [
-    ("float32", "float32"), ("fp32", "float32"), ("F32", "float32"), (np.float32, "float32"), (jnp.float32, "float32"),
-    ("bfloat16", "bfloat16"), ("bf16", "bfloat16"), (jnp.bfloat16, "bfloat16"), (np.dtype(jnp.bfloat16), "bfloat16"),
-    ("float16", "float16"), ("fp16", "float16"), ("half", "float16"), (np.float16, "float16"),
-])
+@pytest.mark.parametrize(
+    "spelling, canonical",
+    [
+        ("float32", "float32"),
+        ("fp32", "float32"),
+        ("F32", "float32"),
+        (np.float32, "float32"),
+        (jnp.float32, "float32"),
+        ("bfloat16", "bfloat16"),
+        ("bf16", "bfloat16"),
+        (jnp.bfloat16, "bfloat16"),
+        (np.dtype(jnp.bfloat16), "bfloat16"),
+        ("float16", "float16"),
+        ("fp16", "float16"),
+        ("half", "float16"),
+        (np.float16, "float16"),
+    ],
+)
 def test_every_dtype_spelling_has_one_name(spelling, canonical):
     assert dtype_name(spelling) == canonical
     assert ModelConfig(n_layers=1, d_model=8, n_heads=1, rotary_dim=2, vocab_size=8, dtype=spelling).dtype == canonical
 
 
 def test_an_unknown_dtype_names_the_accepted_spellings():
-    with pytest.raises(ConfigError, match=r"model.dtype='float64' is not a supported dtype; use one of float32 "
-                                          r"\(float32/fp32/f32\), bfloat16 \(bfloat16/bf16\), float16"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.dtype='float64' is not a supported dtype; use one of float32 "
+        r"\(float32/fp32/f32\), bfloat16 \(bfloat16/bf16\), float16",
+    ):
         ModelConfig(n_layers=1, d_model=8, n_heads=1, rotary_dim=2, vocab_size=8, dtype="float64")
     with pytest.raises(ConfigError, match="not a supported dtype"):
         dtype_name(np.int8)
@@ -183,8 +226,10 @@ def test_mesh_resolution_and_errors():
         MeshConfig(2, 2, 4).resolve(8)
     with pytest.raises(ConfigError, match="at most one axis may be -1"):
         MeshConfig(-1, -1, 1)
-    with pytest.raises(ConfigError, match="mesh '2,4': expected three sizes; give data,fsdp,model sizes .* or a "
-                                          "layout name: dp, fsdp, tp"):
+    with pytest.raises(
+        ConfigError,
+        match="mesh '2,4': expected three sizes; give data,fsdp,model sizes .* or a layout name: dp, fsdp, tp",
+    ):
         partitioning.mesh_config("2,4")
     with pytest.raises(ConfigError, match="sizes must be integers"):
         partitioning.mesh_config("a,b,c")
@@ -211,37 +256,42 @@ def test_file_errors(tmp_path):
 
 
 def _train_config(**train):
-    return {"model": dict(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=128, max_len=64),
-            "train": {"batch_size": 8, **train}}
+    return {
+        "model": dict(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=128, max_len=64),
+        "train": {"batch_size": 8, **train},
+    }
 
 
-@pytest.mark.parametrize("section, key, value, message", [
-    ("train", "lr", float("nan"), "train.lr must be a finite non-negative number, got nan"),
-    ("train", "lr", float("inf"), "train.lr must be a finite non-negative number, got inf"),
-    ("train", "weight_decay", float("nan"), "train.weight_decay must be a finite"),
-    ("train", "z_loss", float("inf"), "train.z_loss must be a finite"),
-    ("train", "end_lr", float("-inf"), "train.end_lr must be a finite"),
-    ("model", "layer_norm_eps", float("nan"), "model.layer_norm_eps must be a finite positive number"),
-    ("train", "lr", True, "train.lr must be a finite non-negative number, got True"),
-    ("train", "total_steps", True, "train.total_steps must be a positive integer, got True"),
-    ("train", "batch_size", True, "train.batch_size must be a positive integer or null, got True"),
-    ("train", "warmup_steps", False, "train.warmup_steps must be a non-negative integer, got False"),
-    ("model", "n_layers", True, "model.n_layers must be a positive integer, got True"),
-    ("train", "freeze", "wte", 'train.freeze must be a list of strings, got the string \'wte\': write ["wte"]'),
-    ("train", "eval_harness_tasks", "lambada", "train.eval_harness_tasks must be a list of strings"),
-    ("train", "freeze", ["wte", 3], "train.freeze must be a list of non-empty strings, got ['wte', 3]"),
-    ("train", "run_dir", 3, "train.run_dir must be a non-empty string, got 3"),
-    ("train", "run_dir", ["runs/a"], "train.run_dir must be a non-empty string"),
-    ("train", "train_set", 7, "train.train_set must be a non-empty string or null, got 7"),
-    ("train", "tokenizer", {"dir": "x"}, "train.tokenizer must be a non-empty string or null"),
-    ("train", "seed", 1.5, "train.seed must be an integer in [0, 2**32), got 1.5"),
-    ("train", "seed", "1", "train.seed must be an integer in [0, 2**32), got '1'"),
-    ("train", "seed", 2**32, "train.seed must be an integer in [0, 2**32)"),
-    ("train", "val_set", {"pile": 3}, "train.val_set.pile must be a non-empty string, got 3"),
-    ("train", "seq_len", 128, "train.seq_len=128 exceeds model.max_len=64"),
-    ("model", "dtype", ["bfloat16"], "model.dtype=['bfloat16'] is not a supported dtype"),
-    ("train", "adam_mu_dtype", {}, "train.adam_mu_dtype={} is not a supported dtype"),
-])
+@pytest.mark.parametrize(
+    "section, key, value, message",
+    [
+        ("train", "lr", float("nan"), "train.lr must be a finite non-negative number, got nan"),
+        ("train", "lr", float("inf"), "train.lr must be a finite non-negative number, got inf"),
+        ("train", "weight_decay", float("nan"), "train.weight_decay must be a finite"),
+        ("train", "z_loss", float("inf"), "train.z_loss must be a finite"),
+        ("train", "end_lr", float("-inf"), "train.end_lr must be a finite"),
+        ("model", "layer_norm_eps", float("nan"), "model.layer_norm_eps must be a finite positive number"),
+        ("train", "lr", True, "train.lr must be a finite non-negative number, got True"),
+        ("train", "total_steps", True, "train.total_steps must be a positive integer, got True"),
+        ("train", "batch_size", True, "train.batch_size must be a positive integer or null, got True"),
+        ("train", "warmup_steps", False, "train.warmup_steps must be a non-negative integer, got False"),
+        ("model", "n_layers", True, "model.n_layers must be a positive integer, got True"),
+        ("train", "freeze", "wte", "train.freeze must be a list of strings, got the string 'wte': write [\"wte\"]"),
+        ("train", "eval_harness_tasks", "lambada", "train.eval_harness_tasks must be a list of strings"),
+        ("train", "freeze", ["wte", 3], "train.freeze must be a list of non-empty strings, got ['wte', 3]"),
+        ("train", "run_dir", 3, "train.run_dir must be a non-empty string, got 3"),
+        ("train", "run_dir", ["runs/a"], "train.run_dir must be a non-empty string"),
+        ("train", "train_set", 7, "train.train_set must be a non-empty string or null, got 7"),
+        ("train", "tokenizer", {"dir": "x"}, "train.tokenizer must be a non-empty string or null"),
+        ("train", "seed", 1.5, "train.seed must be an integer in [0, 2**32), got 1.5"),
+        ("train", "seed", "1", "train.seed must be an integer in [0, 2**32), got '1'"),
+        ("train", "seed", 2**32, "train.seed must be an integer in [0, 2**32)"),
+        ("train", "val_set", {"pile": 3}, "train.val_set.pile must be a non-empty string, got 3"),
+        ("train", "seq_len", 128, "train.seq_len=128 exceeds model.max_len=64"),
+        ("model", "dtype", ["bfloat16"], "model.dtype=['bfloat16'] is not a supported dtype"),
+        ("train", "adam_mu_dtype", {}, "train.adam_mu_dtype={} is not a supported dtype"),
+    ],
+)
 def test_values_that_used_to_pass_validation_are_refused_by_name(section, key, value, message):
     raw = _train_config()
     raw[section][key] = value
@@ -250,24 +300,29 @@ def test_values_that_used_to_pass_validation_are_refused_by_name(section, key, v
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("literal, shown", [("NaN", "nan"), ("Infinity", "inf"), ("-Infinity", "-inf"),
-                                             ("1e309", "inf")])
+@pytest.mark.parametrize(
+    "literal, shown", [("NaN", "nan"), ("Infinity", "inf"), ("-Infinity", "-inf"), ("1e309", "inf")]
+)
 def test_json_non_finite_literals_are_refused_by_field(tmp_path, literal, shown):
     path = tmp_path / "c.json"
-    path.write_text('{"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "rotary_dim": 8, "vocab_size": 128},\n'
-                    f' "train": {{"batch_size": 8, "lr": {literal}}}}}')
+    path.write_text(
+        '{"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "rotary_dim": 8, "vocab_size": 128},\n'
+        f' "train": {{"batch_size": 8, "lr": {literal}}}}}'
+    )
     with pytest.raises(ConfigError, match=rf"c.json: train.lr must be a finite non-negative number, got {shown}"):
         load_config(path)
 
 
 def test_overrides_get_the_same_validation(repo_root):
     tiny = repo_root / "configs/tiny.json"
-    for override, message in [("train.lr=NaN", "train.lr must be a finite non-negative number, got nan"),
-                              ("train.lr=nan", "train.lr must be a finite non-negative number, got 'nan'"),
-                              ("train.lr=true", "got True"),
-                              ("train.freeze=wte", "train.freeze must be a list of strings, got the string 'wte'"),
-                              ("train.seed=-1", "train.seed must be an integer in [0, 2**32), got -1"),
-                              ("train.seq_len=65", "train.seq_len=65 exceeds model.max_len=64")]:
+    for override, message in [
+        ("train.lr=NaN", "train.lr must be a finite non-negative number, got nan"),
+        ("train.lr=nan", "train.lr must be a finite non-negative number, got 'nan'"),
+        ("train.lr=true", "got True"),
+        ("train.freeze=wte", "train.freeze must be a list of strings, got the string 'wte'"),
+        ("train.seed=-1", "train.seed must be an integer in [0, 2**32), got -1"),
+        ("train.seq_len=65", "train.seq_len=65 exceeds model.max_len=64"),
+    ]:
         with pytest.raises(ConfigError) as e:
             load_config(tiny, [override])
         assert message in str(e.value), override

@@ -23,9 +23,14 @@ CFG = tiny_config(n_layers=3, d_model=32, n_heads=4, rotary_dim=4, vocab_size=64
 
 
 def _convert(repo_root, *args, cwd, timeout=300):
-    return subprocess.run([sys.executable, str(repo_root / "scripts" / "convert.py"), *args], cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(repo_root)}, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(repo_root / "scripts" / "convert.py"), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(repo_root)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _leftovers(directory, name):
@@ -34,8 +39,15 @@ def _leftovers(directory, name):
 
 def _full_legacy(directory):
     model = dense_model(CFG, 0)
-    write_legacy_checkpoint(directory / "step_5", model, CFG, shards=2, step=5,
-                            moments=(dense_moments(model, 1), dense_moments(model, 2)), adam_count=5)
+    write_legacy_checkpoint(
+        directory / "step_5",
+        model,
+        CFG,
+        shards=2,
+        step=5,
+        moments=(dense_moments(model, 1), dense_moments(model, 2)),
+        adam_count=5,
+    )
     (directory / "legacy.json").write_text(json.dumps(legacy_config_dict(CFG, 2)))
     return directory / "step_5", directory / "legacy.json"
 
@@ -57,8 +69,9 @@ def test_every_subcommand_takes_paths_relative_to_where_it_is_run(tmp_path, repo
     original, exported = (safetensors_io.read_header(tmp_path / d / "model.safetensors") for d in ("hf", "back"))
     assert original.keys() == exported.keys()
     for name in original:
-        np.testing.assert_array_equal(safetensors_io.read_tensor(original[name]),
-                                      safetensors_io.read_tensor(exported[name]))
+        np.testing.assert_array_equal(
+            safetensors_io.read_tensor(original[name]), safetensors_io.read_tensor(exported[name])
+        )
     mesh = partitioning.make_mesh((1, 1, 1))
     assert checkpoint.load_params(tmp_path / "slimmed", mesh)[2] == 0
     ckpt = checkpoint.Checkpointer(tmp_path / "from_legacy", read_only=True)
@@ -71,7 +84,7 @@ def test_a_conversion_failing_half_way_leaves_no_temporary_directory(tmp_path):
     step_dir, config_path = _full_legacy(tmp_path)
     piece = max((step_dir / "shard_1").glob("*.npz"), key=lambda p: p.stat().st_size)
     data = bytearray(piece.read_bytes())
-    data[len(data) // 2: len(data) // 2 + 10] = b"\xff" * 10  # inside an array; the zip directory stays readable
+    data[len(data) // 2 : len(data) // 2 + 10] = b"\xff" * 10  # inside an array; the zip directory stays readable
     piece.write_bytes(bytes(data))
     config, shards = config_for_legacy(config_path)
     for _ in range(3):  # the writers race: before, a leftover showed in most runs
@@ -84,9 +97,14 @@ def test_a_conversion_failing_half_way_leaves_no_temporary_directory(tmp_path):
 def test_ctrl_c_during_a_conversion_leaves_nothing_behind(tmp_path, repo_root):
     big = tiny_config(n_layers=16, d_model=512, n_heads=8, rotary_dim=16, vocab_size=4096, max_len=64)
     write_random_hf(tmp_path / "hf", big)  # about 230 MB: seconds of writing to interrupt
-    proc = subprocess.Popen([sys.executable, str(repo_root / "scripts" / "convert.py"), "from-hf", "hf", "out",
-                             "--no-tokenizer"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(repo_root)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(repo_root / "scripts" / "convert.py"), "from-hf", "hf", "out", "--no-tokenizer"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(repo_root)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 300
     while not [p for p in (tmp_path).glob("out.tmp-*/0*/params*/**/d/*") if p.stat().st_size]:
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
@@ -121,8 +139,10 @@ def test_from_hf_checks_the_tokenizer_it_carries(tmp_path, repo_root, caplog):
     assert (carried / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
 
     (tmp_path / "hf" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": ')
-    refused = (rf"^{tmp_path / 'hf'}: its tokenizer files \(tokenizer\.json, .*\) do not load as a tokenizer "
-               r"\(.*\); fix or remove them, or pass --no-tokenizer")
+    refused = (
+        rf"^{tmp_path / 'hf'}: its tokenizer files \(tokenizer\.json, .*\) do not load as a tokenizer "
+        r"\(.*\); fix or remove them, or pass --no-tokenizer"
+    )
     with pytest.raises(ConversionError, match=refused):
         from_hf(tmp_path / "hf", tmp_path / "garbage")
     assert not _leftovers(tmp_path, "garbage")

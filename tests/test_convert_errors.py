@@ -39,7 +39,9 @@ def test_wrong_shard_count(tmp_path, legacy):
     step_dir, _ = legacy
     wrong = tmp_path / "eight.json"
     wrong.write_text(json.dumps(legacy_config_dict(CFG, 8)))
-    with pytest.raises(ConversionError, match=rf"{step_dir}: has 4 shard directories but the config's cores_per_replica is 8"):
+    with pytest.raises(
+        ConversionError, match=rf"{step_dir}: has 4 shard directories but the config's cores_per_replica is 8"
+    ):
         _convert_legacy(step_dir, wrong, tmp_path / "out")
     _assert_no_output(tmp_path)
 
@@ -61,7 +63,9 @@ def test_shapes_that_disagree_with_the_config(tmp_path, legacy):
     step_dir, _ = legacy
     wider = tmp_path / "wider.json"
     wider.write_text(json.dumps({**legacy_config_dict(CFG, 4), "d_model": 64}))
-    with pytest.raises(ConversionError, match=r"shard_0/0\.npz arr_0 \(params/.*embedding.*\): shape \(32,\).*expects \(64,\)"):
+    with pytest.raises(
+        ConversionError, match=r"shard_0/0\.npz arr_0 \(params/.*embedding.*\): shape \(32,\).*expects \(64,\)"
+    ):
         _convert_legacy(step_dir, wider, tmp_path / "out")
     deeper = tmp_path / "deeper.json"
     deeper.write_text(json.dumps({**legacy_config_dict(CFG, 4), "layers": 4}))
@@ -115,7 +119,9 @@ def test_truncated_safetensors_and_mismatched_hf_shapes(tmp_path):
     weights.write_bytes(intact)
     raw = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**raw, "n_inner": 64}))
-    with pytest.raises(ConversionError, match=rf"{weights}: tensor 'transformer.h.0.mlp.fc_in.weight' has shape \(128, 32\)"):
+    with pytest.raises(
+        ConversionError, match=rf"{weights}: tensor 'transformer.h.0.mlp.fc_in.weight' has shape \(128, 32\)"
+    ):
         from_hf(tmp_path / "hf", tmp_path / "out")
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**raw, "n_layer": 2}))
     with pytest.raises(ConversionError, match=rf"{weights}: unexpected tensor\(s\) for a 2-layer GPT-J"):

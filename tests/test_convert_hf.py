@@ -77,8 +77,9 @@ def test_sharded_safetensors_in_and_out(tmp_path):
     from_hf(tmp_path / "hf", tmp_path / "ours", scan_layers=False)
     config, params, _ = checkpoint.load_params(tmp_path / "ours", partitioning.make_mesh((1, 1, 1)))
     assert "layer_2" in params and not config.model.scan_layers
-    np.testing.assert_array_equal(params["layer_1"]["mlp"]["fc_in"]["kernel"],
-                                  hf_state_numpy(hf)["transformer.h.1.mlp.fc_in.weight"].T)
+    np.testing.assert_array_equal(
+        params["layer_1"]["mlp"]["fc_in"]["kernel"], hf_state_numpy(hf)["transformer.h.1.mlp.fc_in.weight"].T
+    )
 
     to_hf(tmp_path / "ours", tmp_path / "back", max_shard_size="150KB")
     index = json.loads((tmp_path / "back" / safetensors_io.INDEX_FILE).read_text())
@@ -99,8 +100,10 @@ def test_pytorch_bin_and_half_precision_sources(tmp_path):
     (tmp_path / "bin").mkdir()
     hf.config.save_pretrained(tmp_path / "bin")
     state = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}
-    halves = {"pytorch_model-00001-of-00002.bin": dict(list(state.items())[:10]),
-              "pytorch_model-00002-of-00002.bin": dict(list(state.items())[10:])}
+    halves = {
+        "pytorch_model-00001-of-00002.bin": dict(list(state.items())[:10]),
+        "pytorch_model-00002-of-00002.bin": dict(list(state.items())[10:]),
+    }
     for name, part in halves.items():
         torch.save(part, tmp_path / "bin" / name)
     weight_map = {k: name for name, part in halves.items() for k in part}
@@ -176,8 +179,10 @@ def test_slim_keeps_step_drops_nothing_else_and_rounds(tmp_path):
     ckpt.close()
     _, params, _ = checkpoint.load_params(tmp_path / "slim", partitioning.make_mesh((1, 1, 1)))
     full = params_matching(hf, cfg)["params"]
-    np.testing.assert_array_equal(unstack_layers(params)["layer_1"]["attn"]["out_proj"],
-                                  unstack_layers(full)["layer_1"]["attn"]["out_proj"].astype(jnp.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(
+        unstack_layers(params)["layer_1"]["attn"]["out_proj"],
+        unstack_layers(full)["layer_1"]["attn"]["out_proj"].astype(jnp.bfloat16).astype(np.float32),
+    )
     assert (tmp_path / "slim" / "tokenizer" / "vocab.json").exists()
 
     to_hf(tmp_path / "slim", tmp_path / "back")  # a slim checkpoint exports like any other
@@ -205,12 +210,15 @@ def test_cli_round_trip_and_error_exit(tmp_path, repo_root):
     assert failed.returncode != 0 and "already exists" in failed.stderr
 
 
-@pytest.mark.parametrize("torch_dtype, declared, expected", [
-    (torch.float32, "dtype", "float32"),
-    (torch.bfloat16, "dtype", "bfloat16"),
-    (torch.float16, "torch_dtype", "float16"),  # transformers 4 wrote torch_dtype
-    (torch.bfloat16, None, "bfloat16"),  # no declaration: the tensors' own dtype
-])
+@pytest.mark.parametrize(
+    "torch_dtype, declared, expected",
+    [
+        (torch.float32, "dtype", "float32"),
+        (torch.bfloat16, "dtype", "bfloat16"),
+        (torch.float16, "torch_dtype", "float16"),  # transformers 4 wrote torch_dtype
+        (torch.bfloat16, None, "bfloat16"),  # no declaration: the tensors' own dtype
+    ],
+)
 def test_an_hf_import_computes_in_the_stored_precision(tmp_path, torch_dtype, declared, expected):
     cfg = tiny_config(n_layers=1)
     hf_model(cfg).to(torch_dtype).save_pretrained(tmp_path / "hf")
@@ -223,7 +231,10 @@ def test_an_hf_import_computes_in_the_stored_precision(tmp_path, torch_dtype, de
     config_path.write_text(json.dumps(raw))
     source = HFCheckpoint.open(tmp_path / "hf")
     assert (source.stored_dtype, source.model_config.dtype, source.model_config.param_dtype) == (
-        expected, expected, "float32")
+        expected,
+        expected,
+        "float32",
+    )
     assert HFCheckpoint.open(tmp_path / "hf", dtype="fp32").model_config.dtype == "float32"  # asked otherwise
 
     from_hf(tmp_path / "hf", tmp_path / "ours", tokenizer=False)

@@ -15,7 +15,12 @@ from benchmarks.common import write_random_hf
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import Config, from_dict
 from gptj_flax.convert import (
-    config_for_legacy, from_legacy, insert_adam_moments, load_init_opt_state, load_init_params, load_legacy_opt_state,
+    config_for_legacy,
+    from_legacy,
+    insert_adam_moments,
+    load_init_opt_state,
+    load_init_params,
+    load_legacy_opt_state,
     params_from_hf,
 )
 from gptj_flax.convert.legacy import LegacyCheckpoint, legacy_params
@@ -27,7 +32,9 @@ from tests.legacy_writer import dense_model, dense_moments, hf_state_dict, legac
 # 12 layers, so the original's string order (0, 1, 10, 11, 2, …) differs from numeric order;
 # heads, d_ff and vocab divide 8 shards; rotary_dim < head_dim.
 CFG = tiny_config(n_layers=12, d_model=32, n_heads=8, rotary_dim=2, vocab_size=64)
-_logits = jax.jit(lambda params, tokens: GPTJ(dataclasses.replace(CFG, dtype="float32")).apply({"params": params}, tokens))
+_logits = jax.jit(
+    lambda params, tokens: GPTJ(dataclasses.replace(CFG, dtype="float32")).apply({"params": params}, tokens)
+)
 
 
 def _reference_hf(model):
@@ -46,12 +53,20 @@ def test_the_original_leaf_order_is_string_sorted():
     names = [p.key for p in legacy_params(CFG, 8)]
     layers = [n.split("/~/")[1] for n in names if "/~/layer_" in n and n.endswith("linear/w")]
     assert layers == ["layer_0", "layer_1", "layer_10", "layer_11"] + [f"layer_{i}" for i in range(2, 10)]
-    assert names[:2] == ["causal_transformer_shard/~/embedding_shard/~/linear/b",
-                         "causal_transformer_shard/~/embedding_shard/~/linear/w"]
-    assert names[2].endswith("layer_0/~/linear/w") and names[-1].endswith("projection_shard/~/replicated_layer_norm/scale")
+    assert names[:2] == [
+        "causal_transformer_shard/~/embedding_shard/~/linear/b",
+        "causal_transformer_shard/~/embedding_shard/~/linear/w",
+    ]
+    assert names[2].endswith("layer_0/~/linear/w") and names[-1].endswith(
+        "projection_shard/~/replicated_layer_norm/scale"
+    )
 
 
-CASES = [(s, "full") for s in (1, 2, 4, 8)] + [(s, "slim_bf16") for s in (1, 2, 4, 8)] + [(1, "slim_fp16"), (8, "slim_fp16")]
+CASES = (
+    [(s, "full") for s in (1, 2, 4, 8)]
+    + [(s, "slim_bf16") for s in (1, 2, 4, 8)]
+    + [(1, "slim_fp16"), (8, "slim_fp16")]
+)
 
 
 @pytest.mark.parametrize("shards,storage", CASES, ids=[f"{s}shards-{k}" for s, k in CASES])
@@ -60,8 +75,17 @@ def test_legacy_import_equals_the_dense_reference(tmp_path, shards, storage):
     dtype = {"full": np.float32, "slim_bf16": jnp.bfloat16, "slim_fp16": np.float16}[storage]
     moments = (dense_moments(model, 1), dense_moments(model, 2)) if storage == "full" else None
     step_dir = tmp_path / "ckpt" / "step_383500"
-    write_legacy_checkpoint(step_dir, model, CFG, shards=shards, step=383500, dtype=dtype, moments=moments,
-                            adam_count=383500, schedule_count=17)
+    write_legacy_checkpoint(
+        step_dir,
+        model,
+        CFG,
+        shards=shards,
+        step=383500,
+        dtype=dtype,
+        moments=moments,
+        adam_count=383500,
+        schedule_count=17,
+    )
     if storage == "slim_bf16":  # the header old numpy wrote for bfloat16
         assert b"'descr': '<V2'" in (step_dir / "shard_0" / "0.npz").read_bytes()[:200]
     n_leaves = sum(len(np.load(step_dir / "shard_0" / f"{i}.npz").files) for i in range(16))
@@ -75,7 +99,9 @@ def test_legacy_import_equals_the_dense_reference(tmp_path, shards, storage):
     stored_config, params, step = checkpoint.load_params(tmp_path / "ours", partitioning.make_mesh((1, 2, 4)))
     # the compute dtype is the precision the checkpoint stores its parameters in; the rest is the config's
     stored_dtype = {"full": "float32", "slim_bf16": "bfloat16", "slim_fp16": "float16"}[storage]
-    assert step == 383500 and stored_config == config.replace(model=dataclasses.replace(config.model, dtype=stored_dtype))
+    assert step == 383500 and stored_config == config.replace(
+        model=dataclasses.replace(config.model, dtype=stored_dtype)
+    )
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), reference)
 
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, size=(2, 11))
@@ -102,8 +128,9 @@ def test_init_from_legacy_on_a_different_mesh_and_layout(tmp_path):
 def test_adam_moments_land_on_the_right_parameters(tmp_path, scan):
     model = dense_model(CFG, seed=3)
     mu, nu = dense_moments(model, 10), dense_moments(model, 20)
-    write_legacy_checkpoint(tmp_path / "step_7", model, CFG, shards=4, step=7, moments=(mu, nu), adam_count=321,
-                            schedule_count=5)
+    write_legacy_checkpoint(
+        tmp_path / "step_7", model, CFG, shards=4, step=7, moments=(mu, nu), adam_count=321, schedule_count=5
+    )
     config = Config(model=dataclasses.replace(CFG, scan_layers=scan))
     mesh = partitioning.make_mesh((1, 2, 4))
     state = load_legacy_opt_state(tmp_path / "step_7", config, mesh, shards=4)
@@ -112,8 +139,9 @@ def test_adam_moments_land_on_the_right_parameters(tmp_path, scan):
     # The moments of each dense tensor, mapped with the (independently tested) HF name mapping.
     # The embedding table's moments are the embedding weight's; the folded bias has none.
     for got, moments in ((state.mu, mu), (state.nu, nu)):
-        want = params_from_hf(hf_state_dict({**moments, "embed_b": np.zeros_like(moments["embed_b"])}, CFG),
-                              config.model)
+        want = params_from_hf(
+            hf_state_dict({**moments, "embed_b": np.zeros_like(moments["embed_b"])}, CFG), config.model
+        )
         target, _ = checkpoint.param_targets(config.model, mesh)
         for leaf, spec, value in zip(jax.tree.leaves(got), jax.tree.leaves(target), jax.tree.leaves(want)):
             assert leaf.sharding == spec.sharding and leaf.dtype == jnp.float32
@@ -122,9 +150,11 @@ def test_adam_moments_land_on_the_right_parameters(tmp_path, scan):
     # Into an optax chain like training's: the Adam node is replaced, everything else kept.
     params = load_init_params(f"legacy:{tmp_path / 'step_7'}", config, mesh)
     optimizer = optax.chain(
-        optax.clip_by_global_norm(1.0), optax.scale_by_adam(),
+        optax.clip_by_global_norm(1.0),
+        optax.scale_by_adam(),
         optax.add_decayed_weights(0.1, mask=jax.tree.map(lambda p: p.ndim > 1, params)),
-        optax.scale_by_learning_rate(optax.linear_schedule(1e-4, 1e-5, 10)))
+        optax.scale_by_learning_rate(optax.linear_schedule(1e-4, 1e-5, 10)),
+    )
     fresh = optimizer.init(params)
     opt_state = insert_adam_moments(fresh, state.mu, state.nu, state.count)
     adam = opt_state[1]
@@ -184,15 +214,24 @@ def _optimizer_target(config, mesh, freeze=()):
     tx = make_optimizer(config.train, params=params, freeze=freeze)
     abstract = nn.meta.unbox(abstract_state(model, tx))
     shardings = state_shardings(model, tx, mesh)
-    return tx, jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            abstract.opt_state, shardings.opt_state)
+    return tx, jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract.opt_state, shardings.opt_state
+    )
 
 
 @pytest.mark.parametrize("freeze", [(), ("wte", "layers/attn/*")], ids=["all", "frozen"])
 def test_init_opt_state_carries_legacy_adam_into_the_training_optimiser(tmp_path, freeze):
     model = dense_model(CFG, seed=4)
-    write_legacy_checkpoint(tmp_path / "step_9", model, CFG, shards=2, step=9,
-                            moments=(dense_moments(model, 30), dense_moments(model, 40)), adam_count=55, schedule_count=8)
+    write_legacy_checkpoint(
+        tmp_path / "step_9",
+        model,
+        CFG,
+        shards=2,
+        step=9,
+        moments=(dense_moments(model, 30), dense_moments(model, 40)),
+        adam_count=55,
+        schedule_count=8,
+    )
     config = Config(model=CFG)
     mesh = partitioning.make_mesh((1, 2, 4))
     tx, target = _optimizer_target(config, mesh, freeze)
@@ -205,12 +244,16 @@ def test_init_opt_state_carries_legacy_adam_into_the_training_optimiser(tmp_path
     adam = _adam_nodes(opt_state)
     assert len(adam) == 1 and int(adam[0].count) == 55
     expected = load_legacy_opt_state(tmp_path / "step_9", config, mesh)
-    np.testing.assert_array_equal(np.asarray(adam[0].nu["lm_head"]["kernel"]), np.asarray(expected.nu["lm_head"]["kernel"]))
+    np.testing.assert_array_equal(
+        np.asarray(adam[0].nu["lm_head"]["kernel"]), np.asarray(expected.nu["lm_head"]["kernel"])
+    )
     if freeze:  # frozen parameters have no moments
         assert isinstance(adam[0].mu["wte"], optax.MaskedNode)
         assert isinstance(adam[0].mu["layers"]["attn"]["q_proj"], optax.MaskedNode)
-        np.testing.assert_array_equal(np.asarray(adam[0].mu["layers"]["mlp"]["fc_in"]["kernel"]),
-                                      np.asarray(expected.mu["layers"]["mlp"]["fc_in"]["kernel"]))
+        np.testing.assert_array_equal(
+            np.asarray(adam[0].mu["layers"]["mlp"]["fc_in"]["kernel"]),
+            np.asarray(expected.mu["layers"]["mlp"]["fc_in"]["kernel"]),
+        )
     else:
         np.testing.assert_array_equal(np.asarray(adam[0].mu["wte"]), np.asarray(expected.mu["wte"]))
 
@@ -227,8 +270,15 @@ def _adam_nodes(state):
 
 def test_init_opt_state_from_orbax_and_from_sources_without_one(tmp_path):
     model = dense_model(CFG, seed=6)
-    write_legacy_checkpoint(tmp_path / "full" / "step_3", model, CFG, shards=2, step=3,
-                            moments=(dense_moments(model, 1), dense_moments(model, 2)), adam_count=3)
+    write_legacy_checkpoint(
+        tmp_path / "full" / "step_3",
+        model,
+        CFG,
+        shards=2,
+        step=3,
+        moments=(dense_moments(model, 1), dense_moments(model, 2)),
+        adam_count=3,
+    )
     write_legacy_checkpoint(tmp_path / "slim" / "step_3", model, CFG, shards=2, step=3, dtype=jnp.bfloat16)
     config = Config(model=CFG)
     mesh = partitioning.make_mesh((2, 2, 2))
@@ -239,8 +289,12 @@ def test_init_opt_state_from_orbax_and_from_sources_without_one(tmp_path):
     assert load_init_opt_state(f"hf:{tmp_path / 'hf'}", config, mesh, target) is None
 
     run = checkpoint.Checkpointer(tmp_path / "run", async_save=False)
-    run.save(3, params=load_init_params(f"legacy:{tmp_path / 'full' / 'step_3'}", config, mesh), config=config,
-             opt_state=opt_state)
+    run.save(
+        3,
+        params=load_init_params(f"legacy:{tmp_path / 'full' / 'step_3'}", config, mesh),
+        config=config,
+        opt_state=opt_state,
+    )
     run.close()
     restored = load_init_opt_state(str(tmp_path / "run"), config, mesh, target)
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(opt_state)):
@@ -256,8 +310,16 @@ def test_init_opt_state_from_orbax_and_from_sources_without_one(tmp_path):
 
 def test_from_legacy_with_opt_state_resumes_and_fine_tunes(tmp_path):
     model = dense_model(CFG, seed=8)
-    write_legacy_checkpoint(tmp_path / "step_12", model, CFG, shards=4, step=12,
-                            moments=(dense_moments(model, 5), dense_moments(model, 6)), adam_count=12, schedule_count=12)
+    write_legacy_checkpoint(
+        tmp_path / "step_12",
+        model,
+        CFG,
+        shards=4,
+        step=12,
+        moments=(dense_moments(model, 5), dense_moments(model, 6)),
+        adam_count=12,
+        schedule_count=12,
+    )
     config_path = _config_file(tmp_path, 4)
     config, shards = config_for_legacy(config_path)
     from_legacy(tmp_path / "step_12", tmp_path / "ours", config, shards, opt_init=make_optimizer(config.train).init)

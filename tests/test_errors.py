@@ -11,6 +11,7 @@ from gptj_flax.errors import EXIT_ERROR, EXIT_INTERRUPTED, GptjFlaxError, run_cl
 def _raises(error):
     def main():
         raise error
+
     return main
 
 

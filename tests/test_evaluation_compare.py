@@ -23,35 +23,44 @@ def results(tasks: dict, higher_is_better: dict | None = None) -> dict:
     return out
 
 
-A = results({
-    "piqa": {"acc": (0.80, 0.01), "acc_norm": (0.77, 0.01)},
-    "winogrande": {"acc": (0.60, 0.02)},
-    "lambada_openai": {"acc": (0.70, 0.006), "perplexity": (3.50, 0.08)},
-    "hellaswag": {"acc": (0.50, "N/A")},
-    "gsm8k": {"exact_match,strict-match": (0.10, 0.01)},
-    "only_in_a": {"acc": (0.5, 0.1)},
-}, {"lambada_openai": {"acc": True, "perplexity": False}})
-B = results({
-    "piqa": {"acc": (0.765, 0.01), "acc_norm": (0.76, 0.01)},
-    "winogrande": {"acc": (0.653, 0.0134)},
-    "lambada_openai": {"acc": (0.697, 0.0064), "perplexity": (3.99, 0.08)},
-    "hellaswag": {"acc": (0.661, 0.0047)},
-    "gsm8k": {"exact_match,strict-match": (0.05, 0.01), "exact_match,flexible-extract": (0.06, 0.01)},
-    "only_in_b": {"acc": (0.5, 0.1)},
-}, {"lambada_openai": {"acc": True, "perplexity": False}})
+A = results(
+    {
+        "piqa": {"acc": (0.80, 0.01), "acc_norm": (0.77, 0.01)},
+        "winogrande": {"acc": (0.60, 0.02)},
+        "lambada_openai": {"acc": (0.70, 0.006), "perplexity": (3.50, 0.08)},
+        "hellaswag": {"acc": (0.50, "N/A")},
+        "gsm8k": {"exact_match,strict-match": (0.10, 0.01)},
+        "only_in_a": {"acc": (0.5, 0.1)},
+    },
+    {"lambada_openai": {"acc": True, "perplexity": False}},
+)
+B = results(
+    {
+        "piqa": {"acc": (0.765, 0.01), "acc_norm": (0.76, 0.01)},
+        "winogrande": {"acc": (0.653, 0.0134)},
+        "lambada_openai": {"acc": (0.697, 0.0064), "perplexity": (3.99, 0.08)},
+        "hellaswag": {"acc": (0.661, 0.0047)},
+        "gsm8k": {"exact_match,strict-match": (0.05, 0.01), "exact_match,flexible-extract": (0.06, 0.01)},
+        "only_in_b": {"acc": (0.5, 0.1)},
+    },
+    {"lambada_openai": {"acc": True, "perplexity": False}},
+)
 
 
-@pytest.mark.parametrize("a, sa, b, sb, z, expected_mark", [
-    (0.80, 0.01, 0.765, 0.01, 3.5, "++"),  # clearly better
-    (0.77, 0.01, 0.76, 0.01, 1.0, ""),  # within the noise
-    (0.60, 0.02, 0.653, 0.0134, -3.1737, "--"),  # -0.053 / mean(0.02, 0.0134) = -0.053 / 0.0167
-    (0.70, 0.006, 0.697, 0.0064, 0.4839, ""),  # 0.003 / 0.0062
-    (0.75, 0.125, 0.5, 0.125, 2.0, "+"),  # |z| = 2 exactly (binary-exact numbers): marked
-    (0.74, 0.125, 0.5, 0.125, 1.92, ""),  # just under 2
-    (0.125, 0.125, 0.5, 0.125, -3.0, "--"),  # |z| = 3 exactly: two marks
-    (0.25, 0.125, 0.5, 0.125, -2.0, "-"),
-    (0.5, 0.0625, 0.25, 0.1875, 2.0, "+"),  # unequal stderrs: their mean, 0.125
-])
+@pytest.mark.parametrize(
+    "a, sa, b, sb, z, expected_mark",
+    [
+        (0.80, 0.01, 0.765, 0.01, 3.5, "++"),  # clearly better
+        (0.77, 0.01, 0.76, 0.01, 1.0, ""),  # within the noise
+        (0.60, 0.02, 0.653, 0.0134, -3.1737, "--"),  # -0.053 / mean(0.02, 0.0134) = -0.053 / 0.0167
+        (0.70, 0.006, 0.697, 0.0064, 0.4839, ""),  # 0.003 / 0.0062
+        (0.75, 0.125, 0.5, 0.125, 2.0, "+"),  # |z| = 2 exactly (binary-exact numbers): marked
+        (0.74, 0.125, 0.5, 0.125, 1.92, ""),  # just under 2
+        (0.125, 0.125, 0.5, 0.125, -3.0, "--"),  # |z| = 3 exactly: two marks
+        (0.25, 0.125, 0.5, 0.125, -2.0, "-"),
+        (0.5, 0.0625, 0.25, 0.1875, 2.0, "+"),  # unequal stderrs: their mean, 0.125
+    ],
+)
 def test_significance_and_marks_for_hand_computed_cases(a, sa, b, sb, z, expected_mark):
     assert significance(a, sa, b, sb) == pytest.approx(z, abs=1e-4)
     assert mark(significance(a, sa, b, sb)) == expected_mark
@@ -69,11 +78,23 @@ def test_compare_rows_table_and_chart(tmp_path):
     comparison = compare(A, B)
     rows = {(r.task, r.metric): r for r in comparison.rows}
     assert [(r.task, r.metric) for r in comparison.rows] == [
-        ("piqa", "acc"), ("piqa", "acc_norm"), ("winogrande", "acc"), ("lambada_openai", "acc"),
-        ("lambada_openai", "perplexity"), ("hellaswag", "acc"), ("gsm8k", "exact_match[strict-match]")]
+        ("piqa", "acc"),
+        ("piqa", "acc_norm"),
+        ("winogrande", "acc"),
+        ("lambada_openai", "acc"),
+        ("lambada_openai", "perplexity"),
+        ("hellaswag", "acc"),
+        ("gsm8k", "exact_match[strict-match]"),
+    ]
     assert {key: row.mark for key, row in rows.items()} == {
-        ("piqa", "acc"): "++", ("piqa", "acc_norm"): "", ("winogrande", "acc"): "--", ("lambada_openai", "acc"): "",
-        ("lambada_openai", "perplexity"): "++", ("hellaswag", "acc"): "", ("gsm8k", "exact_match[strict-match]"): "++"}
+        ("piqa", "acc"): "++",
+        ("piqa", "acc_norm"): "",
+        ("winogrande", "acc"): "--",
+        ("lambada_openai", "acc"): "",
+        ("lambada_openai", "perplexity"): "++",
+        ("hellaswag", "acc"): "",
+        ("gsm8k", "exact_match[strict-match]"): "++",
+    }
     assert rows[("hellaswag", "acc")].z is None and rows[("hellaswag", "acc")].a_stderr is None
     assert comparison.only_a == ["only_in_a"]
     assert comparison.only_b == ["only_in_b", "gsm8k exact_match[flexible-extract]"]
@@ -96,13 +117,28 @@ def test_eval_script_compare(tmp_path, repo_root):
     (tmp_path / "gptj.json").write_text(json.dumps(B))
     (tmp_path / "broken.json").write_text(json.dumps({"no": "results"}))
     script = [sys.executable, str(repo_root / "scripts" / "eval.py"), "compare"]
-    done = subprocess.run([*script, str(tmp_path / "gpt4chan.json"), str(tmp_path / "gptj.json"),
-                           "--markdown", str(tmp_path / "table.md"), "--plot", str(tmp_path / "chart.png")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            *script,
+            str(tmp_path / "gpt4chan.json"),
+            str(tmp_path / "gptj.json"),
+            "--markdown",
+            str(tmp_path / "table.md"),
+            "--plot",
+            str(tmp_path / "chart.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("| Task | Metric | gpt4chan | ± | gptj | ± | z | Sig. |")
     assert (tmp_path / "table.md").read_text() in done.stdout and (tmp_path / "chart.png").stat().st_size > 0
     assert load_results(tmp_path / "gptj.json") == B
-    bad = subprocess.run([*script, str(tmp_path / "broken.json"), str(tmp_path / "gptj.json")],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [*script, str(tmp_path / "broken.json"), str(tmp_path / "gptj.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 1 and "not an lm-eval results file" in bad.stderr

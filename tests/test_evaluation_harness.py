@@ -22,9 +22,15 @@ from gptj_flax import convert
 from gptj_flax.config import ModelConfig
 from gptj_flax.data import load_tokenizer
 from gptj_flax.evaluation.during_training import HarnessDuringTraining
-from gptj_flax.evaluation.harness import GPTJFlaxLM, GenerationSettings, flat_metrics, task_manager
+from gptj_flax.evaluation.harness import GenerationSettings, GPTJFlaxLM, flat_metrics, task_manager
 from tests.evaluation_helpers import (
-    CFG, CHOICE_DOCS, TEXT_DOCS, TOKENIZER_VOCAB, make_checkpoint, make_tokenizer, write_tasks,
+    CFG,
+    CHOICE_DOCS,
+    TEXT_DOCS,
+    TOKENIZER_VOCAB,
+    make_checkpoint,
+    make_tokenizer,
+    write_tasks,
 )
 from tests.helpers import hf_model
 
@@ -94,21 +100,28 @@ def hf_loglikelihood(model, tokenizer, context, continuation, max_len=CFG.max_le
     """HuggingFace's summed log-probability of ``continuation`` after ``[EOS] + context``, cut from the
     left to the context size (GPT-J's convention)."""
     context_ids = tokenizer.encode(context) if context else []
-    continuation_ids = tokenizer.encode(context + continuation)[len(context_ids):]
-    tokens = ([tokenizer.eos_token_id] + context_ids + continuation_ids)[-(max_len + 1):]
-    return float(hf_log_probs(model, tokens)[-len(continuation_ids):].sum())
+    continuation_ids = tokenizer.encode(context + continuation)[len(context_ids) :]
+    tokens = ([tokenizer.eos_token_id] + context_ids + continuation_ids)[-(max_len + 1) :]
+    return float(hf_log_probs(model, tokens)[-len(continuation_ids) :].sum())
 
 
 def rolling_windows(tokens, eos, max_len=CFG.max_len):
     """lm-eval's disjoint windows over ``tokens``: every token predicted once, after its window's context."""
-    return list(map(make_disjoint_window, get_rolling_token_windows(
-        tokens, prefix_token=eos, max_seq_len=max_len, context_len=1)))
+    return list(
+        map(
+            make_disjoint_window,
+            get_rolling_token_windows(tokens, prefix_token=eos, max_seq_len=max_len, context_len=1),
+        )
+    )
 
 
 def hf_loglikelihood_rolling(model, tokenizer, text, max_len=CFG.max_len) -> float:
-    return float(sum(hf_log_probs(model, context + prediction)[-len(prediction):].sum()
-                     for context, prediction in rolling_windows(tokenizer.encode(text), tokenizer.eos_token_id,
-                                                                max_len)))
+    return float(
+        sum(
+            hf_log_probs(model, context + prediction)[-len(prediction) :].sum()
+            for context, prediction in rolling_windows(tokenizer.encode(text), tokenizer.eos_token_id, max_len)
+        )
+    )
 
 
 def test_loglikelihood_is_huggingfaces_sum_of_continuation_log_probs(lm, hf):
@@ -152,20 +165,23 @@ def test_loglikelihood_rolling_is_huggingfaces_perplexity_over_the_same_windows(
 
 def test_generate_until_stops_at_the_tasks_stop_strings(lm):
     contexts = ["The cat sat on the", "def add(a, b):", "One two"]
-    free = lm.generate_until(requests("generate_until", [(c, {"until": [], "max_gen_toks": 12}) for c in contexts]),
-                             disable_tqdm=True)
+    free = lm.generate_until(
+        requests("generate_until", [(c, {"until": [], "max_gen_toks": 12}) for c in contexts]), disable_tqdm=True
+    )
 
     def stop_in(text):  # two characters a few in, away from half-decoded characters
-        i = next(i for i in range(3, len(text) - 1) if "\ufffd" not in text[i:i + 2])
-        return text[i:i + 2]
+        i = next(i for i in range(3, len(text) - 1) if "\ufffd" not in text[i : i + 2])
+        return text[i : i + 2]
 
     stops = [stop_in(free[0]), stop_in(free[1])]
-    gen_kwargs = [{"until": [stops[0]], "max_gen_toks": 12},
-                  {"until": ["never generated", stops[1]], "max_gen_toks": 12, "do_sample": False},
-                  {"until": [], "max_gen_toks": 3, "temperature": 0.0}]
+    gen_kwargs = [
+        {"until": [stops[0]], "max_gen_toks": 12},
+        {"until": ["never generated", stops[1]], "max_gen_toks": 12, "do_sample": False},
+        {"until": [], "max_gen_toks": 3, "temperature": 0.0},
+    ]
     out = lm.generate_until(requests("generate_until", list(zip(contexts, gen_kwargs))), disable_tqdm=True)
-    assert out[0] == free[0][:free[0].index(stops[0])]
-    assert out[1] == free[1][:free[1].index(stops[1])]
+    assert out[0] == free[0][: free[0].index(stops[0])]
+    assert out[1] == free[1][: free[1].index(stops[1])]
     assert free[2].startswith(out[2]) and len(lm.tokenizer.encode(out[2])) <= 3
     with pytest.raises(ValueError, match="num_beams"):
         GenerationSettings.parse({"until": ["\n"], "num_beams": 4}, 16)
@@ -176,11 +192,15 @@ def test_results_are_the_same_on_1_and_8_devices(lm, lm_8_devices):
     scored, rolled, generated = [], [], []
     for model in (lm, lm_8_devices):
         scored.append(model.loglikelihood(requests("loglikelihood", PAIRS), disable_tqdm=True))
-        rolled.append(model.loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in TEXTS]),
-                                                  disable_tqdm=True))
-        generated.append(model.generate_until(  # one batch of short prompts: one compiled sampler
-            requests("generate_until", [(c, {"until": ["\n"], "max_gen_toks": 10}) for c, _ in PAIRS[:3]]),
-            disable_tqdm=True))
+        rolled.append(
+            model.loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in TEXTS]), disable_tqdm=True)
+        )
+        generated.append(
+            model.generate_until(  # one batch of short prompts: one compiled sampler
+                requests("generate_until", [(c, {"until": ["\n"], "max_gen_toks": 10}) for c, _ in PAIRS[:3]]),
+                disable_tqdm=True,
+            )
+        )
     np.testing.assert_allclose([s for s, _ in scored[0]], [s for s, _ in scored[1]], rtol=0, atol=1e-5)
     assert [g for _, g in scored[0]] == [g for _, g in scored[1]]
     # sums of ~100 float32 log-probabilities around -10: equal to float32's resolution of the total
@@ -192,8 +212,14 @@ def test_lm_eval_builds_the_registered_model_from_model_args(run, offline, tmp_p
     from lm_eval import simple_evaluate
 
     index = task_manager(write_tasks(tmp_path / "tasks"), include_defaults=False)
-    results = simple_evaluate(model="gptj_flax", model_args=f"checkpoint={run[0]},mesh=2x1x1,batch_size=2",
-                              tasks=["tiny_choice"], task_manager=index, device="cuda:0", limit=2)
+    results = simple_evaluate(
+        model="gptj_flax",
+        model_args=f"checkpoint={run[0]},mesh=2x1x1,batch_size=2",
+        tasks=["tiny_choice"],
+        task_manager=index,
+        device="cuda:0",
+        limit=2,
+    )
     assert results["config"]["mesh"] == {"data": 2, "fsdp": 1, "model": 1}
     assert results["n-samples"]["tiny_choice"]["effective"] == 2
     with pytest.raises(ValueError, match="automatically"):
@@ -209,13 +235,28 @@ def test_local_tasks_run_through_lm_evals_own_entry_point(run, offline, tmp_path
     """``python -m gptj_flax.evaluation.lm_eval_cli`` is lm-eval's ``cli_evaluate`` with the model registered."""
     tasks = write_tasks(tmp_path / "tasks")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "gptj_flax.evaluation.lm_eval_cli", "--model", "gptj_flax",
-               "--model_args", f"checkpoint={run[0]},mesh=1x1x2", "--tasks", "tiny_choice,tiny_text,tiny_generation",
-               "--include_path", tasks, "--batch_size", "4", "--output_path", str(tmp_path / "out")]
+    command = [
+        sys.executable,
+        "-m",
+        "gptj_flax.evaluation.lm_eval_cli",
+        "--model",
+        "gptj_flax",
+        "--model_args",
+        f"checkpoint={run[0]},mesh=1x1x2",
+        "--tasks",
+        "tiny_choice,tiny_text,tiny_generation",
+        "--include_path",
+        tasks,
+        "--batch_size",
+        "4",
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    [results_file] = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "out") for f in files
-                      if f.startswith("results")]
+    [results_file] = [
+        os.path.join(d, f) for d, _, files in os.walk(tmp_path / "out") for f in files if f.startswith("results")
+    ]
     with open(results_file) as f:
         results = json.load(f)
     assert set(results["results"]) == {"tiny_choice", "tiny_text", "tiny_generation"}
@@ -238,22 +279,27 @@ def fresh_python(code: str, cwd) -> list[str]:
 
 
 def test_installed_hook_costs_nothing_at_interpreter_start(tmp_path):
-    imported = fresh_python(f"import sys; print(*(m in sys.modules for m in ('{HOOK}', 'gptj_flax', 'lm_eval', "
-                            "'jax')))", tmp_path)
+    imported = fresh_python(
+        f"import sys; print(*(m in sys.modules for m in ('{HOOK}', 'gptj_flax', 'lm_eval', 'jax')))", tmp_path
+    )
     assert imported == ["True False False False"], (
         f"{HOOK} is not imported at start: reinstall the project (make install, pip install -e .) so that "
-        "gptj_flax_lm_eval.pth is in site-packages")
+        "gptj_flax_lm_eval.pth is in site-packages"
+    )
 
 
 def test_installed_hook_registers_the_model_lazily_when_lm_eval_is_imported(tmp_path):
     assert fresh_python(
         "import sys, lm_eval.api.registry as r; m = r.model_registry; "
-        "print('gptj_flax' in m, 'dummy' in m, 'jax' in sys.modules); print(m.get('gptj_flax'))", tmp_path,
+        "print('gptj_flax' in m, 'dummy' in m, 'jax' in sys.modules); print(m.get('gptj_flax'))",
+        tmp_path,
     ) == ["True True False", "<class 'gptj_flax.evaluation.harness.GPTJFlaxLM'>"]  # lm-eval's own models too
     # the adapter imported first registers the class itself, and the hook leaves it alone
-    assert fresh_python("import gptj_flax.evaluation.harness as h, lm_eval.api.registry as r; "
-                        "print(r.get_model('gptj_flax') is h.GPTJFlaxLM, r.get_model('dummy').__name__)",
-                        tmp_path) == ["True DummyLM"]
+    assert fresh_python(
+        "import gptj_flax.evaluation.harness as h, lm_eval.api.registry as r; "
+        "print(r.get_model('gptj_flax') is h.GPTJFlaxLM, r.get_model('dummy').__name__)",
+        tmp_path,
+    ) == ["True DummyLM"]
 
 
 @pytest.mark.slow
@@ -263,11 +309,25 @@ def test_lm_evals_own_lm_eval_command_runs_the_model_as_huggingface_scores(odd_r
     word perplexity and bits per byte as HuggingFace PyTorch float32's on the same weights."""
     run, hf = odd_run
     tasks, out = write_tasks(tmp_path / "tasks"), tmp_path / "out"
-    command = [str(Path(sys.executable).parent / "lm_eval"), "--model", "gptj_flax", "--model_args",
-               f"checkpoint={run}", "--tasks", "tiny_choice,tiny_text", "--include_path", tasks,
-               "--batch_size", "4", "--output_path", str(out), "--log_samples"]
-    done = subprocess.run(command, cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
-                          text=True, timeout=600)
+    command = [
+        str(Path(sys.executable).parent / "lm_eval"),
+        "--model",
+        "gptj_flax",
+        "--model_args",
+        f"checkpoint={run}",
+        "--tasks",
+        "tiny_choice,tiny_text",
+        "--include_path",
+        tasks,
+        "--batch_size",
+        "4",
+        "--output_path",
+        str(out),
+        "--log_samples",
+    ]
+    done = subprocess.run(
+        command, cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     [results_file] = glob.glob(str(out / "*" / "results_*.json"))
     results = json.loads(Path(results_file).read_text())
@@ -279,8 +339,9 @@ def test_lm_evals_own_lm_eval_command_runs_the_model_as_huggingface_scores(odd_r
     tokenizer = load_tokenizer(os.path.join(run, "tokenizer"))
     correct = []
     for doc, sample in zip(CHOICE_DOCS, samples("tiny_choice"), strict=True):
-        expected = [hf_loglikelihood(hf, tokenizer, doc["question"], " " + choice, ODD.max_len)
-                    for choice in doc["choices"]]
+        expected = [
+            hf_loglikelihood(hf, tokenizer, doc["question"], " " + choice, ODD.max_len) for choice in doc["choices"]
+        ]
         assert [float(ll) for ll, _ in sample["filtered_resps"]] == pytest.approx(expected, abs=1e-4)
         correct.append(int(np.argmax(expected)) == doc["label"])
     assert results["results"]["tiny_choice"]["acc,none"] == pytest.approx(np.mean(correct))
@@ -305,9 +366,24 @@ def test_eval_script_harness_writes_the_results_json(run, offline, tmp_path, rep
     tasks = write_tasks(tmp_path / "tasks")
     output = tmp_path / "results.json"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, str(repo_root / "scripts" / "eval.py"), "harness", "--checkpoint", run[0],
-               "--tasks", "tiny_choice", "--include-path", tasks, "--no-builtin-tasks", "--output", str(output),
-               "--batch-size", "2", "--limit", "3"]
+    command = [
+        sys.executable,
+        str(repo_root / "scripts" / "eval.py"),
+        "harness",
+        "--checkpoint",
+        run[0],
+        "--tasks",
+        "tiny_choice",
+        "--include-path",
+        tasks,
+        "--no-builtin-tasks",
+        "--output",
+        str(output),
+        "--batch-size",
+        "2",
+        "--limit",
+        "3",
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(output.read_text())
@@ -315,15 +391,25 @@ def test_eval_script_harness_writes_the_results_json(run, offline, tmp_path, rep
     assert results["config"]["model"] == "gptj_flax" and results["config"]["checkpoint"] == run[0]
     assert "acc" in done.stdout and str(output) in done.stdout
     assert f"{run[0]} step 0: parameters float32, compute float32" in done.stderr  # the dtypes in effect
-    bad = subprocess.run([*command[:4], os.path.join(run[0], "missing"), *command[5:]], env=env,
-                         capture_output=True, text=True, timeout=600)
+    bad = subprocess.run(
+        [*command[:4], os.path.join(run[0], "missing"), *command[5:]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert bad.returncode == 1 and "error:" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_training_hook_scores_new_parameters_without_recompiling(run, lm, offline, tmp_path):
     tasks = write_tasks(tmp_path / "tasks")
-    hook = HarnessDuringTraining(["tiny_choice", "tiny_text"], include_path=tasks, builtin_tasks=False,
-                                 batch_size=3, results_dir=tmp_path / "harness")
+    hook = HarnessDuringTraining(
+        ["tiny_choice", "tiny_text"],
+        include_path=tasks,
+        builtin_tasks=False,
+        batch_size=3,
+        results_dir=tmp_path / "harness",
+    )
     params = lm.params  # live parameters of the model lm.config describes, already on the mesh
     first = hook(10, params, model_config=lm.config, mesh=lm.mesh, tokenizer=lm.tokenizer)
     compiled = hook._adapter.scorer.compilations()
@@ -331,8 +417,16 @@ def test_training_hook_scores_new_parameters_without_recompiling(run, lm, offlin
     halved = jax.jit(lambda p: jax.tree.map(lambda x: 0.5 * x, p), out_shardings=shardings)(params)
     second = hook(20, halved, model_config=lm.config, mesh=lm.mesh, tokenizer=lm.tokenizer)
     assert hook._adapter.scorer.compilations() == compiled
-    assert set(first) == set(second) >= {"harness/tiny_choice/acc", "harness/tiny_choice/acc_stderr",
-                                         "harness/tiny_text/word_perplexity", "harness/tiny_text/bits_per_byte"}
+    assert (
+        set(first)
+        == set(second)
+        >= {
+            "harness/tiny_choice/acc",
+            "harness/tiny_choice/acc_stderr",
+            "harness/tiny_text/word_perplexity",
+            "harness/tiny_text/bits_per_byte",
+        }
+    )
     assert first["harness/tiny_text/bits_per_byte"] != second["harness/tiny_text/bits_per_byte"]
     saved = json.loads((tmp_path / "harness" / "harness_20.json").read_text())
     assert flat_metrics(saved) == second and saved["config"]["step"] == 20

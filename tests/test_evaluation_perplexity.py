@@ -40,19 +40,21 @@ def hf_loss(model, batches: list[data.Batch]) -> tuple[float, int]:
             for segment in set(inputs[inputs > 0].tolist()):
                 start, stop = np.flatnonzero(inputs == segment)[[0, -1]]
                 with torch.no_grad():
-                    logits = model(torch.tensor([tokens[start:stop + 1].tolist()])).logits[0].double()
-                log_probs = torch.log_softmax(logits, -1)[torch.arange(stop + 1 - start),
-                                                          torch.tensor(tokens[start + 1:stop + 2].tolist())]
-                total -= float((log_probs.numpy() * mask[start:stop + 1]).sum())
-                count += int(mask[start:stop + 1].sum())
+                    logits = model(torch.tensor([tokens[start : stop + 1].tolist()])).logits[0].double()
+                log_probs = torch.log_softmax(logits, -1)[
+                    torch.arange(stop + 1 - start), torch.tensor(tokens[start + 1 : stop + 2].tolist())
+                ]
+                total -= float((log_probs.numpy() * mask[start : stop + 1]).sum())
+                count += int(mask[start : stop + 1].sum())
     return total / count, count
 
 
 def test_text_perplexity_is_huggingfaces_token_weighted_loss(run, text_file):
     directory, hf = run
     result = perplexity(directory, text_file, seq_len=SEQ_LEN, batch_size=4, progress=False)
-    batches = data.make_eval_batches(text_file, seq_len=SEQ_LEN, batch_size=4,
-                                     tokenizer=os.path.join(directory, "tokenizer"), progress=False)
+    batches = data.make_eval_batches(
+        text_file, seq_len=SEQ_LEN, batch_size=4, tokenizer=os.path.join(directory, "tokenizer"), progress=False
+    )
     expected, count = hf_loss(hf, batches)
     assert result.tokens == count and result.batches == len(batches) > 1
     assert result.loss == pytest.approx(expected, abs=1e-5)
@@ -64,11 +66,19 @@ def test_text_perplexity_is_huggingfaces_token_weighted_loss(run, text_file):
 
 def test_tfrecords_perplexity_is_huggingfaces_token_weighted_loss(run, text_file, tmp_path):
     directory, hf = run
-    created = data.create_tfrecords(text_file, tmp_path, name="val", tokenizer=os.path.join(directory, "tokenizer"),
-                                    seq_len=SEQ_LEN, preserve_data_order=True, progress=False)
+    created = data.create_tfrecords(
+        text_file,
+        tmp_path,
+        name="val",
+        tokenizer=os.path.join(directory, "tokenizer"),
+        seq_len=SEQ_LEN,
+        preserve_data_order=True,
+        progress=False,
+    )
     result = perplexity(directory, created.index_path, batch_size=2, seq_len=SEQ_LEN, mesh="2,1,4", progress=False)
-    expected, count = hf_loss(hf, data.make_eval_batches(created.index_path, seq_len=SEQ_LEN, batch_size=2,
-                                                         progress=False))
+    expected, count = hf_loss(
+        hf, data.make_eval_batches(created.index_path, seq_len=SEQ_LEN, batch_size=2, progress=False)
+    )
     assert result.tokens == count and result.loss == pytest.approx(expected, abs=1e-5)
 
 
@@ -85,9 +95,28 @@ def test_eval_script_perplexity_on_a_sharded_mesh(run, text_file, tmp_path, repo
     output = tmp_path / "ppl.json"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
-        [sys.executable, str(repo_root / "scripts" / "eval.py"), "perplexity", "--checkpoint", directory,
-         "--data", text_file, "--seq-len", str(SEQ_LEN), "--batch-size", "4", "--mesh", "2,1,4",
-         "--output", str(output)], env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            str(repo_root / "scripts" / "eval.py"),
+            "perplexity",
+            "--checkpoint",
+            directory,
+            "--data",
+            text_file,
+            "--seq-len",
+            str(SEQ_LEN),
+            "--batch-size",
+            "4",
+            "--mesh",
+            "2,1,4",
+            "--output",
+            str(output),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     written = json.loads(output.read_text())
     reference = perplexity(directory, text_file, seq_len=SEQ_LEN, batch_size=4, progress=False)

@@ -24,7 +24,9 @@ def function_level_project_imports(source: str, filename: str) -> list[tuple[str
         for child in ast.iter_child_nodes(node):
             inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
             if function is not None and isinstance(child, ast.Import):
-                found.extend((function, a.name, child.lineno) for a in child.names if a.name.split(".")[0] == "gptj_flax")
+                found.extend(
+                    (function, a.name, child.lineno) for a in child.names if a.name.split(".")[0] == "gptj_flax"
+                )
             elif function is not None and isinstance(child, ast.ImportFrom):
                 module = "." * child.level + (child.module or "")
                 if child.level or module.split(".")[0] == "gptj_flax":
@@ -45,7 +47,10 @@ def test_the_scan_finds_imports_in_functions_methods_and_nested_blocks():
         "async def g():\n    from jax import numpy\n"
     )
     assert function_level_project_imports(source, "x.py") == [
-        ("f", "gptj_flax.training", 5), ("m", "gptj_flax.convert", 9), ("m", ".", 10)]
+        ("f", "gptj_flax.training", 5),
+        ("m", "gptj_flax.convert", 9),
+        ("m", ".", 10),
+    ]
 
 
 MODULES = sorted(str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py"))
@@ -53,18 +58,28 @@ MODULES = sorted(str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py"))
 
 @pytest.mark.parametrize("module", MODULES)
 def test_no_function_level_import_of_a_project_module(module):
-    found = [(function, imported, line)
-             for function, imported, line in function_level_project_imports((REPO / module).read_text(), module)
-             if (module, function, imported) not in ALLOWED]
-    assert not found, (f"{module} imports project modules inside functions, which hides its dependencies (and "
-                       f"can hide a cycle): {found}; import at the top, and move code to the right layer if that "
-                       "makes a cycle")
+    found = [
+        (function, imported, line)
+        for function, imported, line in function_level_project_imports((REPO / module).read_text(), module)
+        if (module, function, imported) not in ALLOWED
+    ]
+    assert not found, (
+        f"{module} imports project modules inside functions, which hides its dependencies (and "
+        f"can hide a cycle): {found}; import at the top, and move code to the right layer if that "
+        "makes a cycle"
+    )
 
 
 def test_the_layers_contract_holds():
     lint = Path(sys.executable).parent / "lint-imports"
-    done = subprocess.run([str(lint), "--config", str(REPO / "pyproject.toml")], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [str(lint), "--config", str(REPO / "pyproject.toml")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "1 kept, 0 broken" in done.stdout
 
@@ -76,6 +91,12 @@ def test_the_contract_catches_an_upward_import(tmp_path):
     convert_init = copy / "convert" / "__init__.py"
     convert_init.write_text(convert_init.read_text() + "\n\ndef _hidden():\n    from gptj_flax import training\n")
     lint = Path(sys.executable).parent / "lint-imports"
-    done = subprocess.run([str(lint), "--config", str(REPO / "pyproject.toml")], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    done = subprocess.run(
+        [str(lint), "--config", str(REPO / "pyproject.toml")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
     assert done.returncode == 1 and "gptj_flax.convert -> gptj_flax.training" in done.stdout, done.stdout[-3000:]

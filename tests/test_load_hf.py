@@ -16,8 +16,9 @@ TEXT = "def add(a, b):\n    return a + b\n"
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    tokenizer = data.train_bpe_tokenizer([TEXT * 20, "import os\nprint(os.getcwd())\n" * 20], vocab_size=300,
-                                         from_files=False)
+    tokenizer = data.train_bpe_tokenizer(
+        [TEXT * 20, "import os\nprint(os.getcwd())\n" * 20], vocab_size=300, from_files=False
+    )
     cfg = tiny_config(n_layers=3, d_model=64, n_heads=4, rotary_dim=8, vocab_size=320)  # padded past the tokenizer
     model = hf_model(cfg, seed=7)
     model.save_pretrained(root / "model")
@@ -45,8 +46,9 @@ def test_hf_directory_scores_like_its_orbax_conversion_and_like_torch(hf_dir, tm
 def test_hf_directory_generates_on_a_sharded_mesh(hf_dir):
     directory, _, _ = hf_dir
     one = gptj_flax.load(f"hf:{directory}").generate(TEXT, max_new_tokens=8, temperature=0, return_tokens=True)
-    sharded = gptj_flax.load(f"hf:{directory}", mesh=(2, 1, 4)).generate(TEXT, max_new_tokens=8, temperature=0,
-                                                                          return_tokens=True)
+    sharded = gptj_flax.load(f"hf:{directory}", mesh=(2, 1, 4)).generate(
+        TEXT, max_new_tokens=8, temperature=0, return_tokens=True
+    )
     assert one.tokens == sharded.tokens and len(one.tokens) == 8
 
 

@@ -1,6 +1,5 @@
 """Numerical parity with HuggingFace ``GPTJForCausalLM`` (PyTorch) on the same weights."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,8 +21,9 @@ SHAPES = [
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
 def test_logits_and_loss_match_huggingface(shape, scan):
     n_layers, d_model, n_heads, rotary_dim = shape
-    cfg = tiny_config(n_layers=n_layers, d_model=d_model, n_heads=n_heads, rotary_dim=rotary_dim,
-                      vocab_size=100, scan_layers=scan)
+    cfg = tiny_config(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, rotary_dim=rotary_dim, vocab_size=100, scan_layers=scan
+    )
     hf = hf_model(cfg, seed=n_layers)
     variables = params_matching(hf, cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(3, 21))
@@ -63,10 +63,10 @@ def test_left_padding_gives_the_unpadded_logits():
     padded = np.asarray(model.apply(variables, tokens, positions=positions, segment_ids=segments))
     for row, seq in enumerate(seqs):
         alone = np.asarray(model.apply(variables, seq[None]))[0]
-        np.testing.assert_allclose(padded[row, width - len(seq):], alone, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(padded[row, width - len(seq) :], alone, rtol=0, atol=1e-5)
         with torch.no_grad():
             ref = hf(torch.from_numpy(seq[None])).logits.numpy()[0]
-        np.testing.assert_allclose(padded[row, width - len(seq):], ref, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(padded[row, width - len(seq) :], ref, rtol=0, atol=1e-4)
 
 
 def test_packed_segments_do_not_attend_across_documents():

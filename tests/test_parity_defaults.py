@@ -35,8 +35,12 @@ def torch_log_probs(model, ids: list[int]) -> np.ndarray:
 
 
 def run_script(repo_root, *args):
-    done = subprocess.run([sys.executable, str(repo_root / "scripts" / "convert.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(repo_root / "scripts" / "convert.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -67,8 +71,9 @@ def test_load_of_an_hf_directory_scores_like_huggingface(hf_dir):
 def test_from_legacy_cli_of_a_full_float32_checkpoint_scores_like_huggingface(tmp_path, repo_root):
     dense = dense_model(LEGACY_SHAPE, seed=4)
     step_dir = tmp_path / "legacy" / "step_500"
-    write_legacy_checkpoint(step_dir, dense, LEGACY_SHAPE, shards=1, step=500, dtype=np.float32,
-                            moments=(dense, dense), adam_count=500)
+    write_legacy_checkpoint(
+        step_dir, dense, LEGACY_SHAPE, shards=1, step=500, dtype=np.float32, moments=(dense, dense), adam_count=500
+    )
     config = tmp_path / "legacy.json"
     config.write_text(json.dumps(legacy_config_dict(LEGACY_SHAPE, shards=1)))
     run_script(repo_root, "from-legacy", step_dir, tmp_path / "out", "--config", config)

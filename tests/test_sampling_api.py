@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gptj_flax
-from gptj_flax.checkpoint import CheckpointError, Checkpointer
+from gptj_flax.checkpoint import Checkpointer, CheckpointError
 from gptj_flax.config import Config, TrainConfig
 from gptj_flax.model import GPTJ
 from gptj_flax.sampling import LanguageModel, SamplingError
@@ -32,8 +32,12 @@ def make_tokenizer():
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     backend.train_from_iterator(CORPUS, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
 
@@ -84,8 +88,7 @@ def test_generate_decodes_its_tokens_and_never_emits_padded_ids(lm):
     assert greedy.finish_reason == "length" and greedy.completion_tokens == 36 == len(greedy.logprobs)
     assert greedy.prompt_tokens == len(lm.encode("def add("))
     assert greedy.text == lm.decode(greedy.tokens)
-    sampled = lm.generate(["def ", "class ", "for i"], 40, temperature=1.5, seed=0, ignore_eos=True,
-                          return_tokens=True)
+    sampled = lm.generate(["def ", "class ", "for i"], 40, temperature=1.5, seed=0, ignore_eos=True, return_tokens=True)
     tokens = [t for c in [greedy, *sampled] for t in c.tokens]
     assert max(tokens) < TOKENIZER_VOCAB  # the +50 bias would have put them everywhere otherwise
     assert len(set(tokens)) > 20
@@ -96,8 +99,8 @@ def test_stop_strings_end_each_sequence_on_its_own_and_are_trimmed(lm):
     full = lm.generate(prompts, 40, temperature=0, ignore_eos=True, return_tokens=True)
 
     def stop_in(text):  # two characters a few in, avoiding half-decoded characters
-        i = next(i for i in range(4, len(text) - 1) if "\ufffd" not in text[i:i + 2])
-        return text[i:i + 2]
+        i = next(i for i in range(4, len(text) - 1) if "\ufffd" not in text[i : i + 2])
+        return text[i : i + 2]
 
     stops = [[stop_in(full[0].text)], None, [stop_in(full[2].text), "never-generated"]]
     out = lm.generate(prompts, 40, temperature=0, ignore_eos=True, stop=stops, return_tokens=True)
@@ -106,11 +109,11 @@ def test_stop_strings_end_each_sequence_on_its_own_and_are_trimmed(lm):
             assert completion.finish_reason == "length" and completion.text == reference.text
             continue
         assert completion.finish_reason == "stop"
-        assert completion.text == reference.text[:reference.text.index(stop[0])]
+        assert completion.text == reference.text[: reference.text.index(stop[0])]
         # the tokens end with the one that completed the stop string
         n = completion.completion_tokens
         assert completion.tokens == reference.tokens[:n]
-        assert stop[0] in lm.decode(reference.tokens[:n]) and stop[0] not in lm.decode(reference.tokens[:n - 1])
+        assert stop[0] in lm.decode(reference.tokens[:n]) and stop[0] not in lm.decode(reference.tokens[: n - 1])
 
 
 def test_eos_ends_a_row_and_is_not_part_of_the_text(lm):
@@ -123,7 +126,7 @@ def test_eos_ends_a_row_and_is_not_part_of_the_text(lm):
         out = lm.generate(prompts, 40, temperature=0, ignore_eos=[False, True], return_tokens=True)
     finally:
         lm.eos_token_id = saved
-    assert out[0].finish_reason == "eos" and out[0].tokens == full[0].tokens[:first + 1]
+    assert out[0].finish_reason == "eos" and out[0].tokens == full[0].tokens[: first + 1]
     assert out[0].text == lm.decode(full[0].tokens[:first])
     assert out[1].finish_reason == "length" and out[1].tokens == full[1].tokens
 
@@ -144,7 +147,8 @@ def test_stream_pieces_add_up_to_generate(lm):
     assert rows == [c.text for c in batch]
     # once exhausted, the stream reports what generate does: finish reasons and token counts
     assert [(c.text, c.finish_reason, c.completion_tokens) for c in stream.completions] == [
-        (c.text, c.finish_reason, c.completion_tokens) for c in batch]
+        (c.text, c.finish_reason, c.completion_tokens) for c in batch
+    ]
 
 
 def test_score_texts_and_token_ids(lm):
@@ -158,13 +162,16 @@ def test_score_texts_and_token_ids(lm):
     assert scored.total == pytest.approx(float(np.sum(scored.logprobs)))
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda lm: lm.generate("x", 4, stop=[""]), "stop: stop strings must be non-empty strings"),
-    (lambda lm: lm.generate(["x", "y"], 4, stop=[["a"], ["b"], ["c"]]), "stop: got 3 entries for 2 prompts"),
-    (lambda lm: lm.generate("", 4), "prompt 0 has no tokens"),
-    (lambda lm: lm.generate("x" * 200, 4), "that exceeds the model's context of 128 tokens"),
-    (lambda lm: lm.score(""), "sequence 0 has 0 token(s)"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda lm: lm.generate("x", 4, stop=[""]), "stop: stop strings must be non-empty strings"),
+        (lambda lm: lm.generate(["x", "y"], 4, stop=[["a"], ["b"], ["c"]]), "stop: got 3 entries for 2 prompts"),
+        (lambda lm: lm.generate("", 4), "prompt 0 has no tokens"),
+        (lambda lm: lm.generate("x" * 200, 4), "that exceeds the model's context of 128 tokens"),
+        (lambda lm: lm.score(""), "sequence 0 has 0 token(s)"),
+    ],
+)
 def test_bad_requests_raise_clear_errors(lm, call, message):
     with pytest.raises(SamplingError, match=re.escape(message)):
         call(lm)
@@ -173,21 +180,50 @@ def test_bad_requests_raise_clear_errors(lm, call, message):
 def _run_script(repo_root, *args, stdin=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, str(repo_root / "scripts" / "sample.py"), *args], input=stdin,
-                          capture_output=True, text=True, timeout=300, env=env, cwd=repo_root)
+    return subprocess.run(
+        [sys.executable, str(repo_root / "scripts" / "sample.py"), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=repo_root,
+    )
 
 
 @pytest.mark.slow
 def test_sample_script_one_shot_and_interactive(lm, checkpoint_dir, repo_root):
     expected = lm.generate("def add(", 16, temperature=0, ignore_eos=True).text
-    one_shot = _run_script(repo_root, checkpoint_dir, "--prompt", "def add(", "--max-new-tokens", "16",
-                           "--temperature", "0", "--ignore-eos")
+    one_shot = _run_script(
+        repo_root,
+        checkpoint_dir,
+        "--prompt",
+        "def add(",
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+    )
     assert one_shot.returncode == 0, one_shot.stderr
     assert one_shot.stdout == expected + "\n"
 
-    loop = _run_script(repo_root, checkpoint_dir, "--interactive", "--max-new-tokens", "8", "--top-k", "5",
-                       "--seed", "3", "--num-samples", "2", "--dtype", "bfloat16",
-                       stdin="import os\n" + "x" * 200 + "\nclass \n\n")
+    loop = _run_script(
+        repo_root,
+        checkpoint_dir,
+        "--interactive",
+        "--max-new-tokens",
+        "8",
+        "--top-k",
+        "5",
+        "--seed",
+        "3",
+        "--num-samples",
+        "2",
+        "--dtype",
+        "bfloat16",
+        stdin="import os\n" + "x" * 200 + "\nclass \n\n",
+    )
     assert loop.returncode == 0, loop.stderr
     assert loop.stdout.count("===== sample 0") == 2 and loop.stdout.count("===== sample 1") == 2
     assert "exceeds the model's context" in loop.stderr  # the over-long prompt is refused, the loop goes on
@@ -202,8 +238,9 @@ def test_notebook_runs_headless_and_samples(lm, checkpoint_dir, repo_root):
     notebook = nbformat.read(repo_root / "examples" / "sampling.ipynb", as_version=4)
     os.environ["GPTJ_CHECKPOINT"] = checkpoint_dir  # the kernel inherits this process's environment
     try:
-        nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
-                                resources={"metadata": {"path": str(repo_root / "examples")}}).execute()
+        nbclient.NotebookClient(
+            notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(repo_root / "examples")}}
+        ).execute()
     finally:
         del os.environ["GPTJ_CHECKPOINT"]
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]

@@ -88,12 +88,15 @@ def test_filters_match_huggingface_on_random_logits(name):
         warper = lambda v: TopKLogitsWarper(int(v))  # noqa: E731
     else:
         values = rng.uniform(0.05, 0.98, size=24).astype(np.float32)
-        fn, cls = {"typical_p": (typical_filter, TypicalLogitsWarper), "top_p": (top_p_filter, TopPLogitsWarper),
-                   "min_p": (min_p_filter, MinPLogitsWarper)}[name]
+        fn, cls = {
+            "typical_p": (typical_filter, TypicalLogitsWarper),
+            "top_p": (top_p_filter, TopPLogitsWarper),
+            "min_p": (min_p_filter, MinPLogitsWarper),
+        }[name]
         ours = fn(jnp.asarray(logits), jnp.asarray(values))
         warper = lambda v: cls(float(v))  # noqa: E731
     for row, value in enumerate(values):
-        ref = warper(value)(None, torch.from_numpy(logits[row:row + 1])).numpy()[0]
+        ref = warper(value)(None, torch.from_numpy(logits[row : row + 1])).numpy()[0]
         np.testing.assert_array_equal(np.isfinite(np.asarray(ours[row])), np.isfinite(ref), err_msg=f"row {row}")
         kept = np.isfinite(ref)
         np.testing.assert_array_equal(np.asarray(ours[row])[kept], ref[kept])
@@ -106,10 +109,12 @@ def test_repetition_penalty_matches_huggingface():
     seen = np.zeros((3, 40), bool)
     np.put_along_axis(seen, history, True, axis=1)
     for row, penalty in enumerate([1.3, 0.7, 2.0]):
-        ours = repetition_penalty(jnp.asarray(logits[row:row + 1]), jnp.asarray(seen[row:row + 1]),
-                                  jnp.asarray([penalty]))
-        ref = RepetitionPenaltyLogitsProcessor(penalty)(torch.from_numpy(history[row:row + 1]),
-                                                        torch.from_numpy(logits[row:row + 1]))
+        ours = repetition_penalty(
+            jnp.asarray(logits[row : row + 1]), jnp.asarray(seen[row : row + 1]), jnp.asarray([penalty])
+        )
+        ref = RepetitionPenaltyLogitsProcessor(penalty)(
+            torch.from_numpy(history[row : row + 1]), torch.from_numpy(logits[row : row + 1])
+        )
         np.testing.assert_allclose(np.asarray(ours), ref.numpy(), rtol=1e-6)
 
 
@@ -120,8 +125,9 @@ def test_temperature_comes_first_unless_original_order():
     params = _params(1, temperature=2.0, top_p=0.6)
     assert _kept(warp(logits, params)) == [{1, 2, 3}]
     assert _kept(warp(logits, params, original_order=True)) == [{1, 2}]
-    np.testing.assert_allclose(np.asarray(warp(logits, params, original_order=True))[0, [1, 2]],
-                               np.log([0.4, 0.3]) / 2, rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(warp(logits, params, original_order=True))[0, [1, 2]], np.log([0.4, 0.3]) / 2, rtol=1e-6
+    )
 
 
 _next_tokens = jax.jit(next_tokens, static_argnums=(4, 5))
@@ -135,13 +141,16 @@ def _draw(logits_row, n, seed=0, valid_vocab=None, **settings):
     return np.asarray(_next_tokens(logits, _params(n, **settings), seen, keys, valid_vocab or logits.shape[1]))
 
 
-@pytest.mark.parametrize("settings, kept", [
-    (dict(top_k=2), {1, 2}),
-    (dict(top_p=0.6), {1, 2}),
-    (dict(min_p=0.3), {1, 2, 3}),
-    (dict(typical_p=0.2), {2}),
-    (dict(top_k=3, top_p=0.75, temperature=0.5), {1, 2}),
-])
+@pytest.mark.parametrize(
+    "settings, kept",
+    [
+        (dict(top_k=2), {1, 2}),
+        (dict(top_p=0.6), {1, 2}),
+        (dict(min_p=0.3), {1, 2, 3}),
+        (dict(typical_p=0.2), {2}),
+        (dict(top_k=3, top_p=0.75, temperature=0.5), {1, 2}),
+    ],
+)
 def test_many_seeded_draws_stay_in_the_kept_set(settings, kept):
     draws = _draw(np.log(PROBS_A), 4000, **settings)
     assert set(np.unique(draws).tolist()) == kept
@@ -162,8 +171,14 @@ def test_padded_vocabulary_ids_are_never_chosen():
     masked = mask_vocab(jnp.asarray(logits)[None], 5)
     assert not np.isfinite(np.asarray(masked)[0, 5])
     seen = jnp.zeros((1, 6), bool)
-    assert int(next_tokens(jnp.asarray(logits)[None], _params(1, temperature=0.0), seen,
-                           jax.random.split(jax.random.key(0), 1), 5)[0]) == 1
+    assert (
+        int(
+            next_tokens(
+                jnp.asarray(logits)[None], _params(1, temperature=0.0), seen, jax.random.split(jax.random.key(0), 1), 5
+            )[0]
+        )
+        == 1
+    )
 
 
 def test_greedy_and_sampled_rows_mix_in_one_batch():
@@ -175,21 +190,24 @@ def test_greedy_and_sampled_rows_mix_in_one_batch():
     assert tokens.tolist() == [1, 1, 1, 1]
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(top_p=1.5), "top_p must be in (0, 1]"),
-    (dict(top_p=0.0), "top_p must be in (0, 1]"),
-    (dict(typical_p=-0.1), "typical_p must be in (0, 1]"),
-    (dict(top_k=-1), "top_k must be an integer >= 0"),
-    (dict(top_k=2.5), "top_k must be an integer >= 0"),
-    (dict(temperature=-1.0), "temperature must be >= 0"),
-    (dict(temperature=float("nan")), "temperature must be >= 0"),
-    (dict(min_p=2.0), "min_p must be in [0, 1]"),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
-    (dict(temperature=[0.5, 1.0, 1.0]), "got 3 values for 2 prompts"),
-    (dict(top_p=[0.5, 2.0]), "top_p[1] must be in (0, 1]"),
-    (dict(top_k=True), "top_k must be an integer >= 0"),
-    (dict(temperature="hot"), "temperature must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(top_p=1.5), "top_p must be in (0, 1]"),
+        (dict(top_p=0.0), "top_p must be in (0, 1]"),
+        (dict(typical_p=-0.1), "typical_p must be in (0, 1]"),
+        (dict(top_k=-1), "top_k must be an integer >= 0"),
+        (dict(top_k=2.5), "top_k must be an integer >= 0"),
+        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(temperature=float("nan")), "temperature must be >= 0"),
+        (dict(min_p=2.0), "min_p must be in [0, 1]"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+        (dict(temperature=[0.5, 1.0, 1.0]), "got 3 values for 2 prompts"),
+        (dict(top_p=[0.5, 2.0]), "top_p[1] must be in (0, 1]"),
+        (dict(top_k=True), "top_k must be an integer >= 0"),
+        (dict(temperature="hot"), "temperature must be >= 0"),
+    ],
+)
 def test_bad_settings_are_rejected_by_name(settings, message):
     with pytest.raises(SamplingError, match=re.escape(message)):
         SamplingParams.build(2, **settings)

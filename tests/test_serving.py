@@ -24,8 +24,16 @@ from benchmarks import serve as serve_benchmark
 from gptj_flax.serving import schemas
 from gptj_flax.serving.auth import key_id
 from gptj_flax.serving.schemas import MAX_TEXT_CHARS, SEED_LIMIT
-from tests.test_serving_support import KEYS, HeldModel, RunningServer, secret, tiny_model, wait_until, write_keys
-from tests.test_serving_support import no_key_leaks  # noqa: F401 - the autouse leak scan
+from tests.test_serving_support import (
+    KEYS,
+    HeldModel,
+    RunningServer,
+    no_key_leaks,  # noqa: F401 - the autouse leak scan
+    secret,
+    tiny_model,
+    wait_until,
+    write_keys,
+)
 
 LENGTH = 12
 CONTEXT = 64
@@ -44,9 +52,15 @@ def lm():
 def server(lm, tmp_path_factory):
     directory = tmp_path_factory.mktemp("serve")
     write_keys(directory / "keys.txt")
-    with RunningServer(HeldModel(lm), api_keys_file=str(directory / "keys.txt"), max_batch=MAX_BATCH,
-                       queue_size=256, pre_prompt_length=PRE_PROMPT_LENGTH, batch_window_ms=20,
-                       log_file=str(directory / "requests.jsonl")) as running:
+    with RunningServer(
+        HeldModel(lm),
+        api_keys_file=str(directory / "keys.txt"),
+        max_batch=MAX_BATCH,
+        queue_size=256,
+        pre_prompt_length=PRE_PROMPT_LENGTH,
+        batch_window_ms=20,
+        log_file=str(directory / "requests.jsonl"),
+    ) as running:
         yield running
 
 
@@ -85,7 +99,7 @@ def test_complete_keeps_the_pre_prompts_first_tokens_and_the_prompts_last(lm, cl
     prompt_tokens = lm.encode(long_prompt)
     assert len(prompt_tokens) > CONTEXT
     response = complete(client, long_prompt, pre_prompt=pre_prompt, temperature=0, typical_p=0.5, seed=3)
-    kept = pre[:PRE_PROMPT_LENGTH] + prompt_tokens[-(CONTEXT - LENGTH - PRE_PROMPT_LENGTH):]
+    kept = pre[:PRE_PROMPT_LENGTH] + prompt_tokens[-(CONTEXT - LENGTH - PRE_PROMPT_LENGTH) :]
     assert len(kept) == CONTEXT - LENGTH
     assert response.json()["response"] == lm.generate(kept, LENGTH, temperature=0, typical_p=0.5, seed=3).text
 
@@ -96,8 +110,14 @@ def test_v1_completions_list_prompt_stop_logprobs_and_seed(lm, client, server):
     response = client.post("/v1/completions", json=body, headers=BEARER)
     assert response.status_code == 200
     out = response.json()
-    expected = lm.generate([lm.encode(p) for p in prompts], LENGTH, temperature=0, stop=["\n\n", "zz"],
-                           return_tokens=True, return_logprobs=True)
+    expected = lm.generate(
+        [lm.encode(p) for p in prompts],
+        LENGTH,
+        temperature=0,
+        stop=["\n\n", "zz"],
+        return_tokens=True,
+        return_logprobs=True,
+    )
     assert out["object"] == "text_completion" and out["model"] == server.settings.served_model_name
     for i, (choice, reference) in enumerate(zip(out["choices"], expected, strict=True)):
         assert choice["index"] == i and choice["text"] == reference.text
@@ -105,12 +125,20 @@ def test_v1_completions_list_prompt_stop_logprobs_and_seed(lm, client, server):
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(reference.logprobs)
         assert choice["logprobs"]["tokens"] == [lm.decode([t]) for t in reference.tokens]
         assert choice["logprobs"]["text_offset"][0] == len(prompts[i])
-    assert out["usage"] == {"prompt_tokens": sum(c.prompt_tokens for c in expected),
-                            "completion_tokens": sum(c.completion_tokens for c in expected),
-                            "total_tokens": sum(c.prompt_tokens + c.completion_tokens for c in expected)}
+    assert out["usage"] == {
+        "prompt_tokens": sum(c.prompt_tokens for c in expected),
+        "completion_tokens": sum(c.completion_tokens for c in expected),
+        "total_tokens": sum(c.prompt_tokens + c.completion_tokens for c in expected),
+    }
 
-    body = {"prompt": PROMPTS[2], "max_tokens": LENGTH, "temperature": 0.7, "top_p": 0.8, "seed": 5,
-            "model": server.settings.served_model_name}
+    body = {
+        "prompt": PROMPTS[2],
+        "max_tokens": LENGTH,
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "seed": 5,
+        "model": server.settings.served_model_name,
+    }
     text = client.post("/v1/completions", json=body, headers=BEARER).json()["choices"][0]["text"]
     assert text == lm.generate(lm.encode(PROMPTS[2]), LENGTH, temperature=0.7, top_p=0.8, seed=5).text
     wrong_model = client.post("/v1/completions", json={**body, "model": "gpt-4"}, headers=BEARER)
@@ -138,17 +166,27 @@ def test_v1_completions_streams_server_sent_events(lm, client):
 def test_health_models_and_metrics(client, server):
     health = client.get("/health")
     assert health.status_code == 200
-    assert health.json() == {"status": "ready", "model": server.settings.served_model_name, "queued_prompts": 0,
-                             "error": None}
+    assert health.json() == {
+        "status": "ready",
+        "model": server.settings.served_model_name,
+        "queued_prompts": 0,
+        "error": None,
+    }
     models = client.get("/v1/models").json()
     assert models["data"][0]["id"] == server.settings.served_model_name
     assert models["data"][0]["max_model_len"] == CONTEXT
     complete(client, PROMPTS[4], temperature=0)
     metrics = client.get("/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
-    for series in ("gptj_queue_depth 0.0", "gptj_batch_size_bucket{le=\"4.0\"}", "gptj_generated_tokens_total",
-                   "gptj_tokens_per_second", 'gptj_request_latency_seconds_bucket{endpoint="/complete"',
-                   'gptj_requests_total{endpoint="/complete",status="200"}', "gptj_queue_wait_seconds_count"):
+    for series in (
+        "gptj_queue_depth 0.0",
+        'gptj_batch_size_bucket{le="4.0"}',
+        "gptj_generated_tokens_total",
+        "gptj_tokens_per_second",
+        'gptj_request_latency_seconds_bucket{endpoint="/complete"',
+        'gptj_requests_total{endpoint="/complete",status="200"}',
+        "gptj_queue_wait_seconds_count",
+    ):
         assert series in metrics.text, series
 
 
@@ -198,8 +236,13 @@ def test_a_wrong_type_or_out_of_range_field_is_a_422_naming_it(client, path, bod
 def test_bad_keys_malformed_bodies_and_overlong_prompts(client, server):
     secret("sk-wrong")
     for path in ("/complete", "/v1/completions"):
-        for headers, body_key in [({}, None), ({}, "sk-wrong"), ({"Authorization": "Bearer sk-wrong"}, None),
-                                  ({"Authorization": f"Basic {KEYS[0]}"}, None), ({"Authorization": "Bearer"}, None)]:
+        for headers, body_key in [
+            ({}, None),
+            ({}, "sk-wrong"),
+            ({"Authorization": "Bearer sk-wrong"}, None),
+            ({"Authorization": f"Basic {KEYS[0]}"}, None),
+            ({"Authorization": "Bearer"}, None),
+        ]:
             body = {"prompt": "x"} if body_key is None else {"prompt": "x", "api_key": body_key}
             response = client.post(path, json=body, headers=headers)
             assert response.status_code == 401, (path, headers, body_key)
@@ -212,8 +255,11 @@ def test_bad_keys_malformed_bodies_and_overlong_prompts(client, server):
     oversized = b"{" + b" " * (server.service.max_body_bytes + 1) + b"}"
     huge = client.post("/complete", content=oversized, headers={"content-type": "application/json"})
     assert huge.status_code == 413
-    chunked = client.post("/complete", content=iter([oversized[:100], oversized[100:]]),  # no Content-Length
-                          headers={"content-type": "application/json"})
+    chunked = client.post(
+        "/complete",
+        content=iter([oversized[:100], oversized[100:]]),  # no Content-Length
+        headers={"content-type": "application/json"},
+    )
     assert chunked.status_code == 413
 
     # The pre_prompt's kept tokens, one prompt token and length must fit the 64-token context (the
@@ -248,19 +294,32 @@ def test_keys_file_is_reloaded_and_keys_never_reach_a_log(client, server, caplog
         log_text = f.read()
     records = [json.loads(line) for line in log_text.splitlines()]
     assert {key_id(KEYS[0]), key_id(KEYS[1]), key_id(extra)} <= {r["key_id"] for r in records}
-    assert set(records[-1]) == {"time", "key_id", "endpoint", "prompt", "pre_prompt", "settings", "response",
-                                "latency_s"}
+    assert set(records[-1]) == {
+        "time",
+        "key_id",
+        "endpoint",
+        "prompt",
+        "pre_prompt",
+        "settings",
+        "response",
+        "latency_s",
+    }
     for key in (*KEYS, extra):
         assert key not in log_text and key not in caplog.text
 
 
 def test_transcript_log_rotates_by_size(lm, tmp_path):
     log_file = tmp_path / "logs" / "transcript.txt"
-    with RunningServer(lm, max_batch=1, log_file=str(log_file), log_format="transcript", log_max_bytes=100,
-                       log_backups=2) as srv:
+    with RunningServer(
+        lm, max_batch=1, log_file=str(log_file), log_format="transcript", log_max_bytes=100, log_backups=2
+    ) as srv:
         with httpx.Client(base_url=srv.url, timeout=120) as http:
-            responses = [http.post("/complete", json={"prompt": p, "pre_prompt": "#", "length": 4,
-                                                      "temperature": 0}).json()["response"] for p in PROMPTS]
+            responses = [
+                http.post("/complete", json={"prompt": p, "pre_prompt": "#", "length": 4, "temperature": 0}).json()[
+                    "response"
+                ]
+                for p in PROMPTS
+            ]
     assert sorted(os.listdir(log_file.parent)) == ["transcript.txt", "transcript.txt.1", "transcript.txt.2"]
     record = r"##### - ##### \d+ #####\n#\n###\n" + re.escape(f"{PROMPTS[-1]}\n#####\n{responses[-1]}\n\n")
     assert re.fullmatch(record, log_file.read_text())  # records are small: the newest file holds the last one
@@ -312,6 +371,7 @@ def test_full_queue_is_429_and_a_departed_client_frees_its_slot(lm):
 
         async def scenario():
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+
                 def send(prompt):
                     return asyncio.ensure_future(http.post("/complete", json={"prompt": prompt, **body}))
 
@@ -411,8 +471,14 @@ def test_shutdown_finishes_work_in_flight_and_refuses_new_requests(lm):
     server = RunningServer(held, max_batch=2).start()
     held.gate.clear()
     result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("response", httpx.post(
-        server.url + "/complete", json={"prompt": PROMPTS[0], "length": 4, "temperature": 0}, timeout=120)))
+    thread = threading.Thread(
+        target=lambda: result.setdefault(
+            "response",
+            httpx.post(
+                server.url + "/complete", json={"prompt": PROMPTS[0], "length": 4, "temperature": 0}, timeout=120
+            ),
+        )
+    )
     thread.start()
     wait_until(lambda: held.waiting, 30, "the request to reach the model")
     try:
@@ -435,8 +501,10 @@ def test_shutdown_finishes_work_in_flight_and_refuses_new_requests(lm):
 OVERFLOW = "__1e309__"  # stands for the literal 1e309, which Python's json reads as inf
 # What JSON as Python parses it holds beyond the schema's types: non-finite numbers and lone surrogates.
 POISONS = [float("nan"), float("inf"), float("-inf"), OVERFLOW, "\ud800", "text \udfff", ["\udbff"]]
-BODY_FIELDS = {"/complete": sorted(schemas.CompleteRequest.model_fields),
-               "/v1/completions": sorted(schemas.completion_request_model(1).model_fields)}
+BODY_FIELDS = {
+    "/complete": sorted(schemas.CompleteRequest.model_fields),
+    "/v1/completions": sorted(schemas.completion_request_model(1).model_fields),
+}
 
 
 def poisoned_json(body, field: str, poison, shape: str) -> bytes:
@@ -452,15 +520,27 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(lm, tmp_path
     with RunningServer(lm, max_batch=1, api_keys_file=str(tmp_path / "keys.txt")) as server:
         schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
         operations = [result.ok() for result in schema.get_all_operations()]
-        assert {op.label for op in operations} == {"POST /complete", "POST /v1/completions", "GET /v1/models",
-                                                   "GET /health", "GET /metrics"}
+        assert {op.label for op in operations} == {
+            "POST /complete",
+            "POST /v1/completions",
+            "GET /v1/models",
+            "GET /health",
+            "GET /metrics",
+        }
         for operation in operations:
             # negative cases (schema-breaking bodies) exist only for operations that take a body
             modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.body else [])
             for mode in modes:
+
                 @given(case=operation.as_strategy(generation_mode=mode))
-                @settings(max_examples=40, deadline=None, database=None, derandomize=True,
-                          suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+                @settings(
+                    max_examples=40,
+                    deadline=None,
+                    database=None,
+                    derandomize=True,
+                    suppress_health_check=list(HealthCheck),
+                    phases=[Phase.explicit, Phase.generate],
+                )
                 def call(case):
                     # A schema-valid request may still not fit the model's context (413): a limit that
                     # depends on tokenization, which the schema cannot state.
@@ -468,11 +548,21 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(lm, tmp_path
 
                 call()
             if operation.body:
-                @given(case=operation.as_strategy(generation_mode=GenerationMode.POSITIVE),
-                       field=st.sampled_from(BODY_FIELDS[operation.path]), poison=st.sampled_from(POISONS),
-                       shape=st.sampled_from(["as the value", "in a list", "in an array body"]))
-                @settings(max_examples=40, deadline=None, database=None, derandomize=True,
-                          suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+
+                @given(
+                    case=operation.as_strategy(generation_mode=GenerationMode.POSITIVE),
+                    field=st.sampled_from(BODY_FIELDS[operation.path]),
+                    poison=st.sampled_from(POISONS),
+                    shape=st.sampled_from(["as the value", "in a list", "in an array body"]),
+                )
+                @settings(
+                    max_examples=40,
+                    deadline=None,
+                    database=None,
+                    derandomize=True,
+                    suppress_health_check=list(HealthCheck),
+                    phases=[Phase.explicit, Phase.generate],
+                )
                 def call_poisoned(case, field, poison, shape):
                     case.body = poisoned_json(case.body, field, poison, shape)  # bytes go out as they are
                     response = case.call_and_validate(headers=BEARER, excluded_checks=[positive_data_acceptance])
@@ -486,8 +576,9 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(lm, tmp_path
 def test_serve_benchmark_runs_against_a_running_server(server, capsys):
     parser = argparse.ArgumentParser()
     serve_benchmark.add_arguments(parser)
-    args = parser.parse_args(["--url", server.url, "--api-key", KEYS[0], "--concurrency", "1,4", "--seconds", "0",
-                              "--new-tokens", "8"])
+    args = parser.parse_args(
+        ["--url", server.url, "--api-key", KEYS[0], "--concurrency", "1,4", "--seconds", "0", "--new-tokens", "8"]
+    )
     serve_benchmark.run(args)
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+\d+\s", line)]

@@ -16,8 +16,15 @@ import pytest
 
 from gptj_flax.serving import ServeSettings, SettingsError, add_arguments, settings_from
 from gptj_flax.serving.auth import key_id
-from tests.test_serving_support import KEYS, checkpoint_dir, scanned, secret, wait_until, write_keys
-from tests.test_serving_support import no_key_leaks  # noqa: F401 - the autouse leak scan
+from tests.test_serving_support import (
+    KEYS,
+    checkpoint_dir,
+    no_key_leaks,  # noqa: F401 - the autouse leak scan
+    scanned,
+    secret,
+    wait_until,
+    write_keys,
+)
 
 
 def parse(argv, environ):
@@ -27,8 +34,13 @@ def parse(argv, environ):
 
 
 def test_flags_win_over_the_environment_which_wins_over_defaults():
-    environ = {"GPTJ_FLAX_CHECKPOINT": "/runs/a", "gptj_flax_port": "9000", "GPTJ_FLAX_MAX_BATCH": "8",
-               "GPTJ_FLAX_LOG_FILE": "", "PATH": "/usr/bin"}
+    environ = {
+        "GPTJ_FLAX_CHECKPOINT": "/runs/a",
+        "gptj_flax_port": "9000",
+        "GPTJ_FLAX_MAX_BATCH": "8",
+        "GPTJ_FLAX_LOG_FILE": "",
+        "PATH": "/usr/bin",
+    }
     settings = parse(["--port", "8081"], environ)
     assert settings == ServeSettings(checkpoint="/runs/a", port=8081, max_batch=8)
     assert settings.log_file is None and settings.pre_prompt_length == 512 and settings.host == "127.0.0.1"
@@ -40,14 +52,26 @@ def test_flags_win_over_the_environment_which_wins_over_defaults():
 def test_the_dtype_takes_either_spelling_and_keeps_the_canonical_name():
     assert parse(["--checkpoint", "/runs/a", "--dtype", "bf16"], {}).dtype == "bfloat16"
     assert parse(["--checkpoint", "/runs/a"], {"GPTJ_FLAX_DTYPE": "fp32"}).dtype == "float32"
-    with pytest.raises(SettingsError, match=re.escape("--dtype (or GPTJ_FLAX_DTYPE) must be float32 (fp32), "
-                                                      "bfloat16 (bf16) or float16 (fp16), got 'fp64'")):
+    with pytest.raises(
+        SettingsError,
+        match=re.escape(
+            "--dtype (or GPTJ_FLAX_DTYPE) must be float32 (fp32), bfloat16 (bf16) or float16 (fp16), got 'fp64'"
+        ),
+    ):
         parse(["--checkpoint", "/runs/a", "--dtype", "fp64"], {})
 
 
 def test_generic_variables_do_not_reconfigure_the_server():
-    generic = {"HOST": "0.0.0.0", "PORT": "9000", "MESH": "1,1,8", "DTYPE": "float16", "CHECKPOINT": "/runs/other",
-               "LOG_LEVEL": "debug", "MAX_BATCH": "2", "LOG_FORMAT": "transcript"}
+    generic = {
+        "HOST": "0.0.0.0",
+        "PORT": "9000",
+        "MESH": "1,1,8",
+        "DTYPE": "float16",
+        "CHECKPOINT": "/runs/other",
+        "LOG_LEVEL": "debug",
+        "MAX_BATCH": "2",
+        "LOG_FORMAT": "transcript",
+    }
     settings = parse(["--checkpoint", "/runs/a"], generic)
     assert settings == ServeSettings(checkpoint="/runs/a")
     assert settings.host == "127.0.0.1" and settings.port == 8080
@@ -57,14 +81,25 @@ def test_generic_variables_do_not_reconfigure_the_server():
 
 def test_the_gpt4chan_variables_still_work_with_a_deprecation_notice(caplog):
     caplog.set_level(logging.WARNING, "gptj_flax.serving.settings")
-    environ = {"QUEUE_SIZE": "64", "api_keys_file": "/srv/keys.txt", "Log_File": "/srv/requests.log",
-               "PRE_PROMPT_LENGTH": "100", "GPTJ_FLAX_CHECKPOINT": "/runs/a"}
+    environ = {
+        "QUEUE_SIZE": "64",
+        "api_keys_file": "/srv/keys.txt",
+        "Log_File": "/srv/requests.log",
+        "PRE_PROMPT_LENGTH": "100",
+        "GPTJ_FLAX_CHECKPOINT": "/runs/a",
+    }
     settings = parse([], environ)
     assert (settings.queue_size, settings.api_keys_file, settings.log_file, settings.pre_prompt_length) == (
-        64, "/srv/keys.txt", "/srv/requests.log", 100)
+        64,
+        "/srv/keys.txt",
+        "/srv/requests.log",
+        100,
+    )
     notices = [r.getMessage() for r in caplog.records]
-    assert notices == [f"environment variable {name} is deprecated: set GPTJ_FLAX_{name.upper()} instead"
-                       for name in ("api_keys_file", "QUEUE_SIZE", "PRE_PROMPT_LENGTH", "Log_File")]
+    assert notices == [
+        f"environment variable {name} is deprecated: set GPTJ_FLAX_{name.upper()} instead"
+        for name in ("api_keys_file", "QUEUE_SIZE", "PRE_PROMPT_LENGTH", "Log_File")
+    ]
     caplog.clear()
     assert parse([], {**environ, "GPTJ_FLAX_QUEUE_SIZE": "32"}).queue_size == 32  # the prefixed name wins
     assert "QUEUE_SIZE" not in caplog.text
@@ -82,8 +117,9 @@ def test_help_names_the_prefixed_variables():
 
 def test_relative_paths_are_made_absolute_as_settings_are_read(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    settings = parse(["--checkpoint", "runs/demo", "--api-keys-file", "keys.txt"],
-                     {"GPTJ_FLAX_LOG_FILE": "logs/requests.jsonl"})
+    settings = parse(
+        ["--checkpoint", "runs/demo", "--api-keys-file", "keys.txt"], {"GPTJ_FLAX_LOG_FILE": "logs/requests.jsonl"}
+    )
     assert settings.checkpoint == str(tmp_path / "runs" / "demo")
     assert settings.api_keys_file == str(tmp_path / "keys.txt")
     assert settings.log_file == str(tmp_path / "logs" / "requests.jsonl")
@@ -91,18 +127,31 @@ def test_relative_paths_are_made_absolute_as_settings_are_read(tmp_path, monkeyp
     assert parse(["--checkpoint", "gs://bucket/run"], {}).checkpoint == "gs://bucket/run"
 
 
-@pytest.mark.parametrize("argv,environ,message", [
-    ([], {}, "--checkpoint (or GPTJ_FLAX_CHECKPOINT)"),
-    (["--checkpoint", "c", "--max-batch", "0"], {}, "--max-batch (or GPTJ_FLAX_MAX_BATCH) must be >= 1"),
-    (["--checkpoint", "c", "--queue-size", "8"], {"GPTJ_FLAX_MAX_BATCH": "16"},
-     "--queue-size (or GPTJ_FLAX_QUEUE_SIZE) must be >= --max-batch (16)"),
-    (["--checkpoint", "c"], {"GPTJ_FLAX_QUEUE_SIZE": "many"}, "GPTJ_FLAX_QUEUE_SIZE='many' is not a valid int"),
-    (["--checkpoint", "c"], {"queue_size": "many"}, "queue_size='many' is not a valid int"),
-    (["--checkpoint", "c"], {"GPTJ_FLAX_LOG_FORMAT": "xml"}, "--log-format (or GPTJ_FLAX_LOG_FORMAT) must be one of"),
-    (["--checkpoint", "c"], {"GPTJ_FLAX_PORT": "70000"}, "--port (or GPTJ_FLAX_PORT) must be in 0..65535"),
-    (["--checkpoint", "c", "--batch-window-ms", "inf"], {}, "--batch-window-ms (or GPTJ_FLAX_BATCH_WINDOW_MS) must "
-                                                            "be a finite number >= 0, got inf"),
-])
+@pytest.mark.parametrize(
+    "argv,environ,message",
+    [
+        ([], {}, "--checkpoint (or GPTJ_FLAX_CHECKPOINT)"),
+        (["--checkpoint", "c", "--max-batch", "0"], {}, "--max-batch (or GPTJ_FLAX_MAX_BATCH) must be >= 1"),
+        (
+            ["--checkpoint", "c", "--queue-size", "8"],
+            {"GPTJ_FLAX_MAX_BATCH": "16"},
+            "--queue-size (or GPTJ_FLAX_QUEUE_SIZE) must be >= --max-batch (16)",
+        ),
+        (["--checkpoint", "c"], {"GPTJ_FLAX_QUEUE_SIZE": "many"}, "GPTJ_FLAX_QUEUE_SIZE='many' is not a valid int"),
+        (["--checkpoint", "c"], {"queue_size": "many"}, "queue_size='many' is not a valid int"),
+        (
+            ["--checkpoint", "c"],
+            {"GPTJ_FLAX_LOG_FORMAT": "xml"},
+            "--log-format (or GPTJ_FLAX_LOG_FORMAT) must be one of",
+        ),
+        (["--checkpoint", "c"], {"GPTJ_FLAX_PORT": "70000"}, "--port (or GPTJ_FLAX_PORT) must be in 0..65535"),
+        (
+            ["--checkpoint", "c", "--batch-window-ms", "inf"],
+            {},
+            "--batch-window-ms (or GPTJ_FLAX_BATCH_WINDOW_MS) must be a finite number >= 0, got inf",
+        ),
+    ],
+)
 def test_bad_settings_are_named(argv, environ, message):
     with pytest.raises(SettingsError, match=re.escape(message)):
         parse(argv, environ)
@@ -123,8 +172,14 @@ def serve_env(repo_root, **variables) -> dict:
 
 def run_serve(repo_root, cwd, *args, **variables) -> tuple[int, str]:
     """Run scripts/serve.py to its end; its exit status and its output (stdout and stderr)."""
-    process = subprocess.run([sys.executable, str(repo_root / "scripts" / "serve.py"), *args], cwd=cwd,
-                             env=serve_env(repo_root, **variables), capture_output=True, text=True, timeout=300)
+    process = subprocess.run(
+        [sys.executable, str(repo_root / "scripts" / "serve.py"), *args],
+        cwd=cwd,
+        env=serve_env(repo_root, **variables),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return process.returncode, scanned(process.stdout + process.stderr)
 
 
@@ -153,8 +208,10 @@ def test_a_bad_setting_or_file_is_one_error_line_before_the_model_loads(case, tm
     elif case == "short key":
         short = write_short_key_file(tmp_path / "keys.txt")
         args += ["--api-keys-file", "keys.txt"]
-        expected = (f"error: API keys file {tmp_path}/keys.txt line 3: the key is shorter than 16 characters; use "
-                    "a longer random key, or start the line with # to comment it out")
+        expected = (
+            f"error: API keys file {tmp_path}/keys.txt line 3: the key is shorter than 16 characters; use "
+            "a longer random key, or start the line with # to comment it out"
+        )
     else:
         variables["GPTJ_FLAX_MAX_BATCH"] = "0"
         expected = "error: --max-batch (or GPTJ_FLAX_MAX_BATCH) must be >= 1, got 0"
@@ -170,9 +227,13 @@ def test_a_port_in_use_is_one_error_line_before_the_model_loads(tmp_path, repo_r
         taken.listen()
         port = taken.getsockname()[1]
         status, output = run_serve(repo_root, tmp_path, "--checkpoint", checkpoint_dir(), GPTJ_FLAX_PORT=str(port))
-    assert_one_error_line(status, output, f"error: cannot listen on 127.0.0.1:{port}: Address already in use; "
-                                          "another process is listening there: stop it or choose another --port "
-                                          "(GPTJ_FLAX_PORT)")
+    assert_one_error_line(
+        status,
+        output,
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use; "
+        "another process is listening there: stop it or choose another --port "
+        "(GPTJ_FLAX_PORT)",
+    )
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -198,13 +259,26 @@ def test_serve_script_serves_then_drains_and_exits_on_sigterm(tmp_path, repo_roo
     write_keys(tmp_path / "keys.txt")
     port, generic_port = free_port(), free_port()
     # relative paths (the process runs in tmp_path); generic HOST and PORT, which must change nothing
-    env = serve_env(repo_root, GPTJ_FLAX_CHECKPOINT=checkpoint_dir(), GPTJ_FLAX_API_KEYS_FILE="keys.txt",
-                    GPTJ_FLAX_LOG_FILE="logs/transcript.txt", GPTJ_FLAX_LOG_FORMAT="transcript",
-                    GPTJ_FLAX_MAX_BATCH="1", GPTJ_FLAX_PORT=str(port), QUEUE_SIZE="8", HOST="0.0.0.0",
-                    PORT=str(generic_port))
+    env = serve_env(
+        repo_root,
+        GPTJ_FLAX_CHECKPOINT=checkpoint_dir(),
+        GPTJ_FLAX_API_KEYS_FILE="keys.txt",
+        GPTJ_FLAX_LOG_FILE="logs/transcript.txt",
+        GPTJ_FLAX_LOG_FORMAT="transcript",
+        GPTJ_FLAX_MAX_BATCH="1",
+        GPTJ_FLAX_PORT=str(port),
+        QUEUE_SIZE="8",
+        HOST="0.0.0.0",
+        PORT=str(generic_port),
+    )
     process = subprocess.Popen(
         [sys.executable, str(repo_root / "scripts" / "serve.py"), "--warmup-tokens", "8"],
-        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(process, url)
@@ -242,9 +316,22 @@ def test_serve_script_serves_a_huggingface_directory(tmp_path, repo_root):
     expected = gptj_flax.load(checkpoint_dir()).generate("def add(", 4, temperature=0).text
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, str(repo_root / "scripts" / "serve.py"), "--checkpoint", f"hf:{hf_dir}", "--port", str(port),
-         "--warmup-tokens", "8"], env=serve_env(repo_root), cwd=repo_root, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            str(repo_root / "scripts" / "serve.py"),
+            "--checkpoint",
+            f"hf:{hf_dir}",
+            "--port",
+            str(port),
+            "--warmup-tokens",
+            "8",
+        ],
+        env=serve_env(repo_root),
+        cwd=repo_root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(process, url)

@@ -12,8 +12,14 @@ import pytest
 import requests
 
 from gptj_flax.serving.auth import KeysFileError, KeyStore
-from tests.test_serving_support import KEYS, RunningServer, secret, tiny_model, write_keys
-from tests.test_serving_support import no_key_leaks  # noqa: F401 - the autouse leak scan
+from tests.test_serving_support import (
+    KEYS,
+    RunningServer,
+    no_key_leaks,  # noqa: F401 - the autouse leak scan
+    secret,
+    tiny_model,
+    write_keys,
+)
 
 LENGTH = 8
 JSON = {"content-type": "application/json"}
@@ -60,8 +66,10 @@ def test_a_short_key_is_refused_when_the_file_is_read_by_its_line_number(tmp_pat
     keys_file.write_text(f"# keys\n\n   # an indented comment\n{KEYS[0]} client-0\n{SHORT_KEY} client-1\n")
     with pytest.raises(KeysFileError) as refused:
         KeyStore(keys_file)
-    assert str(refused.value) == (f"API keys file {keys_file} line 5: the key is shorter than 16 characters; use a "
-                                  "longer random key, or start the line with # to comment it out")
+    assert str(refused.value) == (
+        f"API keys file {keys_file} line 5: the key is shorter than 16 characters; use a "
+        "longer random key, or start the line with # to comment it out"
+    )
     assert SHORT_KEY not in str(refused.value)
 
     keys_file.write_text(f"\ufeff# saved by an editor that writes a byte order mark\n{KEYS[0]}\n\n\t\n")
@@ -153,8 +161,13 @@ def test_nan_infinities_and_lone_surrogates_are_a_422_naming_the_field(client, p
     errors = response.json()["detail"]
     assert errors and all(set(error) == {"loc", "msg", "type"} for error in errors)  # no "input", no "ctx"
     if field is None:  # an array where an object belongs
-        assert errors == [{"loc": ["body"], "msg": "Input should be a valid dictionary or object to extract fields "
-                                                   "from", "type": "model_attributes_type"}]
+        assert errors == [
+            {
+                "loc": ["body"],
+                "msg": "Input should be a valid dictionary or object to extract fields from",
+                "type": "model_attributes_type",
+            }
+        ]
     else:
         assert all(error["loc"][:2] == ["body", field] for error in errors)
     for value in ("NaN", "Infinity", "inf", "1e309", "\\ud", "\\udc", "\\udf", "\\udb"):
@@ -166,14 +179,25 @@ def test_nan_infinities_and_lone_surrogates_are_a_422_naming_the_field(client, p
 def test_a_422_names_fields_and_problems_but_echoes_no_value_and_no_key(client):
     cases = [
         ("/complete", {"api_key": KEYS[0], "length": 5}, [(["body", "prompt"], "Field required")]),
-        ("/complete", {"api_key": KEYS[0], "prompt": "x", "length": "twelve-tokens"},
-         [(["body", "length"], "Input should be a valid integer")]),
-        ("/v1/completions", {"api_key": KEYS[0], "prompt": "x", "stop": ["one-stop-string"] * 5, "seed": -3},
-         [(["body", "stop", "constrained-str"], "Input should be a valid string"),
-          (["body", "stop", "list[constrained-str]"], "List should have at most 4 items after validation, not 5"),
-          (["body", "seed"], "Input should be greater than or equal to 0")]),
-        ("/v1/completions", {"api_key": KEYS[0], "prompt": "x", "stream": True, "logprobs": 0},
-         [(["body", "logprobs"], "logprobs is not available with stream")]),
+        (
+            "/complete",
+            {"api_key": KEYS[0], "prompt": "x", "length": "twelve-tokens"},
+            [(["body", "length"], "Input should be a valid integer")],
+        ),
+        (
+            "/v1/completions",
+            {"api_key": KEYS[0], "prompt": "x", "stop": ["one-stop-string"] * 5, "seed": -3},
+            [
+                (["body", "stop", "constrained-str"], "Input should be a valid string"),
+                (["body", "stop", "list[constrained-str]"], "List should have at most 4 items after validation, not 5"),
+                (["body", "seed"], "Input should be greater than or equal to 0"),
+            ],
+        ),
+        (
+            "/v1/completions",
+            {"api_key": KEYS[0], "prompt": "x", "stream": True, "logprobs": 0},
+            [(["body", "logprobs"], "logprobs is not available with stream")],
+        ),
     ]
     for path, body, expected in cases:
         response = client.post(path, json=body)
@@ -184,8 +208,12 @@ def test_a_422_names_fields_and_problems_but_echoes_no_value_and_no_key(client):
 
 
 def test_malformed_json_is_a_400_and_neither_echoes_nor_fails(client):
-    for body in (b'{"prompt": "x", "api_key": "' + KEYS[0].encode() + b'", ', b'{"prompt": NaNa}',
-                 b'{"prompt": "\xff\xfe"}', b"[" * 100_000):
+    for body in (
+        b'{"prompt": "x", "api_key": "' + KEYS[0].encode() + b'", ',
+        b'{"prompt": NaNa}',
+        b'{"prompt": "\xff\xfe"}',
+        b"[" * 100_000,
+    ):
         response = client.post("/complete", content=body, headers=JSON)
         assert response.status_code == 400, (body[:40], response.text)
         assert "prompt" not in response.text
@@ -198,14 +226,16 @@ def test_seeds_take_the_whole_uint32_range(lm, client):
     sampling = dict(temperature=1.0, top_p=0.95)
 
     def completed(seed):
-        response = client.post("/complete", json={"prompt": prompt, "length": LENGTH, "seed": seed,
-                                                  "api_key": KEYS[0], **sampling})
+        response = client.post(
+            "/complete", json={"prompt": prompt, "length": LENGTH, "seed": seed, "api_key": KEYS[0], **sampling}
+        )
         assert response.status_code == 200, response.text
         return response.json()["response"]
 
     def v1_completed(seed, prompts):
-        response = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": LENGTH, "seed": seed,
-                                                        **sampling}, headers=BEARER)
+        response = client.post(
+            "/v1/completions", json={"prompt": prompts, "max_tokens": LENGTH, "seed": seed, **sampling}, headers=BEARER
+        )
         assert response.status_code == 200, response.text
         return [choice["text"] for choice in response.json()["choices"]]
 
@@ -227,8 +257,9 @@ def test_seeds_take_the_whole_uint32_range(lm, client):
 def test_the_leak_scan_sees_logs_and_every_clients_response_bodies(client, server, no_key_leaks):
     """The scan that guards every serving test: it must see what it claims to, or it proves nothing."""
     client.post("/complete", json={"prompt": "x", "api_key": secret("sk-invalid-but-long-enough")})
-    with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True},
-                       headers=BEARER) as response:
+    with client.stream(
+        "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True}, headers=BEARER
+    ) as response:
         assert response.status_code == 200
         list(response.iter_lines())
 
@@ -243,8 +274,11 @@ def test_the_leak_scan_sees_logs_and_every_clients_response_bodies(client, serve
     assert "refused /complete: an invalid API key" in seen  # a record logged by the server's thread
     assert "data: [DONE]" in seen  # a streamed body
     assert '"max_model_len"' in seen and '"status":"ready"' in seen
-    assert {where for where, _ in texts} >= {"a response body (httpx)", "a response body (httpx async)",
-                                             "a response body (requests)"}
+    assert {where for where, _ in texts} >= {
+        "a response body (httpx)",
+        "a response body (httpx async)",
+        "a response body (requests)",
+    }
 
     assert not no_key_leaks.leaks()
     logging.getLogger("gptj_flax.serving.test").debug("presented %s", KEYS[1])

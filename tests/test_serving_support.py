@@ -92,12 +92,18 @@ class LeakScan:
         self.seen.append((where, text))
 
     def texts(self) -> list[tuple[str, str]]:
-        return [(where, bytes(text).decode("utf-8", "replace") if isinstance(text, bytearray) else text)
-                for where, text in list(self.seen)]
+        return [
+            (where, bytes(text).decode("utf-8", "replace") if isinstance(text, bytearray) else text)
+            for where, text in list(self.seen)
+        ]
 
     def leaks(self) -> list[str]:
-        return [f"a key registered with secret() ({sorted(SECRETS).index(key)}) in {where}"
-                for where, text in self.texts() for key in SECRETS if key in text]
+        return [
+            f"a key registered with secret() ({sorted(SECRETS).index(key)}) in {where}"
+            for where, text in self.texts()
+            for key in SECRETS
+            if key in text
+        ]
 
     def forget(self) -> None:
         self.seen.clear()
@@ -313,8 +319,12 @@ class RunningServer:
         """Start the thread; wait until /health says ready (or, without ``wait_ready``, until it answers)."""
         self.thread.start()
         expected = (200,) if wait_ready else (200, 503)
-        wait_until(lambda: self.health() in expected or not self.thread.is_alive(),
-                   STARTUP_TIMEOUT_S, "the server to start", interval_s=0.1)
+        wait_until(
+            lambda: self.health() in expected or not self.thread.is_alive(),
+            STARTUP_TIMEOUT_S,
+            "the server to start",
+            interval_s=0.1,
+        )
         assert self.thread.is_alive(), f"the server stopped: {self.service.worker.error}"
         return self
 

@@ -59,8 +59,11 @@ def test_sharded_logits_loss_grads_equal_unsharded(reference, shape):
     step = jax.jit(
         lambda v, t, s: _loss_and_grads(model, v, t, s),
         in_shardings=(shardings, batch_sharding, batch_sharding),
-        out_shardings=(partitioning.named_sharding(mesh, ("batch", "length", "vocab")),
-                       NamedSharding(mesh, PartitionSpec()), shardings),
+        out_shardings=(
+            partitioning.named_sharding(mesh, ("batch", "length", "vocab")),
+            NamedSharding(mesh, PartitionSpec()),
+            shardings,
+        ),
     )
     with partitioning.sharding_scope(mesh):
         logits, loss, grads = step(sharded_vars, tokens, segments)
@@ -83,8 +86,10 @@ def test_sharded_init_really_splits_tensors(shape):
     n_split = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(variables):
         spec = leaf.sharding.spec
-        divisor = [math.prod(sizes[a] for a in ((s,) if isinstance(s, str) else s)) if s else 1
-                   for s in tuple(spec) + (None,) * (leaf.ndim - len(spec))]
+        divisor = [
+            math.prod(sizes[a] for a in ((s,) if isinstance(s, str) else s)) if s else 1
+            for s in tuple(spec) + (None,) * (leaf.ndim - len(spec))
+        ]
         expected = tuple(d // k for d, k in zip(leaf.shape, divisor))
         assert len(leaf.addressable_shards) == mesh.size
         for shard in leaf.addressable_shards:

@@ -20,8 +20,14 @@ def run_script(script, *args, cwd=REPO, env=None):
     """Run scripts/SCRIPT with ``args``; returns (status, stdout, stderr)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     env = {k: v for k, v in env.items() if v is not None}
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / script), *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return done.returncode, done.stdout, done.stderr
 
 
@@ -51,13 +57,16 @@ def test_cli_paths_are_absolute_and_keep_their_prefixes(tmp_path, monkeypatch):
     assert cli_path("tfds:wikitext@test") == "tfds:wikitext@test"
 
 
-@pytest.mark.parametrize("script, args", [
-    ("train.py", ["--config", "{tiny}"]),
-    ("demo.py", ["--config", "{tiny}"]),
-    ("aot_check.py", ["--config", "{tiny}", "--topology", "v3:2x2"]),
-    ("sample.py", ["missing_run", "--prompt", "hi"]),
-    ("eval.py", ["perplexity", "--checkpoint", "missing_run", "--data", "x.txt"]),
-])
+@pytest.mark.parametrize(
+    "script, args",
+    [
+        ("train.py", ["--config", "{tiny}"]),
+        ("demo.py", ["--config", "{tiny}"]),
+        ("aot_check.py", ["--config", "{tiny}", "--topology", "v3:2x2"]),
+        ("sample.py", ["missing_run", "--prompt", "hi"]),
+        ("eval.py", ["perplexity", "--checkpoint", "missing_run", "--data", "x.txt"]),
+    ],
+)
 def test_every_cli_takes_a_mesh_starting_with_minus_one(script, args, repo_root, tmp_path):
     args = [a.format(tiny=repo_root / "configs/tiny.json") for a in args]
     status, _, stderr = run_script(script, *args, "--mesh", "-1,-1,1", cwd=tmp_path)
@@ -67,16 +76,22 @@ def test_every_cli_takes_a_mesh_starting_with_minus_one(script, args, repo_root,
         assert "at most one axis may be -1" in line
 
 
-@pytest.mark.parametrize("script, args, message", [
-    ("train.py", ["--config", "nope.json"], "config file not found: {cwd}/nope.json"),
-    ("demo.py", ["--config", "nope.json"], "config file not found: {cwd}/nope.json"),
-    ("aot_check.py", ["--config", "nope.json", "--topology", "v3:2x2"], "config file not found: {cwd}/nope.json"),
-    ("sample.py", ["missing_run", "--prompt", "hi"], "checkpoint directory not found: {cwd}/missing_run"),
-    ("eval.py", ["perplexity", "--checkpoint", "missing_run", "--data", "x.txt"],
-     "checkpoint directory not found: {cwd}/missing_run"),
-    ("eval.py", ["compare", "a.json", "b.json"], "{cwd}/a.json"),
-    ("bench.py", ["data", "--config", "nope.json"], "config file not found: {cwd}/nope.json"),
-])
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        ("train.py", ["--config", "nope.json"], "config file not found: {cwd}/nope.json"),
+        ("demo.py", ["--config", "nope.json"], "config file not found: {cwd}/nope.json"),
+        ("aot_check.py", ["--config", "nope.json", "--topology", "v3:2x2"], "config file not found: {cwd}/nope.json"),
+        ("sample.py", ["missing_run", "--prompt", "hi"], "checkpoint directory not found: {cwd}/missing_run"),
+        (
+            "eval.py",
+            ["perplexity", "--checkpoint", "missing_run", "--data", "x.txt"],
+            "checkpoint directory not found: {cwd}/missing_run",
+        ),
+        ("eval.py", ["compare", "a.json", "b.json"], "{cwd}/a.json"),
+        ("bench.py", ["data", "--config", "nope.json"], "config file not found: {cwd}/nope.json"),
+    ],
+)
 def test_bad_inputs_give_one_error_line_with_absolute_paths(script, args, message, tmp_path):
     status, _, stderr = run_script(script, *args, cwd=tmp_path)
     assert message.format(cwd=tmp_path) in one_error_line(status, stderr)
@@ -89,8 +104,12 @@ def test_debug_shows_the_traceback(tmp_path):
 
 def test_a_config_needing_more_devices_than_the_cpu_has_says_how_to_get_them(repo_root):
     # configs/tiny.json as shipped, on a plain CPU process (one device)
-    status, _, stderr = run_script("train.py", "--config", repo_root / "configs/tiny.json",
-                                   env={"XLA_FLAGS": None, "JAX_NUM_CPU_DEVICES": None, "JAX_PLATFORMS": "cpu"})
+    status, _, stderr = run_script(
+        "train.py",
+        "--config",
+        repo_root / "configs/tiny.json",
+        env={"XLA_FLAGS": None, "JAX_NUM_CPU_DEVICES": None, "JAX_PLATFORMS": "cpu"},
+    )
     line = one_error_line(status, stderr)
     assert "needs 8 devices but only 1 are available" in line
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in line

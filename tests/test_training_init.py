@@ -26,15 +26,29 @@ def corpus(tmp_path_factory):
 
 
 def _config(corpus, run_dir, **train):
-    section = dict(batch_size=8, total_steps=2, warmup_steps=0, anneal_steps=1, lr=0.0, end_lr=0.0, weight_decay=0.0,
-                   run_dir=str(run_dir), train_set=corpus[0], tokenizer=corpus[1], ckpt_every=100)
+    section = dict(
+        batch_size=8,
+        total_steps=2,
+        warmup_steps=0,
+        anneal_steps=1,
+        lr=0.0,
+        end_lr=0.0,
+        weight_decay=0.0,
+        run_dir=str(run_dir),
+        train_set=corpus[0],
+        tokenizer=corpus[1],
+        ckpt_every=100,
+    )
     section.update(train)
     return from_dict({"model": MODEL, "mesh": {"data": 2, "fsdp": 2, "model": 2}, "train": section})
 
 
 def _adam(opt_state):
-    return next(s for s in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
-                if isinstance(s, optax.ScaleByAdamState))
+    return next(
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState)
+    )
 
 
 def _restore(config):
@@ -42,8 +56,11 @@ def _restore(config):
     model = GPTJ(config.model)
     tx = make_optimizer(config.train)
     shardings = steps.state_shardings(model, tx, mesh)
-    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            nn.meta.unbox(steps.abstract_state(model, tx)), shardings)
+    abstract = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        nn.meta.unbox(steps.abstract_state(model, tx)),
+        shardings,
+    )
     ckpt = checkpoint.Checkpointer(config.train.run_dir, read_only=True)
     return ckpt.restore(params_target=abstract.params, opt_state_target=abstract.opt_state)
 
@@ -65,8 +82,16 @@ def test_fine_tune_from_a_full_legacy_checkpoint_carries_adam_unless_fresh(corpu
     config = _config(corpus, tmp_path / "run")
     model = dense_model(config.model, seed=2)
     mu, nu = dense_moments(model, 3), dense_moments(model, 4)
-    write_legacy_checkpoint(tmp_path / "legacy" / "step_50", model, config.model, shards=2, step=50,
-                            moments=(mu, nu), adam_count=50, schedule_count=50)
+    write_legacy_checkpoint(
+        tmp_path / "legacy" / "step_50",
+        model,
+        config.model,
+        shards=2,
+        step=50,
+        moments=(mu, nu),
+        adam_count=50,
+        schedule_count=50,
+    )
     result = train(config, init_from=f"legacy:{tmp_path / 'legacy' / 'step_50'}", fresh_opt=fresh_opt, progress=False)
     assert result.step == 2
     restored = _restore(config)

@@ -61,8 +61,9 @@ def test_restore_on_other_meshes_is_bit_identical(corpus, tmp_path):
         for x, y in zip(jax.tree.leaves(ref), jax.tree.leaves(other), strict=True):
             np.testing.assert_array_equal(x, y)
     # and training continues on another mesh from the same state
-    result = train(make_config(corpus, tmp_path / "run", total_steps=5), mesh=partitioning.make_mesh((1, 1, 8)),
-                   progress=False)
+    result = train(
+        make_config(corpus, tmp_path / "run", total_steps=5), mesh=partitioning.make_mesh((1, 1, 8)), progress=False
+    )
     assert result.step == 5
 
 
@@ -78,8 +79,9 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
 @pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_resumes_with_the_same_losses(corpus, tmp_path, repo_root):
     steps = 60
-    reference = train(make_config(corpus, tmp_path / "ref", total_steps=steps, val_set={}, ckpt_every=1000),
-                      progress=False)
+    reference = train(
+        make_config(corpus, tmp_path / "ref", total_steps=steps, val_set={}, ckpt_every=1000), progress=False
+    )
     run = tmp_path / "preempted"
     cfg = write_config(make_config(corpus, run, total_steps=steps, val_set={}, ckpt_every=1000), tmp_path / "c.json")
     cmd = [sys.executable, "scripts/train.py", "--config", cfg, "--no-progress"]
@@ -135,10 +137,28 @@ def _free_port():
 def _run_workers(config_path, out_path, n_proc, local_devices, mesh, stop_after, repo_root):
     port = _free_port()
     env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(repo_root)}
-    procs = [subprocess.Popen([sys.executable, WORKER, config_path, out_path, str(n_proc), str(pid), str(port),
-                               str(local_devices), mesh, str(stop_after)], cwd=repo_root, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for pid in range(n_proc)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                WORKER,
+                config_path,
+                out_path,
+                str(n_proc),
+                str(pid),
+                str(port),
+                str(local_devices),
+                mesh,
+                str(stop_after),
+            ],
+            cwd=repo_root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for pid in range(n_proc)
+    ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from benchmarks.common import write_random_hf
-from gptj_flax import checkpoint, data
-from gptj_flax.checkpoint import CheckpointCorrupted, CheckpointError, Checkpointer
+from gptj_flax import data
+from gptj_flax.checkpoint import CheckpointCorrupted, Checkpointer, CheckpointError
 from gptj_flax.config import save_config
 from gptj_flax.training import train
 from tests.test_checkpoint_integrity import flip_bytes_in_a_chunk
@@ -47,7 +47,8 @@ def _losses_by_step(run_dir):
 
 
 def test_a_corrupted_latest_step_is_refused_and_the_run_resumes_from_the_previous_one(
-        corpus, base_run, run, tmp_path, repo_root):  # noqa: F811
+    corpus, base_run, run, tmp_path, repo_root
+):  # noqa: F811
     flip_bytes_in_a_chunk(run / "4" / "params")
     config = make_config(corpus, run, **{**STEPS, "total_steps": 6})
     with pytest.raises(CheckpointCorrupted) as caught:
@@ -55,14 +56,28 @@ def test_a_corrupted_latest_step_is_refused_and_the_run_resumes_from_the_previou
     message = str(caught.value)
     assert "\n" not in message and (caught.value.step, caught.value.previous_step) == (4, 2)
     assert message.startswith(f"checkpoint step 4 in {run} is corrupted: the stored data of array ")
-    assert message.endswith("To resume from step 2, rerun with --resume-step 2 (train(…, resume_step=2)); the steps "
-                            "after it are then set aside.")
+    assert message.endswith(
+        "To resume from step 2, rerun with --resume-step 2 (train(…, resume_step=2)); the steps "
+        "after it are then set aside."
+    )
     assert Checkpointer(run, read_only=True).all_steps() == [2, 4]  # nothing was changed
 
     save_config(config, tmp_path / "config.json")
-    result = subprocess.run([sys.executable, "scripts/train.py", "--config", str(tmp_path / "config.json"),
-                             "--resume-step", "2", "--no-progress"], cwd=repo_root, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/train.py",
+            "--config",
+            str(tmp_path / "config.json"),
+            "--resume-step",
+            "2",
+            "--no-progress",
+        ],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"step 6: saved in {run}" in result.stdout
     assert "the later step(s) [4] were moved to" in result.stderr
@@ -93,9 +108,11 @@ def test_init_from_on_a_run_with_checkpoints_says_it_resumes_instead(corpus, run
     with caplog.at_level(logging.WARNING, logger="gptj_flax.training.loop"):
         result = train(config, init_from=f"hf:{tmp_path / 'hf'}", progress=False)
     warnings = [r.getMessage() for r in caplog.records if "is not used" in r.getMessage()]
-    assert warnings == [f"{run} holds checkpoints (latest step 4): the run resumes from them and "
-                        f"init_from=hf:{tmp_path / 'hf'} is not used (it only starts a run directory without "
-                        "checkpoints)"]
+    assert warnings == [
+        f"{run} holds checkpoints (latest step 4): the run resumes from them and "
+        f"init_from=hf:{tmp_path / 'hf'} is not used (it only starts a run directory without "
+        "checkpoints)"
+    ]
     assert sorted(result.losses) == [5]  # resumed at step 4, not started over from the HF weights
 
 
@@ -107,15 +124,20 @@ def test_a_partial_run_tokenizer_is_rebuilt_from_train_tokenizer(corpus, run, ca
     (saved / "tokenizer_config.json").write_text('{"tokenizer_class": ')
 
     without = make_config(corpus, run, **{**STEPS, "total_steps": 5, "tokenizer": None})
-    with pytest.raises(data.DataError, match=rf"^{saved} is incomplete or damaged \(.*\); set train\.tokenizer to "
-                                             "rebuild it"):
+    with pytest.raises(
+        data.DataError,
+        match=rf"^{saved} is incomplete or damaged \(.*\); set train\.tokenizer to "
+        "rebuild it",
+    ):
         train(without, progress=False)
 
     with caplog.at_level(logging.WARNING, logger="gptj_flax.training.loop"):
         result = train(make_config(corpus, run, **{**STEPS, "total_steps": 5}), progress=False)
     assert result.step == 5
-    assert any(f"{saved} is incomplete or damaged; writing it again from train.tokenizer=" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        f"{saved} is incomplete or damaged; writing it again from train.tokenizer=" in r.getMessage()
+        for r in caplog.records
+    )
     text = "def main():\n    return 0\n"
     assert data.load_tokenizer(saved).encode(text) == data.load_tokenizer(corpus["tokenizer"]).encode(text)
     assert not list(run.glob("tokenizer.tmp-*"))

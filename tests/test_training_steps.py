@@ -17,8 +17,9 @@ from gptj_flax.training import optimizer, steps
 from tests.helpers import mean_loss, tiny_config
 
 CFG = tiny_config(n_layers=2, d_model=32, n_heads=4, rotary_dim=4, vocab_size=64)
-TRAIN = TrainConfig(batch_size=8, lr=3e-3, end_lr=3e-4, warmup_steps=3, anneal_steps=10, total_steps=20,
-                    weight_decay=0.1)
+TRAIN = TrainConfig(
+    batch_size=8, lr=3e-3, end_lr=3e-4, warmup_steps=3, anneal_steps=10, total_steps=20, weight_decay=0.1
+)
 
 
 def _batch(rng, ga, b, t, vocab=CFG.vocab_size, packed=False):
@@ -26,7 +27,7 @@ def _batch(rng, ga, b, t, vocab=CFG.vocab_size, packed=False):
     segments = np.ones_like(tokens)
     loss_mask = np.ones(tokens[..., 1:].shape, np.float32)
     if packed:
-        segments[..., t // 2:] = 2
+        segments[..., t // 2 :] = 2
         segments[:, 0, -3:] = 0  # a padded tail in one row of each micro-batch
         loss_mask[:, 0, -3:] = 0
     return Batch(tokens, segments, loss_mask)
@@ -80,11 +81,17 @@ def test_freezing_by_pattern_and_schedule_restart():
     counts = [x for x in jax.tree.leaves(state) if x.ndim == 0]
     assert counts and all(int(c) == 2 for c in counts)
     restarted = optimizer.restart_schedule(state)
-    sched = [s for s in jax.tree.leaves(restarted, is_leaf=lambda n: isinstance(n, optax.ScaleByScheduleState))
-             if isinstance(s, optax.ScaleByScheduleState)]
+    sched = [
+        s
+        for s in jax.tree.leaves(restarted, is_leaf=lambda n: isinstance(n, optax.ScaleByScheduleState))
+        if isinstance(s, optax.ScaleByScheduleState)
+    ]
     assert sched and all(int(s.count) == 0 for s in sched)
-    adam = [s for s in jax.tree.leaves(restarted, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
-            if isinstance(s, optax.ScaleByAdamState)]
+    adam = [
+        s
+        for s in jax.tree.leaves(restarted, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState)
+    ]
     assert adam and all(int(s.count) == 2 for s in adam)
     with pytest.raises(ConfigError, match=r"train.freeze patterns \['encoder/\*'\] match no parameter"):
         optimizer.make_optimizer(TRAIN, params, freeze=["encoder/*"])

@@ -25,9 +25,22 @@ def make_corpus(root: pathlib.Path, max_bytes: int = 400_000) -> dict[str, str]:
 
 
 def make_config(corpus: dict[str, str], run_dir, **train_overrides) -> Config:
-    train_section = dict(batch_size=8, total_steps=20, warmup_steps=3, anneal_steps=17, lr=3e-3, end_lr=3e-4,
-                         run_dir=str(run_dir), train_set=corpus["train"], val_set={"stdlib": corpus["val"]},
-                         tokenizer=corpus["tokenizer"], val_every=10, val_batches=2, ckpt_every=10, grad_accum_steps=2)
+    train_section = dict(
+        batch_size=8,
+        total_steps=20,
+        warmup_steps=3,
+        anneal_steps=17,
+        lr=3e-3,
+        end_lr=3e-4,
+        run_dir=str(run_dir),
+        train_set=corpus["train"],
+        val_set={"stdlib": corpus["val"]},
+        tokenizer=corpus["tokenizer"],
+        val_every=10,
+        val_batches=2,
+        ckpt_every=10,
+        grad_accum_steps=2,
+    )
     train_section.update(train_overrides)
     return from_dict({"model": MODEL, "mesh": dict(data=2, fsdp=2, model=2), "train": train_section})
 
@@ -41,8 +54,14 @@ def start_trainer(config_path: str, log_path, *extra: str) -> subprocess.Popen:
     """scripts/train.py on ``config_path`` in the background, stdout and stderr into ``log_path``."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, "scripts/train.py", "--config", config_path, "--no-progress", *extra],
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [sys.executable, "scripts/train.py", "--config", config_path, "--no-progress", *extra],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
 
 def train_losses(run_dir) -> list[tuple[int, float]]:
@@ -59,6 +78,8 @@ def wait_for(condition, proc: subprocess.Popen, log_path, timeout: float = 400, 
     deadline = time.time() + timeout
     while not condition():
         if proc.poll() is not None or time.time() > deadline:
-            raise AssertionError(f"trainer {'exited' if proc.poll() is not None else 'timed out'} before {what}:\n"
-                                 + pathlib.Path(log_path).read_text()[-4000:])
+            raise AssertionError(
+                f"trainer {'exited' if proc.poll() is not None else 'timed out'} before {what}:\n"
+                + pathlib.Path(log_path).read_text()[-4000:]
+            )
         time.sleep(0.1)

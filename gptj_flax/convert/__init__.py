@@ -10,13 +10,34 @@ from gptj_flax.convert.hf import HF_PREFIX, HFCheckpoint, from_hf, is_hf_source,
 from gptj_flax.convert.hf_names import hf_from_params, hf_names, hf_to_ours, ours_to_hf, params_from_hf
 from gptj_flax.convert.init_from import insert_adam_moments, load_init_opt_state, load_init_params, parse_init_spec
 from gptj_flax.convert.legacy import (
-    LegacyAdamState, LegacyCheckpoint, config_for_legacy, from_legacy, load_legacy_opt_state,
+    LegacyAdamState,
+    LegacyCheckpoint,
+    config_for_legacy,
+    from_legacy,
+    load_legacy_opt_state,
 )
 from gptj_flax.convert.slim import slim
 
 __all__ = [
-    "ConversionError", "HFCheckpoint", "HF_PREFIX", "is_hf_source", "LegacyAdamState", "LegacyCheckpoint", "config_for_legacy", "from_hf",
-    "from_legacy", "hf_from_params", "hf_names", "hf_to_ours", "insert_adam_moments", "load_init_opt_state",
+    "ConversionError",
+    "HFCheckpoint",
+    "HF_PREFIX",
+    "is_hf_source",
+    "LegacyAdamState",
+    "LegacyCheckpoint",
+    "config_for_legacy",
+    "from_hf",
+    "from_legacy",
+    "hf_from_params",
+    "hf_names",
+    "hf_to_ours",
+    "insert_adam_moments",
+    "load_init_opt_state",
     "load_init_params",
-    "load_legacy_opt_state", "ours_to_hf", "params_from_hf", "parse_init_spec", "slim", "to_hf",
+    "load_legacy_opt_state",
+    "ours_to_hf",
+    "params_from_hf",
+    "parse_init_spec",
+    "slim",
+    "to_hf",
 ]

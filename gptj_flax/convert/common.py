@@ -23,7 +23,11 @@ from gptj_flax.errors import GptjFlaxError
 
 # The files a HuggingFace GPT-J tokenizer consists of; whichever exist are carried along.
 TOKENIZER_FILES = (
-    "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
     "added_tokens.json",
 )
 

@@ -15,24 +15,36 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from gptj_flax import checkpoint
 from gptj_flax.config import Config, ConfigError, ModelConfig, dtype_name, jnp_dtype
 from gptj_flax.convert import safetensors_io
 from gptj_flax.convert.common import (
-    TOKENIZER_FILES, ConversionError, atomic_directory, copy_tokenizer_files, progress,
+    TOKENIZER_FILES,
+    ConversionError,
+    atomic_directory,
+    copy_tokenizer_files,
+    progress,
 )
 from gptj_flax.convert.hf_names import (
-    IGNORED_HF_SUFFIXES, hf_name, hf_names, hf_shape, hf_to_ours, ours_to_hf,
+    IGNORED_HF_SUFFIXES,
+    hf_name,
+    hf_names,
+    hf_shape,
+    hf_to_ours,
+    ours_to_hf,
 )
 from gptj_flax.convert.layout import ParamPath, layer_paths, streamed_params
 from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
 
-HF_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(jnp.bfloat16)}
 HF_PREFIX = "hf:"
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' own default for save_pretrained
 GPTJ_EOS = 50256  # GPT-2 BPE's <|endoftext|>, GPT-J's bos and eos
 
@@ -56,8 +68,9 @@ def model_config_from_hf(raw: dict, where: Path, scan_layers: bool = True, dtype
     """A HF ``GPTJConfig`` dict → our ModelConfig computing in ``dtype``; anything GPT-J cannot be is
     refused by name."""
     if raw.get("model_type") != "gptj":
-        raise ConversionError(f"{where}: model_type is {raw.get('model_type')!r}, not 'gptj': "
-                              "this is not a GPT-J checkpoint")
+        raise ConversionError(
+            f"{where}: model_type is {raw.get('model_type')!r}, not 'gptj': this is not a GPT-J checkpoint"
+        )
     activation = raw.get("activation_function", "gelu_new")
     if activation != "gelu_new":
         raise ConversionError(f"{where}: activation_function {activation!r} is not supported; GPT-J uses 'gelu_new'")
@@ -67,9 +80,16 @@ def model_config_from_hf(raw: dict, where: Path, scan_layers: bool = True, dtype
         raise ConversionError(f"{where}: rotary_dim is null; GPT-J needs a rotary_dim (64 for GPT-J-6B)")
     try:
         return ModelConfig(
-            n_layers=raw["n_layer"], d_model=raw["n_embd"], n_heads=raw["n_head"], rotary_dim=raw["rotary_dim"],
-            vocab_size=raw["vocab_size"], max_len=raw.get("n_positions", 2048), d_ff=raw.get("n_inner"),
-            layer_norm_eps=raw.get("layer_norm_epsilon", 1e-5), scan_layers=scan_layers, dtype=dtype,
+            n_layers=raw["n_layer"],
+            d_model=raw["n_embd"],
+            n_heads=raw["n_head"],
+            rotary_dim=raw["rotary_dim"],
+            vocab_size=raw["vocab_size"],
+            max_len=raw.get("n_positions", 2048),
+            d_ff=raw.get("n_inner"),
+            layer_norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+            scan_layers=scan_layers,
+            dtype=dtype,
         )
     except KeyError as e:
         raise ConversionError(f"{where}: missing key {e.args[0]!r}") from None
@@ -81,13 +101,25 @@ def hf_config_dict(config: ModelConfig, dtype: str) -> dict:
     """The ``config.json`` of ``GPTJForCausalLM`` for ``config``, weights stored as ``dtype``."""
     eos = GPTJ_EOS if config.vocab_size > GPTJ_EOS else None  # a small vocabulary has no id 50256
     return {
-        "architectures": ["GPTJForCausalLM"], "model_type": "gptj",
-        "vocab_size": config.vocab_size, "n_positions": config.max_len, "n_embd": config.d_model,
-        "n_layer": config.n_layers, "n_head": config.n_heads, "rotary_dim": config.rotary_dim,
+        "architectures": ["GPTJForCausalLM"],
+        "model_type": "gptj",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.max_len,
+        "n_embd": config.d_model,
+        "n_layer": config.n_layers,
+        "n_head": config.n_heads,
+        "rotary_dim": config.rotary_dim,
         "n_inner": None if config.d_ff == 4 * config.d_model else config.d_ff,
-        "activation_function": "gelu_new", "layer_norm_epsilon": config.layer_norm_eps,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
-        "use_cache": True, "bos_token_id": eos, "eos_token_id": eos, "tie_word_embeddings": False,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": config.layer_norm_eps,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "tie_word_embeddings": False,
         "dtype": dtype_name(dtype),
     }
 
@@ -103,8 +135,10 @@ class _TorchFile:
         try:
             import torch
         except ImportError:
-            raise ConversionError(f"{path}: reading pytorch_model.bin needs torch (pip install torch==2.13.0), "
-                                  "or convert from safetensors") from None
+            raise ConversionError(
+                f"{path}: reading pytorch_model.bin needs torch (pip install torch==2.13.0), "
+                "or convert from safetensors"
+            ) from None
         try:
             self._tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:  # pre-zipfile serialisation cannot be memory-mapped
@@ -136,15 +170,20 @@ class HFCheckpoint:
     in it unless ``open`` is given another ``dtype``; its parameters are kept in float32.
     """
 
-    def __init__(self, directory: Path, model_config: ModelConfig, readers: dict[str, Callable[[], np.ndarray]],
-                 stored_dtype: str):
+    def __init__(
+        self,
+        directory: Path,
+        model_config: ModelConfig,
+        readers: dict[str, Callable[[], np.ndarray]],
+        stored_dtype: str,
+    ):
         self.directory = directory
         self.model_config = model_config
         self.stored_dtype = stored_dtype
         self._readers = readers
 
     @classmethod
-    def open(cls, src: str | os.PathLike, scan_layers: bool = True, dtype=None) -> "HFCheckpoint":
+    def open(cls, src: str | os.PathLike, scan_layers: bool = True, dtype=None) -> HFCheckpoint:
         directory = Path(os.fspath(src).removeprefix(HF_PREFIX))
         config_path = directory / "config.json"
         if not config_path.is_file():
@@ -176,18 +215,23 @@ class HFCheckpoint:
         expected = hf_names(model_config)
         missing = [n for n in expected if n not in shapes]
         if missing:
-            raise ConversionError(f"{directory}: {len(missing)} GPT-J tensor(s) missing from the weight files, "
-                                  f"e.g. {missing[:3]} (config.json says {model_config.n_layers} layers)")
+            raise ConversionError(
+                f"{directory}: {len(missing)} GPT-J tensor(s) missing from the weight files, "
+                f"e.g. {missing[:3]} (config.json says {model_config.n_layers} layers)"
+            )
         unexpected = sorted(set(shapes) - set(expected))
         unexpected = [n for n in unexpected if not n.endswith(IGNORED_HF_SUFFIXES)]
         if unexpected:
-            raise ConversionError(f"{where[unexpected[0]]}: unexpected tensor(s) for a {model_config.n_layers}-layer "
-                                  f"GPT-J: {unexpected[:3]}")
+            raise ConversionError(
+                f"{where[unexpected[0]]}: unexpected tensor(s) for a {model_config.n_layers}-layer "
+                f"GPT-J: {unexpected[:3]}"
+            )
         for name in expected:
             want = hf_shape(name, model_config)
             if shapes[name] != want:
-                raise ConversionError(f"{where[name]}: tensor {name!r} has shape {shapes[name]} but "
-                                      f"{config_path} implies {want}")
+                raise ConversionError(
+                    f"{where[name]}: tensor {name!r} has shape {shapes[name]} but {config_path} implies {want}"
+                )
         return cls(directory, model_config, {n: readers[n] for n in expected}, stored)
 
     def get(self, path: ParamPath) -> np.ndarray:
@@ -199,16 +243,19 @@ class HFCheckpoint:
 def _stored_dtype(raw: dict, tensor_dtype: str | None, where: Path, requested: str | None) -> str:
     """The precision a HF directory's weights are stored in (see :class:`HFCheckpoint`); where it is
     none GPT-J computes in, the ``requested`` compute dtype (an error if none was)."""
-    declared = next((raw[k] for k in ("dtype", "torch_dtype") if isinstance(raw.get(k), str) and raw[k] != "auto"),
-                    None)
+    declared = next(
+        (raw[k] for k in ("dtype", "torch_dtype") if isinstance(raw.get(k), str) and raw[k] != "auto"), None
+    )
     found = declared.removeprefix("torch.") if declared else tensor_dtype or "float32"
     try:
         return dtype_name(found)
     except ConfigError:
         if requested is not None:
             return requested
-        raise ConversionError(f"{where}: the weights are stored as {found}, which GPT-J does not compute in: "
-                              "give the dtype to compute in (float32, bfloat16 or float16)") from None
+        raise ConversionError(
+            f"{where}: the weights are stored as {found}, which GPT-J does not compute in: "
+            "give the dtype to compute in (float32, bfloat16 or float16)"
+        ) from None
 
 
 def _weight_files(directory: Path) -> list[tuple[Path, str]]:
@@ -228,16 +275,19 @@ def _weight_files(directory: Path) -> list[tuple[Path, str]]:
     for name, kind in ((safetensors_io.SINGLE_FILE, "safetensors"), ("pytorch_model.bin", "torch")):
         if (directory / name).is_file():
             return [(directory / name, kind)]
-    raise ConversionError(f"{directory}: no weights found (expected {safetensors_io.SINGLE_FILE}, "
-                          f"{safetensors_io.INDEX_FILE}, pytorch_model.bin or its index)")
+    raise ConversionError(
+        f"{directory}: no weights found (expected {safetensors_io.SINGLE_FILE}, "
+        f"{safetensors_io.INDEX_FILE}, pytorch_model.bin or its index)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Converters
 
 
-def from_hf(src: str | os.PathLike, out: str | os.PathLike, *, scan_layers: bool = True,
-            tokenizer: bool = True, dtype=None) -> Path:
+def from_hf(
+    src: str | os.PathLike, out: str | os.PathLike, *, scan_layers: bool = True, tokenizer: bool = True, dtype=None
+) -> Path:
     """HF GPT-J directory ``src`` → Orbax checkpoint ``out`` (step 0, float32 parameters, tokenizer carried).
 
     ``dtype``: the compute dtype the checkpoint's config records; default the precision ``src``'s
@@ -248,8 +298,13 @@ def from_hf(src: str | os.PathLike, out: str | os.PathLike, *, scan_layers: bool
     carry = _checked_tokenizer(hf.directory) if tokenizer else False
     config = Config(model=hf.model_config)
     with atomic_directory(out) as tmp:
-        write_checkpoint(tmp, 0, params=streamed_params(hf.get, config.model), config=config,
-                         meta={"converted_from": f"hf:{Path(src).resolve()}"})
+        write_checkpoint(
+            tmp,
+            0,
+            params=streamed_params(hf.get, config.model),
+            config=config,
+            meta={"converted_from": f"hf:{Path(src).resolve()}"},
+        )
         if carry:
             copy_tokenizer_files(hf.directory, tmp / checkpoint.TOKENIZER_DIR)
     return Path(out)
@@ -259,9 +314,12 @@ def _checked_tokenizer(directory: Path) -> bool:
     """Whether ``directory`` has tokenizer files to carry; files that do not load are refused."""
     names = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
     if not names:
-        log.warning("%s has no tokenizer files (%s): converting the weights alone. Give a tokenizer when "
-                    "loading (tokenizer=…) or training (train.tokenizer), or pass --no-tokenizer to say so.",
-                    directory, ", ".join(TOKENIZER_FILES[:3]))
+        log.warning(
+            "%s has no tokenizer files (%s): converting the weights alone. Give a tokenizer when "
+            "loading (tokenizer=…) or training (train.tokenizer), or pass --no-tokenizer to say so.",
+            directory,
+            ", ".join(TOKENIZER_FILES[:3]),
+        )
         return False
     from transformers import AutoTokenizer
 
@@ -269,28 +327,40 @@ def _checked_tokenizer(directory: Path) -> bool:
         AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise bare Exceptions for bad files
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConversionError(f"{directory}: its tokenizer files ({', '.join(names)}) do not load as a tokenizer "
-                              f"({reason}); fix or remove them, or pass --no-tokenizer to convert the weights "
-                              "alone") from None
+        raise ConversionError(
+            f"{directory}: its tokenizer files ({', '.join(names)}) do not load as a tokenizer "
+            f"({reason}); fix or remove them, or pass --no-tokenizer to convert the weights "
+            "alone"
+        ) from None
     return True
 
 
-def to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "float32",
-          max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
+def to_hf(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
     """Orbax checkpoint ``ckpt`` (run or step directory) → HF GPT-J directory ``out``, weights stored as ``dtype``."""
     stored = np.dtype(jnp_dtype(dtype))
     source = OrbaxParams.open(ckpt)
     config = source.config.model
     plan = [(name, hf_shape(name, config), stored) for name in hf_names(config)]
     with atomic_directory(out) as tmp:
-        with safetensors_io.ShardedWriter(tmp, plan, safetensors_io.parse_size(max_shard_size),
-                                          metadata={"format": "pt"}) as writer, \
-                progress(writer.total_bytes, "writing safetensors") as bar:
+        with (
+            safetensors_io.ShardedWriter(
+                tmp, plan, safetensors_io.parse_size(max_shard_size), metadata={"format": "pt"}
+            ) as writer,
+            progress(writer.total_bytes, "writing safetensors") as bar,
+        ):
             for path, shape in source.leaf_shapes().items():
                 array = source.read(path)
                 if array.shape != shape:
-                    raise ConversionError(f"{source.params_dir}: {'/'.join(path)} has shape {array.shape} but "
-                                          f"the checkpoint's config implies {shape}")
+                    raise ConversionError(
+                        f"{source.params_dir}: {'/'.join(path)} has shape {array.shape} but "
+                        f"the checkpoint's config implies {shape}"
+                    )
                 per_layer = layer_paths(path, config.n_layers)
                 pieces = [(path, array)] if per_layer is None else list(zip(per_layer, array))
                 for our_path, piece in pieces:
@@ -301,4 +371,3 @@ def to_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "floa
         tokenizer_dir = source.tokenizer_dir
         copy_tokenizer_files(Path(tokenizer_dir) if tokenizer_dir else None, tmp)
     return Path(out)
-

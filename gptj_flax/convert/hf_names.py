@@ -76,11 +76,21 @@ def hf_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
     d, f, v = config.d_model, config.d_ff, config.vocab_size
     suffix = name.split(".", 3)[-1] if name.startswith("transformer.h.") else name
     shapes = {
-        "transformer.wte.weight": (v, d), "transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,),
-        "lm_head.weight": (v, d), "lm_head.bias": (v,),
-        "ln_1.weight": (d,), "ln_1.bias": (d,), "attn.q_proj.weight": (d, d), "attn.k_proj.weight": (d, d),
-        "attn.v_proj.weight": (d, d), "attn.out_proj.weight": (d, d), "mlp.fc_in.weight": (f, d),
-        "mlp.fc_in.bias": (f,), "mlp.fc_out.weight": (d, f), "mlp.fc_out.bias": (d,),
+        "transformer.wte.weight": (v, d),
+        "transformer.ln_f.weight": (d,),
+        "transformer.ln_f.bias": (d,),
+        "lm_head.weight": (v, d),
+        "lm_head.bias": (v,),
+        "ln_1.weight": (d,),
+        "ln_1.bias": (d,),
+        "attn.q_proj.weight": (d, d),
+        "attn.k_proj.weight": (d, d),
+        "attn.v_proj.weight": (d, d),
+        "attn.out_proj.weight": (d, d),
+        "mlp.fc_in.weight": (f, d),
+        "mlp.fc_in.bias": (f,),
+        "mlp.fc_out.weight": (d, f),
+        "mlp.fc_out.bias": (d,),
     }
     param_path(name)  # rejects names that are not GPT-J parameters
     return shapes[suffix]

@@ -30,7 +30,7 @@ def parse_init_spec(spec: str) -> tuple[str, str]:
     """``hf:DIR`` → ("hf", DIR), ``legacy:DIR`` → ("legacy", DIR), anything else → ("orbax", spec)."""
     for kind in ("hf", "legacy"):
         if spec.startswith(f"{kind}:"):
-            location = spec[len(kind) + 1:]
+            location = spec[len(kind) + 1 :]
             if not location:
                 raise ConversionError(f"--init-from {spec!r}: give a directory after '{kind}:'")
             return kind, location
@@ -39,8 +39,11 @@ def parse_init_spec(spec: str) -> tuple[str, str]:
 
 def check_architecture(source: ModelConfig, wanted: ModelConfig, where: str) -> None:
     """Refuse a source whose shapes differ from the run's config, naming every difference."""
-    diffs = [f"{name}: {getattr(source, name)} there, {getattr(wanted, name)} in the config"
-             for name in ARCHITECTURE_FIELDS if getattr(source, name) != getattr(wanted, name)]
+    diffs = [
+        f"{name}: {getattr(source, name)} there, {getattr(wanted, name)} in the config"
+        for name in ARCHITECTURE_FIELDS
+        if getattr(source, name) != getattr(wanted, name)
+    ]
     if diffs:
         raise ConversionError(f"{where} does not fit the model config: " + "; ".join(diffs))
 
@@ -100,15 +103,18 @@ def load_init_opt_state(spec: str, config: Config, mesh: Mesh, target, legacy_sh
     if stored.config.model.scan_layers != config.model.scan_layers:
         raise ConversionError(
             f"{location}: its optimiser state was saved with scan_layers={stored.config.model.scan_layers}; "
-            f"set model.scan_layers={stored.config.model.scan_layers} to carry it, or start a fresh optimiser")
+            f"set model.scan_layers={stored.config.model.scan_layers} to carry it, or start a fresh optimiser"
+        )
     ckpt = checkpoint.Checkpointer(stored.directory, read_only=True)
     try:
         return ckpt.restore_item(stored.step, "opt_state", target)
     except checkpoint.CheckpointCorrupted:
         raise
     except checkpoint.CheckpointError as e:
-        raise ConversionError(f"{location}: its optimiser state does not fit this run's optimiser "
-                              f"(a different optimiser or frozen parameters?), or start a fresh one: {e}") from None
+        raise ConversionError(
+            f"{location}: its optimiser state does not fit this run's optimiser "
+            f"(a different optimiser or frozen parameters?), or start a fresh one: {e}"
+        ) from None
     finally:
         ckpt.close()
 
@@ -140,13 +146,15 @@ def insert_adam_moments(opt_state, mu, nu, count):
         if not _is_adam(node):
             return node
         found.append(node)
-        return optax.ScaleByAdamState(count=_like(jnp.asarray(count), node.count),
-                                      mu=_fill(node.mu, mu, "mu"), nu=_fill(node.nu, nu, "nu"))
+        return optax.ScaleByAdamState(
+            count=_like(jnp.asarray(count), node.count), mu=_fill(node.mu, mu, "mu"), nu=_fill(node.nu, nu, "nu")
+        )
 
     new_state = jax.tree.map(replace, opt_state, is_leaf=_is_adam)
     if len(found) != 1:
-        raise ValueError(f"insert_adam_moments: the optimiser state holds {len(found)} ScaleByAdamState nodes; "
-                         "expected exactly one")
+        raise ValueError(
+            f"insert_adam_moments: the optimiser state holds {len(found)} ScaleByAdamState nodes; expected exactly one"
+        )
     return new_state
 
 
@@ -158,8 +166,9 @@ def _fill(old, new, name: str):
         if isinstance(leaf, optax.MaskedNode):
             return leaf
         if path not in values:
-            raise ValueError(f"insert_adam_moments: {name} has no {jax.tree_util.keystr(path)} "
-                             "(scanned vs unrolled layers?)")
+            raise ValueError(
+                f"insert_adam_moments: {name} has no {jax.tree_util.keystr(path)} (scanned vs unrolled layers?)"
+            )
         return _like(values[path], leaf)
 
     return jax.tree_util.tree_map_with_path(take, old, is_leaf=lambda x: isinstance(x, optax.MaskedNode))

@@ -111,7 +111,7 @@ def place_on_mesh(streamed: dict, target: dict, desc: str = "placing params") ->
         for path, leaf in flat_streamed.items():
             spec = flat_target[path]
             array = leaf.materialize().astype(spec.dtype, copy=False)
-            placed[path] = jax.make_array_from_callback(spec.shape, spec.sharding, lambda index: array[index])
+            placed[path] = jax.make_array_from_callback(spec.shape, spec.sharding, lambda index, a=array: a[index])
             del array
             bar.update(leaf.nbytes)
     return traverse_util.unflatten_dict(placed)

@@ -92,14 +92,20 @@ def legacy_params(config: ModelConfig, shards: int) -> list[LegacyParam]:
 
 # Our unrolled path → the legacy parameter it comes from (the embedding table is special: w + Σb).
 _PER_LAYER = {
-    ("attn", "q_proj"): "linear/w", ("attn", "v_proj"): "linear_1/w", ("attn", "k_proj"): "linear_2/w",
-    ("attn", "out_proj"): "linear_3/w", ("mlp", "fc_in", "kernel"): "linear_4/w",
-    ("mlp", "fc_in", "bias"): "linear_4/b", ("mlp", "fc_out", "kernel"): "linear_5/w",
-    ("mlp", "fc_out", "bias"): "linear_5/b", ("ln_1", "scale"): "replicated_layer_norm/scale",
+    ("attn", "q_proj"): "linear/w",
+    ("attn", "v_proj"): "linear_1/w",
+    ("attn", "k_proj"): "linear_2/w",
+    ("attn", "out_proj"): "linear_3/w",
+    ("mlp", "fc_in", "kernel"): "linear_4/w",
+    ("mlp", "fc_in", "bias"): "linear_4/b",
+    ("mlp", "fc_out", "kernel"): "linear_5/w",
+    ("mlp", "fc_out", "bias"): "linear_5/b",
+    ("ln_1", "scale"): "replicated_layer_norm/scale",
     ("ln_1", "bias"): "replicated_layer_norm/offset",
 }
 _TOP = {
-    ("lm_head", "kernel"): "projection_shard/~/linear/w", ("lm_head", "bias"): "projection_shard/~/linear/b",
+    ("lm_head", "kernel"): "projection_shard/~/linear/w",
+    ("lm_head", "bias"): "projection_shard/~/linear/b",
     ("ln_f", "scale"): "projection_shard/~/replicated_layer_norm/scale",
     ("ln_f", "bias"): "projection_shard/~/replicated_layer_norm/offset",
 }
@@ -147,11 +153,15 @@ class LegacyCheckpoint:
         self.shards = self._count_shards(shards)
         for name, value in (("n_heads", config.n_heads), ("d_ff", config.d_ff), ("vocab_size", config.vocab_size)):
             if value % self.shards:
-                raise ConversionError(f"{self.step_dir}: model.{name}={value} is not divisible by its "
-                                      f"{self.shards} shards: the config does not fit this checkpoint")
+                raise ConversionError(
+                    f"{self.step_dir}: model.{name}={value} is not divisible by its "
+                    f"{self.shards} shards: the config does not fit this checkpoint"
+                )
         if config.d_ff != 4 * config.d_model:
-            raise ConversionError(f"{self.step_dir}: the original model always has d_ff = 4·d_model, "
-                                  f"but the config says d_ff={config.d_ff}, d_model={config.d_model}")
+            raise ConversionError(
+                f"{self.step_dir}: the original model always has d_ff = 4·d_model, "
+                f"but the config says d_ff={config.d_ff}, d_model={config.d_model}"
+            )
         self.params = {p.key: p for p in legacy_params(config, self.shards)}
         n_params = len(self.params)
         self._npz: dict[Path, np.lib.npyio.NpzFile] = {}
@@ -171,10 +181,13 @@ class LegacyCheckpoint:
                     raise ConversionError(
                         f"{self.step_dir / 'shard_0'}: holds {len(members)} arrays, but a {config.n_layers}-layer "
                         f"GPT-J checkpoint holds {n_params + 1} (slim) or {3 * n_params + 3} (with optimiser "
-                        "state): is the config the one this checkpoint was trained with?")
+                        "state): is the config the one this checkpoint was trained with?"
+                    )
             elif len(members) != len(self._where[0]):
-                raise ConversionError(f"{self.step_dir / f'shard_{shard}'}: holds {len(members)} arrays but "
-                                      f"shard_0 holds {len(self._where[0])}")
+                raise ConversionError(
+                    f"{self.step_dir / f'shard_{shard}'}: holds {len(members)} arrays but "
+                    f"shard_0 holds {len(self._where[0])}"
+                )
             self._where.append(members)
         self._leaves = self._leaf_names()
         self._check_headers()
@@ -191,8 +204,9 @@ class LegacyCheckpoint:
             missing = min(set(range(max(found) + 1)) - set(found))
             raise ConversionError(f"{self.step_dir / f'shard_{missing}'}: missing (found shards {found})")
         if expected is not None and expected != len(found):
-            raise ConversionError(f"{self.step_dir}: has {len(found)} shard directories but the config's "
-                                  f"cores_per_replica is {expected}")
+            raise ConversionError(
+                f"{self.step_dir}: has {len(found)} shard directories but the config's cores_per_replica is {expected}"
+            )
         return len(found)
 
     def _list_members(self, shard: int) -> list[tuple[Path, str]]:
@@ -209,21 +223,30 @@ class LegacyCheckpoint:
                 raise ConversionError(f"{path}: not a readable .npz (truncated or corrupt): {e}") from None
             count = len(names)
             if names != {f"arr_{j}.npy" for j in range(count)}:
-                raise ConversionError(f"{path}: members {sorted(names)[:4]}… are not np.savez's arr_0 … arr_{count - 1}")
+                raise ConversionError(
+                    f"{path}: members {sorted(names)[:4]}… are not np.savez's arr_0 … arr_{count - 1}"
+                )
             per_piece.append([(path, f"arr_{j}.npy") for j in range(count)])
         total = sum(len(p) for p in per_piece)
         for piece, (members, want) in enumerate(zip(per_piece, _split_sizes(total))):
             if len(members) != want:
-                raise ConversionError(f"{self.step_dir / f'shard_{shard}' / f'{piece}.npz'}: holds {len(members)} "
-                                      f"arrays, but the {total} leaves of this shard cut into {PIECES} pieces "
-                                      f"put {want} here")
+                raise ConversionError(
+                    f"{self.step_dir / f'shard_{shard}' / f'{piece}.npz'}: holds {len(members)} "
+                    f"arrays, but the {total} leaves of this shard cut into {PIECES} pieces "
+                    f"put {want} here"
+                )
         return [m for members in per_piece for m in members]
 
     def _leaf_names(self) -> list[str]:
         names = [f"params/{key}" for key in self.params]
         if self.full:  # optax chain state: Adam (count, mu, nu), then the schedule's count
-            names = (["opt_state/adam_count"] + [f"opt_state/mu/{k}" for k in self.params]
-                     + [f"opt_state/nu/{k}" for k in self.params] + ["opt_state/schedule_count"] + names)
+            names = (
+                ["opt_state/adam_count"]
+                + [f"opt_state/mu/{k}" for k in self.params]
+                + [f"opt_state/nu/{k}" for k in self.params]
+                + ["opt_state/schedule_count"]
+                + names
+            )
         return names + ["step"]
 
     def _expected(self, leaf: str) -> tuple[tuple[int, ...], tuple[np.dtype, ...] | None]:
@@ -234,9 +257,11 @@ class LegacyCheckpoint:
 
     def _check_headers(self) -> None:
         stored: set[str] = set()
-        desc = (f"config (n_layers={self.config.n_layers}, d_model={self.config.d_model}, "
-                f"vocab_size={self.config.vocab_size}) on {self.shards} shards")
-        for shard, members in enumerate(self._where):
+        desc = (
+            f"config (n_layers={self.config.n_layers}, d_model={self.config.d_model}, "
+            f"vocab_size={self.config.vocab_size}) on {self.shards} shards"
+        )
+        for members in self._where:
             open_zips: dict[Path, zipfile.ZipFile] = {}
             try:
                 for leaf, (path, member) in zip(self._leaves, members):
@@ -248,8 +273,9 @@ class LegacyCheckpoint:
                         raise ConversionError(f"{path} {member[:-4]} ({leaf}): unreadable array header: {e}") from None
                     want_shape, want_dtypes = self._expected(leaf)
                     if shape != want_shape:
-                        raise ConversionError(f"{path} {member[:-4]} ({leaf}): shape {shape}, but the {desc} "
-                                              f"expects {want_shape}")
+                        raise ConversionError(
+                            f"{path} {member[:-4]} ({leaf}): shape {shape}, but the {desc} expects {want_shape}"
+                        )
                     ok = np.issubdtype(dtype, np.integer) if want_dtypes is None else dtype in want_dtypes
                     if not ok:
                         raise ConversionError(f"{path} {member[:-4]} ({leaf}): unexpected dtype {dtype}")
@@ -259,8 +285,10 @@ class LegacyCheckpoint:
                 for z in open_zips.values():
                     z.close()
         if len(stored) != 1:
-            raise ConversionError(f"{self.step_dir}: its parameters are stored in several dtypes ({sorted(stored)}); "
-                                  "a mesh-transformer-jax checkpoint stores all of them in one")
+            raise ConversionError(
+                f"{self.step_dir}: its parameters are stored in several dtypes ({sorted(stored)}); "
+                "a mesh-transformer-jax checkpoint stores all of them in one"
+            )
         self.stored_dtype = stored.pop()
 
     # -- reading ---------------------------------------------------------------------------
@@ -329,8 +357,9 @@ class LegacyCheckpoint:
         practice). ``wte`` takes the embedding weight's moments; the folded embedding bias has none.
         """
         if not self.full:
-            raise ConversionError(f"{self.step_dir}: a slim checkpoint (no optimiser state); "
-                                  "Adam moments need the full checkpoint")
+            raise ConversionError(
+                f"{self.step_dir}: a slim checkpoint (no optimiser state); Adam moments need the full checkpoint"
+            )
         key = legacy_key(path)
         dense = self._dense(f"opt_state/{which}/{key}", self.params[key].assemble, mean_of_sums=True)
         return self._to_ours(path, dense)
@@ -345,7 +374,7 @@ class LegacyCheckpoint:
             npz.close()
         self._npz.clear()
 
-    def __enter__(self) -> "LegacyCheckpoint":
+    def __enter__(self) -> LegacyCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -366,8 +395,15 @@ def config_for_legacy(config_path: str | os.PathLike) -> tuple[Config, int | Non
     return config, (raw.get("cores_per_replica") if is_legacy(raw) else None)
 
 
-def from_legacy(step_dir: str | os.PathLike, out: str | os.PathLike, config: Config,
-                shards: int | None = None, *, dtype=None, opt_init: Callable | None = None) -> Path:
+def from_legacy(
+    step_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    config: Config,
+    shards: int | None = None,
+    *,
+    dtype=None,
+    opt_init: Callable | None = None,
+) -> Path:
     """Legacy ``step_N`` directory → Orbax checkpoint ``out`` at the same step (params, float32).
 
     ``dtype``: the compute dtype the written config records; default the precision the
@@ -380,8 +416,14 @@ def from_legacy(step_dir: str | os.PathLike, out: str | os.PathLike, config: Con
         compute = legacy.stored_dtype if dtype is None else dtype_name(dtype)
         config = config.replace(model=dataclasses.replace(config.model, dtype=compute))
         opt_state = None if opt_init is None else _streamed_opt_state(legacy, config, opt_init)
-        write_checkpoint(tmp, legacy.step, params=streamed_params(legacy.get, config.model), config=config,
-                         opt_state=opt_state, meta={"converted_from": f"legacy:{Path(step_dir).resolve()}"})
+        write_checkpoint(
+            tmp,
+            legacy.step,
+            params=streamed_params(legacy.get, config.model),
+            config=config,
+            opt_state=opt_state,
+            meta={"converted_from": f"legacy:{Path(step_dir).resolve()}"},
+        )
     return Path(out)
 
 
@@ -402,7 +444,8 @@ def _streamed_opt_state(legacy: LegacyCheckpoint, config: Config, opt_init: Call
             return optax.ScaleByAdamState(
                 count=StreamedArray(node.count.shape, node.count.dtype, lambda: np.asarray(count), name="adam/count"),
                 mu=streamed_params(lambda path: legacy.moment("mu", path), config.model, _dtype_of(node.mu)),
-                nu=streamed_params(lambda path: legacy.moment("nu", path), config.model, _dtype_of(node.nu)))
+                nu=streamed_params(lambda path: legacy.moment("nu", path), config.model, _dtype_of(node.nu)),
+            )
         return StreamedArray(node.shape, node.dtype, lambda: np.zeros(node.shape, node.dtype))
 
     return jax.tree.map(stream, abstract, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
@@ -422,8 +465,9 @@ class LegacyAdamState:
     nu: dict
 
 
-def load_legacy_opt_state(step_dir: str | os.PathLike, config: Config, mesh: Mesh,
-                          shards: int | None = None) -> LegacyAdamState:
+def load_legacy_opt_state(
+    step_dir: str | os.PathLike, config: Config, mesh: Mesh, shards: int | None = None
+) -> LegacyAdamState:
     """Adam's count, ``mu`` and ``nu`` from a full legacy checkpoint, laid out and sharded like the
     params of ``config`` on ``mesh`` (scanned or unrolled per ``config.model.scan_layers``).
 
@@ -435,8 +479,10 @@ def load_legacy_opt_state(step_dir: str | os.PathLike, config: Config, mesh: Mes
         count = jnp.asarray(legacy.adam_count(), jnp.int32)
         moments = {
             which: place_on_mesh(
-                streamed_params(lambda path, w=which: legacy.moment(w, path), config.model, np.float32), target,
-                desc=f"Adam {which}")
+                streamed_params(lambda path, w=which: legacy.moment(w, path), config.model, np.float32),
+                target,
+                desc=f"Adam {which}",
+            )
             for which in ("mu", "nu")
         }
     return LegacyAdamState(count=count, mu=moments["mu"], nu=moments["nu"])

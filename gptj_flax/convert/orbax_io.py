@@ -95,21 +95,32 @@ class _StreamedArrayHandler(type_handlers.NumpyHandler):
                     del array
                     bar.update(value.nbytes)
 
-        return [self._control.started(
-            future.CommitFutureAwaitingContractedSignals(write_one_by_one(), name="streamed_array_writer"))]
+        return [
+            self._control.started(
+                future.CommitFutureAwaitingContractedSignals(write_one_by_one(), name="streamed_array_writer")
+            )
+        ]
 
 
 def _tree_handler(desc: str, control: _WriteControl) -> ocp.PyTreeCheckpointHandler:
     # A private registry: the process-wide one stays untouched for training's own saves.
     registry = type_handlers.create_type_handler_registry(
-        (StreamedArray, _StreamedArrayHandler(desc, control)), (jax.Array, type_handlers.get_type_handler(jax.Array)))
+        (StreamedArray, _StreamedArrayHandler(desc, control)), (jax.Array, type_handlers.get_type_handler(jax.Array))
+    )
     # No zstd: it buffers a compressed copy of each array (measured: +1× the leaf, and memory kept
     # after the save) to gain a few percent on weights, which are close to incompressible noise.
     return checkpoint.array_tree_handler(type_handler_registry=registry, use_compression=False)
 
 
-def write_checkpoint(directory: str | os.PathLike, step: int, *, params: dict, config: Config,
-                     meta: Mapping[str, Any] | None = None, opt_state: Any = None) -> None:
+def write_checkpoint(
+    directory: str | os.PathLike,
+    step: int,
+    *,
+    params: dict,
+    config: Config,
+    meta: Mapping[str, Any] | None = None,
+    opt_state: Any = None,
+) -> None:
     """Write one checkpoint step in :mod:`gptj_flax.checkpoint`'s layout from streamed trees.
 
     ``params`` (and ``opt_state``, if given) have :class:`StreamedArray` leaves; every chunk gets
@@ -117,12 +128,16 @@ def write_checkpoint(directory: str | os.PathLike, step: int, *, params: dict, c
     writer has stopped before this returns, so the caller may remove the directory.
     """
     control = _WriteControl()
-    handlers = {"params": _tree_handler("params", control), "meta": ocp.JsonCheckpointHandler(),
-                "config": ocp.JsonCheckpointHandler()}
+    handlers = {
+        "params": _tree_handler("params", control),
+        "meta": ocp.JsonCheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler(),
+    }
     items = {
         "params": ocp.args.PyTreeSave(params),
-        "meta": ocp.args.JsonSave({"step": int(step), **(meta or {}),
-                                   checkpoint.INTEGRITY_KEY: checkpoint.CHUNK_CHECKSUMS}),
+        "meta": ocp.args.JsonSave(
+            {"step": int(step), **(meta or {}), checkpoint.INTEGRITY_KEY: checkpoint.CHUNK_CHECKSUMS}
+        ),
         "config": ocp.args.JsonSave(config.to_dict()),
     }
     if opt_state is not None:
@@ -153,7 +168,7 @@ class OrbaxParams:
     steps: list[int] = dataclasses.field(default_factory=list)  # every step of the run directory
 
     @classmethod
-    def open(cls, path: str | os.PathLike, step: int | None = None) -> "OrbaxParams":
+    def open(cls, path: str | os.PathLike, step: int | None = None) -> OrbaxParams:
         """``path`` is a run directory (latest step unless ``step``) or a step directory."""
         directory, path_step = checkpoint.split_step_path(path)
         ckpt = checkpoint.Checkpointer(directory, read_only=True)

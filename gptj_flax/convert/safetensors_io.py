@@ -23,9 +23,16 @@ import numpy as np
 from gptj_flax.convert.common import ConversionError
 
 SAFETENSORS_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(jnp.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(jnp.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
 }
 _SAFETENSORS_CODES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
@@ -59,8 +66,10 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             raise ConversionError(f"{path}: truncated ({size} bytes): no safetensors header")
         header_len = int.from_bytes(raw, "little")
         if header_len > min(size - 8, _MAX_HEADER_BYTES):
-            raise ConversionError(f"{path}: header length {header_len} does not fit the file ({size} bytes): "
-                                  "truncated or not a safetensors file")
+            raise ConversionError(
+                f"{path}: header length {header_len} does not fit the file ({size} bytes): "
+                "truncated or not a safetensors file"
+            )
         try:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -72,14 +81,19 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             continue
         if entry.get("dtype") not in SAFETENSORS_DTYPES:
             raise ConversionError(f"{path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
-        info = TensorInfo(path, name, SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), data_start + entry["data_offsets"][0])
+        info = TensorInfo(
+            path, name, SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), data_start + entry["data_offsets"][0]
+        )
         begin, end = entry["data_offsets"]
         if end - begin != info.nbytes:
-            raise ConversionError(f"{path}: tensor {name!r} of shape {info.shape} {entry['dtype']} needs "
-                                  f"{info.nbytes} bytes but its byte range holds {end - begin}")
+            raise ConversionError(
+                f"{path}: tensor {name!r} of shape {info.shape} {entry['dtype']} needs "
+                f"{info.nbytes} bytes but its byte range holds {end - begin}"
+            )
         if data_start + end > size:
-            raise ConversionError(f"{path}: truncated: tensor {name!r} ends at byte {data_start + end} "
-                                  f"but the file has {size} bytes")
+            raise ConversionError(
+                f"{path}: truncated: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes"
+            )
         infos[name] = info
     return infos
 
@@ -124,8 +138,13 @@ class ShardedWriter:
     the tensor being written. :meth:`close` fails if any planned tensor was never written.
     """
 
-    def __init__(self, directory: str | os.PathLike, plan: Sequence[tuple[str, tuple[int, ...], np.dtype]],
-                 max_shard_bytes: int, metadata: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        plan: Sequence[tuple[str, tuple[int, ...], np.dtype]],
+        max_shard_bytes: int,
+        metadata: Mapping[str, str] | None = None,
+    ):
         self.directory = Path(directory)
         groups: list[list[tuple[str, tuple[int, ...], np.dtype]]] = [[]]
         group_bytes = 0
@@ -145,7 +164,11 @@ class ShardedWriter:
             header, cursor = {"__metadata__": dict(metadata or {})}, 0
             for name, shape, dtype in group:
                 nbytes = math.prod(shape) * dtype.itemsize
-                header[name] = {"dtype": _SAFETENSORS_CODES[dtype], "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
+                header[name] = {
+                    "dtype": _SAFETENSORS_CODES[dtype],
+                    "shape": list(shape),
+                    "data_offsets": [cursor, cursor + nbytes],
+                }
                 cursor += nbytes
             encoded = json.dumps(header, separators=(",", ":")).encode()
             encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as the reference writer does
@@ -159,7 +182,7 @@ class ShardedWriter:
             self.total_bytes += cursor
         self._written: set[str] = set()
 
-    def __enter__(self) -> "ShardedWriter":
+    def __enter__(self) -> ShardedWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

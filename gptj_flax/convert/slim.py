@@ -30,14 +30,21 @@ def slim(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "bfloa
     if dtype not in SLIM_DTYPES:
         raise ConversionError(f"dtype {dtype!r}: a slim checkpoint stores bfloat16 or float16")
     source = OrbaxParams.open(ckpt)
-    params = traverse_util.unflatten_dict({
-        path: StreamedArray(shape, SLIM_DTYPES[dtype], lambda path=path: source.read(path), name="/".join(path))
-        for path, shape in source.leaf_shapes().items()
-    })
+    params = traverse_util.unflatten_dict(
+        {
+            path: StreamedArray(shape, SLIM_DTYPES[dtype], lambda path=path: source.read(path), name="/".join(path))
+            for path, shape in source.leaf_shapes().items()
+        }
+    )
     meta = {k: v for k, v in source.meta.items() if k != "step"}
     with atomic_directory(out) as tmp:
-        write_checkpoint(tmp, source.step, params=params, config=source.config,
-                         meta={**meta, "slimmed_from": str(Path(str(source.directory)).resolve()), "slim_dtype": dtype})
+        write_checkpoint(
+            tmp,
+            source.step,
+            params=params,
+            config=source.config,
+            meta={**meta, "slimmed_from": str(Path(str(source.directory)).resolve()), "slim_dtype": dtype},
+        )
         tokenizer = source.tokenizer_dir
         copy_tokenizer_files(Path(str(tokenizer)) if tokenizer else None, tmp / checkpoint.TOKENIZER_DIR)
     return Path(out)

@@ -34,8 +34,24 @@ from gptj_flax.data.tokenizer import (
 )
 
 __all__ = [
-    "Batch", "CreateResult", "DataError", "DataIterator", "DataWarning", "EOS_TOKEN", "Source",
-    "create_tfrecords", "eos_token_id", "load_tokenizer", "make_batch",
-    "make_eval_batches", "make_eval_sets", "make_train_iterator", "open_source", "process_share",
-    "resolve_tokenizer", "save_tokenizer", "to_global_batch", "train_bpe_tokenizer",
+    "Batch",
+    "CreateResult",
+    "DataError",
+    "DataIterator",
+    "DataWarning",
+    "EOS_TOKEN",
+    "Source",
+    "create_tfrecords",
+    "eos_token_id",
+    "load_tokenizer",
+    "make_batch",
+    "make_eval_batches",
+    "make_eval_sets",
+    "make_train_iterator",
+    "open_source",
+    "process_share",
+    "resolve_tokenizer",
+    "save_tokenizer",
+    "to_global_batch",
+    "train_bpe_tokenizer",
 ]

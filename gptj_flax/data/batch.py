@@ -76,8 +76,12 @@ def process_share(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]
     over a model-parallel axis) get the same share.
     """
     rows = global_shape[batch_axis]
-    held = sorted({index[batch_axis].indices(rows)[:2] for index in
-                   sharding.addressable_devices_indices_map(global_shape).values()})
+    held = sorted(
+        {
+            index[batch_axis].indices(rows)[:2]
+            for index in sharding.addressable_devices_indices_map(global_shape).values()
+        }
+    )
     first, end = held[0]
     for start, stop in held[1:]:
         if start > end:

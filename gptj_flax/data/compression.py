@@ -71,8 +71,10 @@ class DecompressedFile(io.RawIOBase):
             if block is None:
                 self._finished = True
                 if self._total == 0 and self.compression is not None:
-                    raise DataError(f"{self.path}: empty: {_a(self.compression)} file that decompresses to 0 bytes, "
-                                    f"so there is nothing to read; remove it or recompress the data")
+                    raise DataError(
+                        f"{self.path}: empty: {_a(self.compression)} file that decompresses to 0 bytes, "
+                        f"so there is nothing to read; remove it or recompress the data"
+                    )
                 return 0
             self._pending = memoryview(block)
             self._total += len(block)
@@ -88,11 +90,13 @@ class DecompressedFile(io.RawIOBase):
             raise DataError(
                 f"{self.path}: truncated: the {self.compression} data stops before its end marker, after "
                 f"{self._total:,} bytes of content; the rest is missing (an interrupted download or copy?). "
-                f"Fetch or recompress the file") from None
+                f"Fetch or recompress the file"
+            ) from None
         except _DECOMPRESSION_ERRORS as e:
             what = f"corrupt {self.compression} data" if self.compression else "cannot read"
-            raise DataError(f"{self.path}: {what} after {self._total:,} bytes of content ({e}); "
-                            f"fetch or recompress the file") from None
+            raise DataError(
+                f"{self.path}: {what} after {self._total:,} bytes of content ({e}); fetch or recompress the file"
+            ) from None
 
     def close(self) -> None:
         if not self.closed:
@@ -117,11 +121,15 @@ def open_decompressed(path: str | os.PathLike, *, buffer_size: int = io.DEFAULT_
         detected = next((name for magic, name in MAGIC if head.startswith(magic)), None)
         claimed = claimed_format(path)
         if claimed and not head:
-            raise DataError(f"{path}: empty (0 bytes): named like {_a(claimed)} file but holds nothing, not even "
-                            f"its header (an interrupted download or copy?); fetch or recompress the file")
+            raise DataError(
+                f"{path}: empty (0 bytes): named like {_a(claimed)} file but holds nothing, not even "
+                f"its header (an interrupted download or copy?); fetch or recompress the file"
+            )
         if claimed and detected is None:
-            raise DataError(f"{path}: named like {_a(claimed)} file but is not {claimed}-compressed "
-                            f"(it starts with {head!r}); rename it or recompress it")
+            raise DataError(
+                f"{path}: named like {_a(claimed)} file but is not {claimed}-compressed "
+                f"(it starts with {head!r}); rename it or recompress it"
+            )
     except OSError as e:
         raw.close()
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None

@@ -48,17 +48,31 @@ class CreateResult:
 
 
 def create_tfrecords(
-    inputs: str | os.PathLike | Sequence[str | os.PathLike], output_dir: str | os.PathLike, *, name: str = "data",
-    tokenizer="gpt2", seq_len: int = 2048, normalize_with_ftfy: bool = False, min_unique_tokens: int = 0,
-    seed: int = 10, preserve_data_order: bool = False, n_repack_epochs: int = 1, sequences_per_file: int = 10_000,
-    jsonl_key: str = "text", progress: bool = True,
+    inputs: str | os.PathLike | Sequence[str | os.PathLike],
+    output_dir: str | os.PathLike,
+    *,
+    name: str = "data",
+    tokenizer="gpt2",
+    seq_len: int = 2048,
+    normalize_with_ftfy: bool = False,
+    min_unique_tokens: int = 0,
+    seed: int = 10,
+    preserve_data_order: bool = False,
+    n_repack_epochs: int = 1,
+    sequences_per_file: int = 10_000,
+    jsonl_key: str = "text",
+    progress: bool = True,
 ) -> CreateResult:
     """Tokenise the text of ``inputs`` into ``output_dir/NAME.index`` + TFRecord files + ``NAME.meta.json``."""
     from tqdm.auto import tqdm
 
-    for label, value, low in (("seq_len", seq_len, 1), ("min_unique_tokens", min_unique_tokens, 0),
-                              ("n_repack_epochs", n_repack_epochs, 1), ("sequences_per_file", sequences_per_file, 1),
-                              ("seed", seed, 0)):
+    for label, value, low in (
+        ("seq_len", seq_len, 1),
+        ("min_unique_tokens", min_unique_tokens, 0),
+        ("n_repack_epochs", n_repack_epochs, 1),
+        ("sequences_per_file", sequences_per_file, 1),
+        ("seed", seed, 0),
+    ):
         if not isinstance(value, int) or value < low:
             raise DataError(f"{label} must be an integer >= {low}, got {value!r}")
     files = text_io.readable_text_files(inputs)
@@ -93,7 +107,9 @@ def create_tfrecords(
     if total < width:
         warnings.warn(
             f"the corpus has {total} tokens, fewer than one sequence of seq_len + 1 = {width}: writing a single "
-            f"record padded with EOS (its real length is in the 'length' feature)", DataWarning, stacklevel=2,
+            f"record padded with EOS (its real length is in the 'length' feature)",
+            DataWarning,
+            stacklevel=2,
         )
     counts = [min(sequences_per_file, n_sequences - i) for i in range(0, n_sequences, sequences_per_file)]
     os.makedirs(output_dir, exist_ok=True)
@@ -109,12 +125,12 @@ def create_tfrecords(
         for _ in range(n_repack_epochs):
             order = np.arange(len(lengths)) if preserve_data_order else rng.permutation(len(lengths))
             for first in range(0, len(order), WRITE_CHUNK_DOCUMENTS):
-                picked = order[first:first + WRITE_CHUNK_DOCUMENTS]
-                stream = np.concatenate([carry, *(tokens[s:s + n] for s, n in zip(starts[picked], lengths[picked]))])
+                picked = order[first : first + WRITE_CHUNK_DOCUMENTS]
+                stream = np.concatenate([carry, *(tokens[s : s + n] for s, n in zip(starts[picked], lengths[picked]))])
                 full = stream.size // width
-                for row in stream[:full * width].reshape(full, width):
+                for row in stream[: full * width].reshape(full, width):
                     writer.write(tfrecord.serialize_example(row))
-                carry = stream[full * width:]
+                carry = stream[full * width :]
                 bar.update(full)
                 bar.set_postfix(tokens_per_s=f"{bar.n * width / max(time.perf_counter() - write_start, 1e-9):,.0f}")
         padding = 0
@@ -131,10 +147,22 @@ def create_tfrecords(
     if padding:
         runs[-1] = [r for r in ((width, width, counts[-1] - 1), (width, width - padding, 1)) if r[2]]
     meta_path = tfrecord.write_index(
-        index_path, paths, runs, seq_len=seq_len, eos_id=eos, tokenizer=getattr(tokenizer, "name_or_path", "") or "",
-        documents=len(lengths), dropped_documents=dropped, tokens=int(total), sequences=n_sequences,
-        padding_tokens=padding, n_repack_epochs=n_repack_epochs, seed=seed, preserve_data_order=preserve_data_order,
-        normalize_with_ftfy=normalize_with_ftfy, min_unique_tokens=min_unique_tokens,
+        index_path,
+        paths,
+        runs,
+        seq_len=seq_len,
+        eos_id=eos,
+        tokenizer=getattr(tokenizer, "name_or_path", "") or "",
+        documents=len(lengths),
+        dropped_documents=dropped,
+        tokens=int(total),
+        sequences=n_sequences,
+        padding_tokens=padding,
+        n_repack_epochs=n_repack_epochs,
+        seed=seed,
+        preserve_data_order=preserve_data_order,
+        normalize_with_ftfy=normalize_with_ftfy,
+        min_unique_tokens=min_unique_tokens,
     )
     return CreateResult(index_path, meta_path, tuple(paths), len(lengths), dropped, int(total), n_sequences, padding)
 
@@ -142,7 +170,7 @@ def create_tfrecords(
 def _drop_repetitive(ids: np.ndarray, lengths: np.ndarray, min_unique: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Remove documents with fewer than ``min_unique`` distinct token ids (their EOS not counted)."""
     ends = np.cumsum(lengths)
-    keep = np.array([np.unique(ids[e - n:e - 1]).size >= min_unique for e, n in zip(ends, lengths)], dtype=bool)
+    keep = np.array([np.unique(ids[e - n : e - 1]).size >= min_unique for e, n in zip(ends, lengths)], dtype=bool)
     if keep.all():
         return ids, lengths, 0
     return ids[np.repeat(keep, lengths)], lengths[keep], int((~keep).sum())

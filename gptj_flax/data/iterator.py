@@ -76,8 +76,9 @@ def shard_permutation(num_shards: int, seed: int, epoch: int) -> np.ndarray:
 class _Lane:
     """One row of every global batch: a contiguous stretch of the epoch order, shuffled in blocks."""
 
-    def __init__(self, order: EpochOrder, *, lane: int, length: int, block_size: int, seed: int, epoch: int,
-                 first_item: int):
+    def __init__(
+        self, order: EpochOrder, *, lane: int, length: int, block_size: int, seed: int, epoch: int, first_item: int
+    ):
         self._rng_key = (seed, epoch, 1, lane)
         self._length = length
         self._block_size = block_size
@@ -128,8 +129,8 @@ class _Lane:
         while filled < count:
             tokens, lengths = self._blocks[0]
             k = min(count - filled, len(tokens) - self._cursor)
-            tokens_out[filled:filled + k] = tokens[self._cursor:self._cursor + k]
-            lengths_out[filled:filled + k] = lengths[self._cursor:self._cursor + k]
+            tokens_out[filled : filled + k] = tokens[self._cursor : self._cursor + k]
+            lengths_out[filled : filled + k] = lengths[self._cursor : self._cursor + k]
             self._cursor += k
             filled += k
             if self._cursor == len(tokens):
@@ -160,11 +161,23 @@ class DataIterator:
     position to store with a checkpoint.
     """
 
-    def __init__(self, source: Source, *, batch_size: int, grad_accum: int | None = None, seed: int = 0,
-                 shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER, process_index: int = 0, process_count: int = 1,
-                 state: Mapping | None = None):
-        for name, value in (("batch_size", batch_size), ("shuffle_buffer", shuffle_buffer),
-                            ("process_count", process_count)):
+    def __init__(
+        self,
+        source: Source,
+        *,
+        batch_size: int,
+        grad_accum: int | None = None,
+        seed: int = 0,
+        shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
+        process_index: int = 0,
+        process_count: int = 1,
+        state: Mapping | None = None,
+    ):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("shuffle_buffer", shuffle_buffer),
+            ("process_count", process_count),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise DataError(f"{name} must be a positive integer, got {value!r}")
         if grad_accum is not None and (not isinstance(grad_accum, int) or grad_accum < 1):
@@ -194,13 +207,24 @@ class DataIterator:
         self._lanes: list[_Lane] | None = None
 
     def _order_fields(self) -> dict:
-        return {"seed": self.seed, "num_sequences": self.num_sequences, "seq_len": self.source.seq_len,
-                "batch_size": self.batch_size, "grad_accum": self.grad_accum, "shuffle_buffer": self.shuffle_buffer}
+        return {
+            "seed": self.seed,
+            "num_sequences": self.num_sequences,
+            "seq_len": self.source.seq_len,
+            "batch_size": self.batch_size,
+            "grad_accum": self.grad_accum,
+            "shuffle_buffer": self.shuffle_buffer,
+        }
 
     def state(self) -> dict:
         """The position of the next batch, as a small JSON-able dict."""
-        return {"format": STATE_FORMAT, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
-                "step": self.step, **self._order_fields()}
+        return {
+            "format": STATE_FORMAT,
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "step": self.step,
+            **self._order_fields(),
+        }
 
     def _restore(self, state: Mapping) -> None:
         if state.get("format") != STATE_FORMAT:
@@ -209,7 +233,8 @@ class DataIterator:
         different = [f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in _ORDER_FIELDS if state.get(k) != mine[k]]
         if different:
             raise DataError(
-                f"cannot resume the data order of {self.source.name}: " + "; ".join(different)
+                f"cannot resume the data order of {self.source.name}: "
+                + "; ".join(different)
                 + ". The saved position means nothing under a different order; start the data afresh (state=None)"
             )
         if not 0 <= state["step_in_epoch"] < self.steps_per_epoch:
@@ -221,8 +246,15 @@ class DataIterator:
         order = EpochOrder(shards, shard_permutation(len(shards), self.seed, self.epoch))
         first_item = self.step_in_epoch * self._micro_steps
         return [
-            _Lane(order, lane=lane, length=self._lane_length, block_size=self.shuffle_buffer, seed=self.seed,
-                  epoch=self.epoch, first_item=first_item)
+            _Lane(
+                order,
+                lane=lane,
+                length=self._lane_length,
+                block_size=self.shuffle_buffer,
+                seed=self.seed,
+                epoch=self.epoch,
+                first_item=first_item,
+            )
             for lane in range(self._first_lane, self._first_lane + self.local_batch_size)
         ]
 
@@ -257,9 +289,19 @@ def _process(process_index: int | None, process_count: int | None) -> tuple[int,
 
 
 def make_train_iterator(
-    source, *, seq_len: int, batch_size: int, grad_accum: int | None = None, seed: int = 0, tokenizer=None,
-    process_index: int | None = None, process_count: int | None = None, state: Mapping | None = None,
-    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER, tfds_data_dir: str | None = None, progress: bool = True,
+    source,
+    *,
+    seq_len: int,
+    batch_size: int,
+    grad_accum: int | None = None,
+    seed: int = 0,
+    tokenizer=None,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    state: Mapping | None = None,
+    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
+    tfds_data_dir: str | None = None,
+    progress: bool = True,
     vocab_size: int | None = None,
 ) -> DataIterator:
     """Training batches of ``source`` (see :func:`~gptj_flax.data.sources.open_source`) for this process.
@@ -270,16 +312,38 @@ def make_train_iterator(
     ``vocab_size``: the model's; token ids outside ``[0, vocab_size)`` raise :class:`DataError`.
     """
     process_index, process_count = _process(process_index, process_count)
-    opened = open_source(source, seq_len=seq_len, tokenizer=tokenizer, tfds_data_dir=tfds_data_dir,
-                         progress=progress and process_index == 0, vocab_size=vocab_size)
-    return DataIterator(opened, batch_size=batch_size, grad_accum=grad_accum, seed=seed, shuffle_buffer=shuffle_buffer,
-                        process_index=process_index, process_count=process_count, state=state)
+    opened = open_source(
+        source,
+        seq_len=seq_len,
+        tokenizer=tokenizer,
+        tfds_data_dir=tfds_data_dir,
+        progress=progress and process_index == 0,
+        vocab_size=vocab_size,
+    )
+    return DataIterator(
+        opened,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        seed=seed,
+        shuffle_buffer=shuffle_buffer,
+        process_index=process_index,
+        process_count=process_count,
+        state=state,
+    )
 
 
 def make_eval_batches(
-    source, *, seq_len: int, batch_size: int, n_batches: int | None = None, tokenizer=None,
-    process_index: int | None = None, process_count: int | None = None, tfds_data_dir: str | None = None,
-    progress: bool = True, vocab_size: int | None = None,
+    source,
+    *,
+    seq_len: int,
+    batch_size: int,
+    n_batches: int | None = None,
+    tokenizer=None,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    tfds_data_dir: str | None = None,
+    progress: bool = True,
+    vocab_size: int | None = None,
 ) -> list[Batch]:
     """The first ``n_batches · batch_size`` sequences of ``source`` (all of it if None), each exactly once.
 
@@ -294,8 +358,14 @@ def make_eval_batches(
         raise DataError(f"batch_size={batch_size!r} must be a positive multiple of process_count={process_count}")
     if n_batches is not None and (not isinstance(n_batches, int) or n_batches < 1):
         raise DataError(f"n_batches must be a positive integer or None, got {n_batches!r}")
-    opened = open_source(source, seq_len=seq_len, tokenizer=tokenizer, tfds_data_dir=tfds_data_dir,
-                         progress=progress and process_index == 0, vocab_size=vocab_size)
+    opened = open_source(
+        source,
+        seq_len=seq_len,
+        tokenizer=tokenizer,
+        tfds_data_dir=tfds_data_dir,
+        progress=progress and process_index == 0,
+        vocab_size=vocab_size,
+    )
     used = opened.num_sequences if n_batches is None else min(opened.num_sequences, n_batches * batch_size)
     n_steps = -(-used // batch_size)
     local = batch_size // process_count
@@ -308,13 +378,15 @@ def make_eval_batches(
     if stop > start:
         order = EpochOrder(opened.shards, range(len(opened.shards)))
         for chunk_tokens, chunk_lengths in order.read(start, stop - start):
-            tokens[filled:filled + len(chunk_tokens)] = chunk_tokens
-            lengths[filled:filled + len(chunk_lengths)] = chunk_lengths
+            tokens[filled : filled + len(chunk_tokens)] = chunk_tokens
+            lengths[filled : filled + len(chunk_lengths)] = chunk_lengths
             filled += len(chunk_tokens)
     by_step = tokens.reshape(local, n_steps, width).swapaxes(0, 1)
     lengths_by_step = lengths.reshape(local, n_steps).T
-    return [make_batch(np.ascontiguousarray(by_step[k]), np.ascontiguousarray(lengths_by_step[k]), opened.eos_id)
-            for k in range(n_steps)]
+    return [
+        make_batch(np.ascontiguousarray(by_step[k]), np.ascontiguousarray(lengths_by_step[k]), opened.eos_id)
+        for k in range(n_steps)
+    ]
 
 
 def make_eval_sets(val_set: Mapping[str, object], **kwargs) -> dict[str, list[Batch]]:

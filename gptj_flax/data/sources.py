@@ -71,7 +71,7 @@ class ArrayShard:
         return len(self.tokens)
 
     def read(self, start: int, count: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        yield self.tokens[start:start + count], self.lengths[start:start + count]
+        yield self.tokens[start : start + count], self.lengths[start : start + count]
 
 
 class TFRecordShard:
@@ -97,7 +97,8 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, where: str) -> None:
         raise DataError(
             f"{where}: token id {high} (the largest of the sequences read) is not below "
             f"model.vocab_size={vocab_size}: these data were tokenised with a larger vocabulary than the model's. "
-            f"Recreate them with the model's tokenizer, or set model.vocab_size to at least {high + 1}")
+            f"Recreate them with the model's tokenizer, or set model.vocab_size to at least {high + 1}"
+        )
     if low < 0:
         raise DataError(f"{where}: token id {low} is negative; these records do not hold token ids")
 
@@ -110,7 +111,8 @@ def check_tokenizer_fits(tokenizer, vocab_size: int) -> None:
         raise DataError(
             f"tokenizer {name} has {n_ids} ids but model.vocab_size is {vocab_size}: ids {vocab_size}..{n_ids - 1} "
             f"have no embedding row (the loss would be NaN from the first step). Set model.vocab_size to at least "
-            f"{n_ids}, or use a tokenizer of at most {vocab_size} ids")
+            f"{n_ids}, or use a tokenizer of at most {vocab_size} ids"
+        )
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,12 @@ class Source:
 
 
 def open_source(
-    spec, *, seq_len: int, tokenizer=None, tfds_data_dir: str | None = None, progress: bool = True,
+    spec,
+    *,
+    seq_len: int,
+    tokenizer=None,
+    tfds_data_dir: str | None = None,
+    progress: bool = True,
     vocab_size: int | None = None,
 ) -> Source:
     """Open a dataset by path or name.
@@ -212,8 +219,9 @@ def _tokenizer(tokenizer, source_name: str, vocab_size: int | None):
 
 def _vocab_checked(source: Source, vocab_size: int) -> Source:
     """``source`` with every shard read checked against ``vocab_size``, its first sequences checked now."""
-    shards = tuple(VocabCheckedShard(s.shard if isinstance(s, VocabCheckedShard) else s, vocab_size)
-                   for s in source.shards)
+    shards = tuple(
+        VocabCheckedShard(s.shard if isinstance(s, VocabCheckedShard) else s, vocab_size) for s in source.shards
+    )
     first = next((s for s in shards if s.num_sequences), None)
     if first is not None:
         for _ in first.read(0, min(first.num_sequences, VOCAB_PROBE_SEQUENCES)):
@@ -245,7 +253,7 @@ def pack_source(name: str, documents: Iterable[str], tokenizer, seq_len: int, *,
     windows, lengths = pack_tokens(tokens, seq_len)
     step = IN_MEMORY_SHARD_SEQUENCES
     shards = tuple(
-        ArrayShard(f"{name}[{i}:{i + step}]", windows[i:i + step], lengths[i:i + step])
+        ArrayShard(f"{name}[{i}:{i + step}]", windows[i : i + step], lengths[i : i + step])
         for i in range(0, len(windows), step)
     )
     return Source(name, seq_len, shards, eos_token_id(tokenizer))
@@ -273,7 +281,7 @@ def pack_tokens(tokens: np.ndarray, seq_len: int, pad_id: int = 0) -> tuple[np.n
     width = seq_len + 1
     n = -(-tokens.size // width)
     windows = np.full(n * width, pad_id, dtype=np.int32)
-    windows[:tokens.size] = tokens
+    windows[: tokens.size] = tokens
     lengths = np.full(n, width, dtype=np.int32)
     if n and tokens.size % width:
         lengths[-1] = tokens.size % width
@@ -282,7 +290,7 @@ def pack_tokens(tokens: np.ndarray, seq_len: int, pad_id: int = 0) -> tuple[np.n
 
 def parse_tfds_spec(spec: str) -> tuple[str, str]:
     """``tfds:NAME[/CONFIG][:VERSION][@SPLIT]`` → ``(builder name, split)``."""
-    body = spec[len("tfds:"):]
+    body = spec[len("tfds:") :]
     name, _, split = body.partition("@")
     if not name:
         raise DataError(f"{spec!r}: expected tfds:NAME[/CONFIG][:VERSION][@SPLIT], e.g. tfds:my_corpus@validation")

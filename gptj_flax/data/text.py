@@ -39,8 +39,7 @@ def find_text_files(inputs: str | os.PathLike | Sequence[str | os.PathLike]) -> 
     for item in map(os.fspath, inputs):
         if os.path.isdir(item):
             found = sorted(
-                os.path.join(root, name)
-                for root, _, names in os.walk(item) for name in names if is_text_file(name)
+                os.path.join(root, name) for root, _, names in os.walk(item) for name in names if is_text_file(name)
             )
             if not found:
                 raise DataError(
@@ -99,9 +98,7 @@ def _file_strings(path: str, jsonl_key: str) -> Iterator[str]:
                         )
                     value = value[jsonl_key]
                 if not isinstance(value, str):
-                    raise DataError(
-                        f"{path}, line {line_number}: expected a string, got {type(value).__name__}"
-                    )
+                    raise DataError(f"{path}, line {line_number}: expected a string, got {type(value).__name__}")
                 yield value
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
@@ -110,7 +107,9 @@ def _file_strings(path: str, jsonl_key: str) -> Iterator[str]:
 
 
 def iter_documents(
-    inputs: str | os.PathLike | Sequence[str | os.PathLike], *, jsonl_key: str = "text",
+    inputs: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    jsonl_key: str = "text",
     normalize_with_ftfy: bool = False,
 ) -> Iterator[str]:
     """Every document of ``inputs`` (files or directories), in file order then file position.

@@ -177,7 +177,9 @@ def layout_cache_dir() -> str:
     return os.path.join(root, "tfrecord_layouts")
 
 
-def file_layouts(paths: Sequence[str], *, known: dict[str, dict] | None = None, progress: bool = True) -> list[FileLayout]:
+def file_layouts(
+    paths: Sequence[str], *, known: dict[str, dict] | None = None, progress: bool = True
+) -> list[FileLayout]:
     """The layout of every file: from ``known`` (a sidecar's entries by file name) when its size
     matches, else from the local cache, else by counting (then cached)."""
     from tqdm.auto import tqdm
@@ -243,8 +245,11 @@ def count_records(path: str, size: int | None = None) -> FileLayout:
         features = tf.io.parse_single_example(serialized, spec)
         return tf.size(features["text"], out_type=tf.int64), features["length"]
 
-    ds = (tf.data.TFRecordDataset(path, compression_type=compression, buffer_size=READ_BUFFER_BYTES)
-          .map(lengths_of, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).batch(8192))
+    ds = (
+        tf.data.TFRecordDataset(path, compression_type=compression, buffer_size=READ_BUFFER_BYTES)
+        .map(lengths_of, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        .batch(8192)
+    )
     stored, real = [], []
     for batch_stored, batch_declared in _numpy_batches(ds, path, compression):
         stored.append(batch_stored)
@@ -378,7 +383,7 @@ def _example_problem(raw: bytes) -> str | None:
     tf = tensorflow()
     try:
         example = tf.train.Example.FromString(raw)
-    except Exception as e:  # protobuf's DecodeError differs between its implementations
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError differs between its implementations
         return f"is not a tf.train.Example ({e})"
     features = example.features.feature
     if "text" not in features:
@@ -394,8 +399,9 @@ def _example_problem(raw: bytes) -> str | None:
     return None
 
 
-def read_windows(layout: FileLayout, seq_len: int, windows_per_record: np.ndarray, start: int, count: int
-                 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def read_windows(
+    layout: FileLayout, seq_len: int, windows_per_record: np.ndarray, start: int, count: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Windows ``[start, start + count)`` of a file: ``(tokens [k, seq_len+1] int32, lengths [k] int32)`` chunks."""
     width = seq_len + 1
     first_window = np.cumsum(windows_per_record) - windows_per_record
@@ -416,7 +422,7 @@ def read_windows(layout: FileLayout, seq_len: int, windows_per_record: np.ndarra
             raise DataError(
                 f"{layout.path}: record {record + i} has {int(stored[i])} tokens, fewer than seq_len + 1 = {width}"
             )
-        expected = windows_per_record[record:record + stored.size]
+        expected = windows_per_record[record : record + stored.size]
         got = np.where(stored == width, 1, -(-real // width))
         if expected.size != got.size or np.any(expected != got):
             raise DataError(
@@ -437,25 +443,24 @@ def read_windows(layout: FileLayout, seq_len: int, windows_per_record: np.ndarra
         )
 
 
-def _cut_windows(flat: np.ndarray, stored: np.ndarray, real: np.ndarray, width: int
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def _cut_windows(flat: np.ndarray, stored: np.ndarray, real: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     if np.all(stored == width):  # the common case: one window per record, no copy
         return flat.reshape(-1, width), real.astype(np.int32)
     windows, lengths = [], []
     offset = 0
     for n, length in zip(stored.tolist(), real.tolist()):
-        record = flat[offset:offset + n]
+        record = flat[offset : offset + n]
         offset += n
         if n == width:
             windows.append(record[None])
             lengths.append(np.array([length], np.int32))
             continue
         full, tail = divmod(length, width)
-        windows.append(record[:full * width].reshape(full, width))
+        windows.append(record[: full * width].reshape(full, width))
         lengths.append(np.full(full, width, np.int32))
         if tail:
             padded = np.zeros((1, width), np.int32)
-            padded[0, :tail] = record[full * width:length]
+            padded[0, :tail] = record[full * width : length]
             windows.append(padded)
             lengths.append(np.array([tail], np.int32))
     return np.concatenate(windows), np.concatenate(lengths)
@@ -500,16 +505,25 @@ def read_metadata(index_path: str | os.PathLike) -> dict | None:
     return meta
 
 
-def write_index(index_path: str, paths: Sequence[str], runs: Sequence[Sequence[Sequence[int]]], *, seq_len: int,
-                eos_id: int | None, **details) -> str:
+def write_index(
+    index_path: str,
+    paths: Sequence[str],
+    runs: Sequence[Sequence[Sequence[int]]],
+    *,
+    seq_len: int,
+    eos_id: int | None,
+    **details,
+) -> str:
     """Write the legacy index (one absolute path per line) and our ``.meta.json`` sidecar; return the sidecar's path.
 
     ``runs[i]`` is file ``i``'s layout (see :class:`FileLayout`); ``details`` are recorded as they are.
     """
     with open(index_path, "w") as f:
         f.write("".join(os.path.abspath(p) + "\n" for p in paths))
-    files = [{"name": os.path.basename(p), "size": os.path.getsize(p), "runs": [list(r) for r in file_runs]}
-             for p, file_runs in zip(paths, runs)]
+    files = [
+        {"name": os.path.basename(p), "size": os.path.getsize(p), "runs": [list(r) for r in file_runs]}
+        for p, file_runs in zip(paths, runs)
+    ]
     meta = {"format": METADATA_FORMAT, "seq_len": seq_len, "eos_id": eos_id, **details, "files": files}
     path = metadata_path(index_path)
     with open(path, "w") as f:

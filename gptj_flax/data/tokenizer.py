@@ -76,8 +76,11 @@ def eos_token_id(tokenizer) -> int:
 
 
 def train_bpe_tokenizer(
-    files_or_texts: Sequence[str | os.PathLike] | Iterable[str], vocab_size: int = 4096, *,
-    from_files: bool = True, min_frequency: int = 2,
+    files_or_texts: Sequence[str | os.PathLike] | Iterable[str],
+    vocab_size: int = 4096,
+    *,
+    from_files: bool = True,
+    min_frequency: int = 2,
 ):
     """Train a GPT-2-style byte-level BPE on local text; ``<|endoftext|>`` is reserved (id 0) as EOS.
 
@@ -86,8 +89,10 @@ def train_bpe_tokenizer(
     ids the result has; the 256 byte tokens and EOS are always there, so it is at least 257.
     """
     if not isinstance(vocab_size, int) or vocab_size < MIN_BPE_VOCAB:
-        raise DataError(f"cannot train a byte-level BPE of vocab_size={vocab_size!r}: its 256 byte tokens and "
-                        f"{EOS_TOKEN} alone are {MIN_BPE_VOCAB} ids; ask for at least {MIN_BPE_VOCAB}")
+        raise DataError(
+            f"cannot train a byte-level BPE of vocab_size={vocab_size!r}: its 256 byte tokens and "
+            f"{EOS_TOKEN} alone are {MIN_BPE_VOCAB} ids; ask for at least {MIN_BPE_VOCAB}"
+        )
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -95,8 +100,11 @@ def train_bpe_tokenizer(
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     if from_files:
         paths = [os.fspath(p) for p in files_or_texts]
@@ -107,7 +115,10 @@ def train_bpe_tokenizer(
     else:
         backend.train_from_iterator(files_or_texts, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, unk_token=EOS_TOKEN,
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        unk_token=EOS_TOKEN,
     )
 
 
@@ -123,6 +134,7 @@ def encode_documents(tokenizer, documents: Sequence[str]) -> tuple[np.ndarray, n
     lengths = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int64, count=len(encodings))
     tokens = np.fromiter(
         itertools.chain.from_iterable(itertools.chain(e.ids, (eos,)) for e in encodings),
-        dtype=np.int32, count=int(lengths.sum()),
+        dtype=np.int32,
+        count=int(lengths.sum()),
     )
     return tokens, lengths

@@ -111,8 +111,11 @@ def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> Comparison:
         for name in sorted(set(metrics_a) & set(metrics_b)):
             base = name.split("[")[0]
             known = {**b.get("higher_is_better", {}).get(task, {}), **a.get("higher_is_better", {}).get(task, {})}
-            rows.append(MetricComparison(task, name, *metrics_a[name], *metrics_b[name],
-                                         higher_is_better=bool(known.get(base, True))))
+            rows.append(
+                MetricComparison(
+                    task, name, *metrics_a[name], *metrics_b[name], higher_is_better=bool(known.get(base, True))
+                )
+            )
     return Comparison(rows, only_a, only_b)
 
 
@@ -122,21 +125,27 @@ def _cell(value: float | None) -> str:
 
 def to_markdown(comparison: Comparison, name_a: str, name_b: str) -> str:
     """The table, then what could not be compared and the legend."""
-    lines = [f"| Task | Metric | {name_a} | ± | {name_b} | ± | z | Sig. |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    lines = [
+        f"| Task | Metric | {name_a} | ± | {name_b} | ± | z | Sig. |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | :---: |",
+    ]
     for row in comparison.rows:
         arrow = "↑" if row.higher_is_better else "↓"
         z = "n/a" if row.z is None else f"{row.z:+.2f}"
-        lines.append(f"| {row.task} | {row.metric} {arrow} | {_cell(row.a)} | {_cell(row.a_stderr)} | "
-                     f"{_cell(row.b)} | {_cell(row.b_stderr)} | {z} | {row.mark} |")
+        lines.append(
+            f"| {row.task} | {row.metric} {arrow} | {_cell(row.a)} | {_cell(row.a_stderr)} | "
+            f"{_cell(row.b)} | {_cell(row.b_stderr)} | {z} | {row.mark} |"
+        )
     lines.append("")
     if comparison.only_a:
         lines.append(f"Only in {name_a}: {', '.join(comparison.only_a)}.")
     if comparison.only_b:
         lines.append(f"Only in {name_b}: {', '.join(comparison.only_b)}.")
-    lines.append(f"z = ({name_a} − {name_b}) / mean of the two stderrs. Sig.: + or - when |z| ≥ {SIGNIFICANT:g}, "
-                 f"++ or -- when |z| ≥ {HIGHLY_SIGNIFICANT:g}; + means {name_a} is better (↑ higher, ↓ lower is "
-                 "better).")
+    lines.append(
+        f"z = ({name_a} − {name_b}) / mean of the two stderrs. Sig.: + or - when |z| ≥ {SIGNIFICANT:g}, "
+        f"++ or -- when |z| ≥ {HIGHLY_SIGNIFICANT:g}; + means {name_a} is better (↑ higher, ↓ lower is "
+        "better)."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -151,9 +160,15 @@ def plot(comparison: Comparison, name_a: str, name_b: str, path: str | os.PathLi
     if not comparison.rows:
         raise ValueError("nothing to plot: the two results files share no task and metric")
     metrics = list(dict.fromkeys(row.metric for row in comparison.rows))
-    fig, axes = plt.subplots(len(metrics), 1, squeeze=False,
-                             figsize=(max(6.0, 1.2 * max(sum(r.metric == m for r in comparison.rows)
-                                                         for m in metrics) + 2), 3.2 * len(metrics)))
+    fig, axes = plt.subplots(
+        len(metrics),
+        1,
+        squeeze=False,
+        figsize=(
+            max(6.0, 1.2 * max(sum(r.metric == m for r in comparison.rows) for m in metrics) + 2),
+            3.2 * len(metrics),
+        ),
+    )
     width = 0.38
     for ax, metric in zip(axes[:, 0], metrics):
         rows = [row for row in comparison.rows if row.metric == metric]
@@ -162,15 +177,36 @@ def plot(comparison: Comparison, name_a: str, name_b: str, path: str | os.PathLi
         def errors(stderrs: Sequence[float | None]) -> list[float]:
             return [0.0 if s is None else s for s in stderrs]
 
-        ax.bar(x - width / 2, [r.a for r in rows], width, yerr=errors([r.a_stderr for r in rows]), capsize=3,
-               label=name_a, color="tab:blue")
-        ax.bar(x + width / 2, [r.b for r in rows], width, yerr=errors([r.b_stderr for r in rows]), capsize=3,
-               label=name_b, color="tab:gray")
+        ax.bar(
+            x - width / 2,
+            [r.a for r in rows],
+            width,
+            yerr=errors([r.a_stderr for r in rows]),
+            capsize=3,
+            label=name_a,
+            color="tab:blue",
+        )
+        ax.bar(
+            x + width / 2,
+            [r.b for r in rows],
+            width,
+            yerr=errors([r.b_stderr for r in rows]),
+            capsize=3,
+            label=name_b,
+            color="tab:gray",
+        )
         for i, row in enumerate(rows):
             if row.mark:
                 top = max(row.a + (row.a_stderr or 0), row.b + (row.b_stderr or 0))
-                ax.annotate(row.mark, (x[i], top), xytext=(0, 3), textcoords="offset points", ha="center",
-                            fontweight="bold", color="tab:green" if row.mark.startswith("+") else "tab:red")
+                ax.annotate(
+                    row.mark,
+                    (x[i], top),
+                    xytext=(0, 3),
+                    textcoords="offset points",
+                    ha="center",
+                    fontweight="bold",
+                    color="tab:green" if row.mark.startswith("+") else "tab:red",
+                )
         ax.set_xticks(x, [r.task for r in rows], rotation=20, ha="right")
         half = max(len(rows), 3) / 2  # bars keep their width (and stay centred) in a panel of few tasks
         ax.set_xlim((len(rows) - 1) / 2 - half, (len(rows) - 1) / 2 + half)

@@ -32,10 +32,18 @@ from gptj_flax.evaluation.harness import DEFAULT_BATCH_SIZE, GPTJFlaxLM, flat_me
 class HarnessDuringTraining:
     """``hook(step, params, model_config=…, mesh=…, tokenizer=…) -> {"harness/TASK/METRIC": value}``."""
 
-    def __init__(self, tasks: Sequence[str], *, num_fewshot: int | None = None, limit: float | None = None,
-                 batch_size: int = DEFAULT_BATCH_SIZE, include_path: str | os.PathLike | None = None,
-                 builtin_tasks: bool = True, bootstrap_iters: int = 1000,
-                 results_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        *,
+        num_fewshot: int | None = None,
+        limit: float | None = None,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        include_path: str | os.PathLike | None = None,
+        builtin_tasks: bool = True,
+        bootstrap_iters: int = 1000,
+        results_dir: str | os.PathLike | None = None,
+    ):
         """
         Args:
           tasks: lm-eval task names (the original ran lambada, piqa, hellaswag, winogrande, mathqa,
@@ -61,8 +69,9 @@ class HarnessDuringTraining:
     def _adapter_for(self, params: Any, model_config: ModelConfig, mesh: Mesh, tokenizer, step: int) -> GPTJFlaxLM:
         adapter = self._adapter
         if adapter is None or adapter.mesh is not mesh or adapter.config != model_config:
-            adapter = self._adapter = GPTJFlaxLM(model_config, params, tokenizer, mesh, step=step,
-                                                 batch_size=self.batch_size)
+            adapter = self._adapter = GPTJFlaxLM(
+                model_config, params, tokenizer, mesh, step=step, batch_size=self.batch_size
+            )
         else:
             adapter.set_params(params, step)
         return adapter
@@ -75,9 +84,16 @@ class HarnessDuringTraining:
         if self._tasks_index is None:
             self._tasks_index = task_manager(self.include_path, include_defaults=self.builtin_tasks)
         try:
-            results = run_tasks(adapter, self.tasks, num_fewshot=self.num_fewshot, limit=self.limit,
-                                tasks_index=self._tasks_index, bootstrap_iters=self.bootstrap_iters, seed=None,
-                                in_process_bootstrap=True)
+            results = run_tasks(
+                adapter,
+                self.tasks,
+                num_fewshot=self.num_fewshot,
+                limit=self.limit,
+                tasks_index=self._tasks_index,
+                bootstrap_iters=self.bootstrap_iters,
+                seed=None,
+                in_process_bootstrap=True,
+            )
         finally:
             adapter.set_params(None, None)  # keep no reference (nor the sampler's copy) between evaluations
         if self.results_dir is not None and jax.process_index() == 0:

@@ -60,10 +60,15 @@ class GenerationSettings:
 
     # lm-eval task keys → generate() arguments (with their "off" values when a task leaves them out)
     FILTERS: ClassVar[dict[str, float]] = {
-        "top_k": 0, "top_p": 1.0, "typical_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+        "top_k": 0,
+        "top_p": 1.0,
+        "typical_p": 1.0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+    }
 
     @classmethod
-    def parse(cls, gen_kwargs: Mapping[str, Any], default_max_new_tokens: int) -> "GenerationSettings":
+    def parse(cls, gen_kwargs: Mapping[str, Any], default_max_new_tokens: int) -> GenerationSettings:
         """HuggingFace-style task settings: ``do_sample`` false (or ``temperature`` 0) means greedy.
 
         Unknown keys are an error rather than silently dropped: a task asking for beam search must
@@ -83,21 +88,25 @@ class GenerationSettings:
             value = kwargs.pop(name, None)
             filters[name] = off if value is None else type(off)(value)
         if kwargs:
-            raise ValueError(f"gen_kwargs {sorted(kwargs)} are not supported by {MODEL_NAME}; supported: until, "
-                             f"max_gen_toks, do_sample, temperature, {', '.join(cls.FILTERS)}")
+            raise ValueError(
+                f"gen_kwargs {sorted(kwargs)} are not supported by {MODEL_NAME}; supported: until, "
+                f"max_gen_toks, do_sample, temperature, {', '.join(cls.FILTERS)}"
+            )
         if max_new_tokens < 1:
             raise ValueError(f"max_gen_toks must be >= 1, got {max_new_tokens}")
-        return cls(until=tuple(s for s in until if s), max_new_tokens=max_new_tokens, temperature=temperature,
-                   **filters)
+        return cls(
+            until=tuple(s for s in until if s), max_new_tokens=max_new_tokens, temperature=temperature, **filters
+        )
 
 
 def _positive_int(name: str, value) -> int:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}"
-                         + ("; automatic batch sizing is not supported: give a number" if name == "batch_size"
-                            else ""))
+        raise ValueError(
+            f"{name} must be a positive integer, got {value!r}"
+            + ("; automatic batch sizing is not supported: give a number" if name == "batch_size" else "")
+        )
     return value
 
 
@@ -111,9 +120,19 @@ class GPTJFlaxLM(TemplateLM):
     parameters with the constructor.
     """
 
-    def __init__(self, config: ModelConfig, params: Any, tokenizer, mesh: Mesh, *, step: int | None = None,
-                 checkpoint: str | None = None, batch_size: int | str = DEFAULT_BATCH_SIZE,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, seed: int = 0):
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: Any,
+        tokenizer,
+        mesh: Mesh,
+        *,
+        step: int | None = None,
+        checkpoint: str | None = None,
+        batch_size: int | str = DEFAULT_BATCH_SIZE,
+        max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+        seed: int = 0,
+    ):
         """
         Args:
           config, params: the model and its ``params`` collection (either layer layout), placed on
@@ -126,8 +145,10 @@ class GPTJFlaxLM(TemplateLM):
         """
         super().__init__()
         if tokenizer is None or tokenizer.eos_token_id is None:
-            raise ValueError(f"{MODEL_NAME}: lm-eval tasks are text: the model needs a tokenizer with an EOS token "
-                             "(save one beside the checkpoint or pass tokenizer=DIR)")
+            raise ValueError(
+                f"{MODEL_NAME}: lm-eval tasks are text: the model needs a tokenizer with an EOS token "
+                "(save one beside the checkpoint or pass tokenizer=DIR)"
+            )
         self.config, self.params, self.tokenizer, self.mesh = config, params, tokenizer, mesh
         self.step, self.checkpoint = step, checkpoint
         self.batch_size = _positive_int("batch_size", batch_size)
@@ -137,9 +158,16 @@ class GPTJFlaxLM(TemplateLM):
         self._sampler: LanguageModel | None = None
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: str | os.PathLike, *, mesh=None, dtype: str | None = None,
-                        step: int | None = None, tokenizer: str | os.PathLike | None = None,
-                        **kwargs) -> "GPTJFlaxLM":
+    def from_checkpoint(
+        cls,
+        checkpoint: str | os.PathLike,
+        *,
+        mesh=None,
+        dtype: str | None = None,
+        step: int | None = None,
+        tokenizer: str | os.PathLike | None = None,
+        **kwargs,
+    ) -> GPTJFlaxLM:
         """Load a checkpoint with :func:`gptj_flax.load` (``lm_eval --model_args checkpoint=DIR``).
 
         Args:
@@ -155,8 +183,15 @@ class GPTJFlaxLM(TemplateLM):
         if loaded.tokenizer is None:
             raise ValueError(f"{checkpoint} has no tokenizer saved beside it; pass tokenizer=DIR")
         decoder = loaded.decoder  # its parameters serve the scorer too: one copy of the weights
-        model = cls(decoder.config, decoder.params, loaded.tokenizer, loaded.mesh, step=loaded.step,
-                    checkpoint=os.fspath(checkpoint), **kwargs)
+        model = cls(
+            decoder.config,
+            decoder.params,
+            loaded.tokenizer,
+            loaded.mesh,
+            step=loaded.step,
+            checkpoint=os.fspath(checkpoint),
+            **kwargs,
+        )
         model._sampler = loaded
         return model
 
@@ -170,8 +205,9 @@ class GPTJFlaxLM(TemplateLM):
         extra = {key: value for key, value in (additional_config or {}).items() if value is not None}
         extra.pop("device", None)
         if "max_batch_size" in extra:
-            raise ValueError(f"{MODEL_NAME} does not size batches automatically; give --batch_size, not "
-                             "--max_batch_size")
+            raise ValueError(
+                f"{MODEL_NAME} does not size batches automatically; give --batch_size, not --max_batch_size"
+            )
         args = {**extra, **arg_dict}  # model_args win over lm-eval's defaults
         if "checkpoint" not in args:
             raise ValueError(f"{MODEL_NAME} needs --model_args checkpoint=DIR")
@@ -193,8 +229,9 @@ class GPTJFlaxLM(TemplateLM):
         """The generation model, built at first use and kept (with its compiled programs) until
         :meth:`set_params`. It lays the weights out its own way: a second copy of them."""
         if self._sampler is None:
-            self._sampler = LanguageModel(self.config, self.params, tokenizer=self.tokenizer, mesh=self.mesh,
-                                          step=self.step)
+            self._sampler = LanguageModel(
+                self.config, self.params, tokenizer=self.tokenizer, mesh=self.mesh, step=self.step
+            )
         return self._sampler
 
     # -- what lm-eval asks of a model -------------------------------------------------------
@@ -225,9 +262,15 @@ class GPTJFlaxLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         """Written into the results' ``config``, for telling runs apart."""
-        return {"checkpoint": self.checkpoint, "step": self.step, "parameters": self.config.param_count(),
-                "dtype": self.config.dtype, "param_dtype": self.param_dtype, "max_length": self.config.max_len,
-                "mesh": partitioning.mesh_shape(self.mesh)}
+        return {
+            "checkpoint": self.checkpoint,
+            "step": self.step,
+            "parameters": self.config.param_count(),
+            "dtype": self.config.dtype,
+            "param_dtype": self.param_dtype,
+            "max_length": self.config.max_len,
+            "mesh": partitioning.mesh_shape(self.mesh),
+        }
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """Score each (context, continuation) as ``[EOS] + context + continuation`` (see the module doc)."""
@@ -242,8 +285,9 @@ class GPTJFlaxLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """``requests``: ``(cache key, context ids, continuation ids)``, as lm-eval's TemplateLM passes them."""
-        results = self.scorer.score(self.params, [(ctx, cont) for _, ctx, cont in requests],
-                                    progress=not disable_tqdm, desc="loglikelihood")
+        results = self.scorer.score(
+            self.params, [(ctx, cont) for _, ctx, cont in requests], progress=not disable_tqdm, desc="loglikelihood"
+        )
         for (key, _, _), result in zip(requests, results):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, result)
@@ -258,13 +302,13 @@ class GPTJFlaxLM(TemplateLM):
         windows, owners = [], []
         texts = [request.args[0] for request in requests]
         for index, text in enumerate(texts):
-            token_windows = get_rolling_token_windows(self.tok_encode(text), prefix_token=self.eot_token_id,
-                                                      max_seq_len=self.max_length, context_len=1)
+            token_windows = get_rolling_token_windows(
+                self.tok_encode(text), prefix_token=self.eot_token_id, max_seq_len=self.max_length, context_len=1
+            )
             for context, prediction in map(make_disjoint_window, token_windows):
                 windows.append((context, prediction))
                 owners.append(index)
-        scores = self.scorer.score(self.params, windows, progress=not disable_tqdm,
-                                   desc="loglikelihood_rolling")
+        scores = self.scorer.score(self.params, windows, progress=not disable_tqdm, desc="loglikelihood_rolling")
         totals = [0.0] * len(texts)
         for owner, (log_prob, _) in zip(owners, scores):
             totals[owner] += log_prob
@@ -285,24 +329,33 @@ class GPTJFlaxLM(TemplateLM):
         for context, gen_kwargs in (request.args for request in requests):
             settings = GenerationSettings.parse(gen_kwargs, self.max_gen_toks)
             if settings.max_new_tokens >= self.max_length:
-                raise ValueError(f"max_gen_toks={settings.max_new_tokens} leaves no room for a prompt in the "
-                                 f"model's context of {self.max_length} tokens")
-            prompt = [self.eot_token_id, *self.tok_encode(context)][-(self.max_length - settings.max_new_tokens):]
+                raise ValueError(
+                    f"max_gen_toks={settings.max_new_tokens} leaves no room for a prompt in the "
+                    f"model's context of {self.max_length} tokens"
+                )
+            prompt = [self.eot_token_id, *self.tok_encode(context)][-(self.max_length - settings.max_new_tokens) :]
             jobs.append((context, gen_kwargs, prompt, settings))
         order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][2]))
         outputs = [""] * len(jobs)
-        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         for batch in tqdm(batches, desc="generate_until", unit="batch", disable=disable_tqdm):
             settings = [jobs[i][3] for i in batch]
 
-            def each(field: str) -> list:
+            def each(field: str, settings: list = settings) -> list:
                 return [getattr(s, field) for s in settings]
 
             completions = sampler.generate(
-                [jobs[i][2] for i in batch], each("max_new_tokens"), temperature=each("temperature"),
-                top_k=each("top_k"), top_p=each("top_p"), typical_p=each("typical_p"), min_p=each("min_p"),
-                repetition_penalty=each("repetition_penalty"), stop=[list(s.until) for s in settings],
-                seed=[self.seed] * len(batch))
+                [jobs[i][2] for i in batch],
+                each("max_new_tokens"),
+                temperature=each("temperature"),
+                top_k=each("top_k"),
+                top_p=each("top_p"),
+                typical_p=each("typical_p"),
+                min_p=each("min_p"),
+                repetition_penalty=each("repetition_penalty"),
+                stop=[list(s.until) for s in settings],
+                seed=[self.seed] * len(batch),
+            )
             for i, completion in zip(batch, completions):
                 outputs[i] = completion.text
                 context, gen_kwargs = jobs[i][:2]
@@ -333,13 +386,23 @@ def task_manager(include_path: str | os.PathLike | None = None, *, include_defau
     """
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=None if include_path is None else os.fspath(include_path),
-                       include_defaults=include_defaults)
+    return TaskManager(
+        include_path=None if include_path is None else os.fspath(include_path), include_defaults=include_defaults
+    )
 
 
-def run_tasks(model: GPTJFlaxLM, tasks: Sequence[str], *, num_fewshot: int | None = None,
-              limit: float | None = None, tasks_index=None, bootstrap_iters: int = 100_000,
-              log_samples: bool = False, seed: int | None = 1234, in_process_bootstrap: bool = False) -> dict:
+def run_tasks(
+    model: GPTJFlaxLM,
+    tasks: Sequence[str],
+    *,
+    num_fewshot: int | None = None,
+    limit: float | None = None,
+    tasks_index=None,
+    bootstrap_iters: int = 100_000,
+    log_samples: bool = False,
+    seed: int | None = 1234,
+    in_process_bootstrap: bool = False,
+) -> dict:
     """Run lm-eval ``tasks`` on ``model``; returns lm-eval's results dictionary (``results``, ``configs``, …).
 
     Args:
@@ -355,11 +418,19 @@ def run_tasks(model: GPTJFlaxLM, tasks: Sequence[str], *, num_fewshot: int | Non
 
     with _bootstrap_in_process() if in_process_bootstrap else contextlib.nullcontext():
         results = simple_evaluate(
-            model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+            model=model,
+            tasks=list(tasks),
+            num_fewshot=num_fewshot,
+            limit=limit,
             task_manager=tasks_index if tasks_index is not None else task_manager(),
-            bootstrap_iters=bootstrap_iters, log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,
-            torch_random_seed=seed, fewshot_random_seed=1234 if seed is None else seed,
-            batch_size=model.batch_size)
+            bootstrap_iters=bootstrap_iters,
+            log_samples=log_samples,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=1234 if seed is None else seed,
+            batch_size=model.batch_size,
+        )
     results["config"]["model"] = MODEL_NAME
     return results
 

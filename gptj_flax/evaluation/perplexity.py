@@ -39,10 +39,20 @@ class PerplexityResult:
         return dataclasses.asdict(self)
 
 
-def perplexity(path: str | os.PathLike, source, *, mesh: Mesh | str | tuple[int, int, int] | None = None,
-               seq_len: int | None = None, batch_size: int = 8, max_batches: int | None = None,
-               dtype: str | None = None, step: int | None = None, tokenizer=None, tfds_data_dir: str | None = None,
-               progress: bool = True) -> PerplexityResult:
+def perplexity(
+    path: str | os.PathLike,
+    source,
+    *,
+    mesh: Mesh | str | tuple[int, int, int] | None = None,
+    seq_len: int | None = None,
+    batch_size: int = 8,
+    max_batches: int | None = None,
+    dtype: str | None = None,
+    step: int | None = None,
+    tokenizer=None,
+    tfds_data_dir: str | None = None,
+    progress: bool = True,
+) -> PerplexityResult:
     """Loss and perplexity of the checkpoint at ``path`` over ``source``.
 
     Args:
@@ -63,15 +73,25 @@ def perplexity(path: str | os.PathLike, source, *, mesh: Mesh | str | tuple[int,
         raise ValueError(f"seq_len={seq_len} exceeds the model's context of {model_config.max_len} tokens")
     data_parallel = partitioning.data_parallel_size(mesh)
     if batch_size % data_parallel:
-        raise ValueError(f"batch_size={batch_size} is not a multiple of the {data_parallel} data-parallel shards "
-                         f"of mesh {partitioning.mesh_shape(mesh)}")
+        raise ValueError(
+            f"batch_size={batch_size} is not a multiple of the {data_parallel} data-parallel shards "
+            f"of mesh {partitioning.mesh_shape(mesh)}"
+        )
 
     sharding = steps.batch_sharding(mesh, accumulated=False)
     share, n_shares = data.process_share(sharding, (batch_size, seq_len + 1), 0)
-    batches = data.make_eval_batches(source, seq_len=seq_len, batch_size=batch_size, n_batches=max_batches,
-                                     tokenizer=tokenizer, process_index=share, process_count=n_shares,
-                                     tfds_data_dir=tfds_data_dir, progress=progress,
-                                     vocab_size=model_config.vocab_size)
+    batches = data.make_eval_batches(
+        source,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        n_batches=max_batches,
+        tokenizer=tokenizer,
+        process_index=share,
+        process_count=n_shares,
+        tfds_data_dir=tfds_data_dir,
+        progress=progress,
+        vocab_size=model_config.vocab_size,
+    )
     eval_step = steps.compile_eval_step(GPTJ(model_config), mesh, jax.tree.map(lambda x: x.sharding, params))
 
     loss_sum = tokens = 0.0
@@ -84,6 +104,15 @@ def perplexity(path: str | os.PathLike, source, *, mesh: Mesh | str | tuple[int,
             running = loss_sum / max(tokens, 1.0)
             bar.set_postfix(loss=f"{running:.4f}", ppl=f"{math.exp(min(running, 50.0)):.3f}")
     loss = loss_sum / max(tokens, 1.0)
-    return PerplexityResult(loss=loss, perplexity=math.exp(loss) if loss < 700 else math.inf, tokens=int(tokens),
-                            batches=len(batches), checkpoint=os.fspath(path), step=model.step, source=str(source),
-                            seq_len=seq_len, param_dtype=model.param_dtype, dtype=model.compute_dtype)
+    return PerplexityResult(
+        loss=loss,
+        perplexity=math.exp(loss) if loss < 700 else math.inf,
+        tokens=int(tokens),
+        batches=len(batches),
+        checkpoint=os.fspath(path),
+        step=model.step,
+        source=str(source),
+        seq_len=seq_len,
+        param_dtype=model.param_dtype,
+        dtype=model.compute_dtype,
+    )

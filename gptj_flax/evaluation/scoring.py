@@ -39,8 +39,15 @@ class TokenScorer:
     compiled programs) serves every checkpoint step of a training run.
     """
 
-    def __init__(self, config: ModelConfig, mesh: Mesh, *, batch_size: int = 16, valid_vocab: int | None = None,
-                 rules: partitioning.Rules = partitioning.DEFAULT_RULES):
+    def __init__(
+        self,
+        config: ModelConfig,
+        mesh: Mesh,
+        *,
+        batch_size: int = 16,
+        valid_vocab: int | None = None,
+        rules: partitioning.Rules = partitioning.DEFAULT_RULES,
+    ):
         """
         Args:
           config: the model; ``mesh`` the devices it runs on (the batch is split over ``data`` and
@@ -82,8 +89,9 @@ class TokenScorer:
     def _global(self, array: np.ndarray, sharding: NamedSharding) -> jax.Array:
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
-    def score(self, params: Any, requests: Sequence[Request], *, progress: bool = False,
-              desc: str = "scoring") -> list[tuple[float, bool]]:
+    def score(
+        self, params: Any, requests: Sequence[Request], *, progress: bool = False, desc: str = "scoring"
+    ) -> list[tuple[float, bool]]:
         """``(sum of log p(continuation tokens), every continuation token is the greedy choice)`` per request.
 
         The sequence ``context + continuation`` is cut from the left to the model's context
@@ -94,16 +102,18 @@ class TokenScorer:
         sequences, counts = [], []
         for i, (context, continuation) in enumerate(requests):
             if len(context) == 0:
-                raise ValueError(f"request {i} has an empty context; GPT-J needs at least one token before the "
-                                 "continuation (the EOS, as lm-eval and the original evaluation do)")
-            full = np.asarray([*context, *continuation], np.int32)[-(max_len + 1):]
+                raise ValueError(
+                    f"request {i} has an empty context; GPT-J needs at least one token before the "
+                    "continuation (the EOS, as lm-eval and the original evaluation do)"
+                )
+            full = np.asarray([*context, *continuation], np.int32)[-(max_len + 1) :]
             if full.size and not (0 <= full.min() and full.max() < self.config.vocab_size):
                 raise ValueError(f"request {i} has a token id outside [0, {self.config.vocab_size})")
             sequences.append(full)
             counts.append(min(len(continuation), full.size - 1))
         order = sorted(range(len(sequences)), key=lambda i: -sequences[i].size)
         results: list[tuple[float, bool]] = [(0.0, True)] * len(sequences)
-        batches = [order[i:i + self.rows] for i in range(0, len(order), self.rows)]
+        batches = [order[i : i + self.rows] for i in range(0, len(order), self.rows)]
         with partitioning.sharding_scope(self.mesh, self.rules):
             for batch in tqdm(batches, desc=desc, unit="batch", disable=not progress):
                 width = min(bucket(max(sequences[i].size for i in batch) - 1), max_len) + 1
@@ -111,11 +121,14 @@ class TokenScorer:
                 lengths = np.ones(self.rows, np.int32)  # padding rows: one token, nothing scored
                 scored = np.zeros(self.rows, np.int32)
                 for row, i in enumerate(batch):
-                    tokens[row, :sequences[i].size] = sequences[i]
+                    tokens[row, : sequences[i].size] = sequences[i]
                     lengths[row], scored[row] = sequences[i].size, counts[i]
-                log_probs, greedy = self._score(params, self._global(tokens, self._table_sharding),
-                                                self._global(lengths, self._row_sharding),
-                                                self._global(scored, self._row_sharding))
+                log_probs, greedy = self._score(
+                    params,
+                    self._global(tokens, self._table_sharding),
+                    self._global(lengths, self._row_sharding),
+                    self._global(scored, self._row_sharding),
+                )
                 log_probs, greedy = np.asarray(log_probs), np.asarray(greedy)
                 for row, i in enumerate(batch):
                     results[i] = (float(np.sum(log_probs[row], dtype=np.float64)), bool(greedy[row]))

@@ -52,9 +52,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import zstandard
 
-from gptj_flax.data import compression
+from gptj_flax.data import compression, tfrecord
 from gptj_flax.data import text as text_io
-from gptj_flax.data import tfrecord
 from gptj_flax.data.create import CreateResult
 from gptj_flax.data.errors import DataError, DataWarning
 from gptj_flax.data.tokenizer import encode_documents, eos_token_id, load_tokenizer
@@ -123,12 +122,17 @@ def convert_thread(line: bytes | str, line_number: int) -> tuple[str | None, int
         problem(BAD_JSON, f"bad JSON ({e.msg} at column {e.colno})")
         return None, 0, problems
     if not isinstance(thread, dict):
-        problem(NOT_A_THREAD, f"not a JSON object but {type(thread).__name__} (expected {{\"posts\": [...]}})")
+        problem(NOT_A_THREAD, f'not a JSON object but {type(thread).__name__} (expected {{"posts": [...]}})')
         return None, 0, problems
     posts = thread.get("posts")
     if not isinstance(posts, list) or not posts:
-        what = ("no 'posts' field" if "posts" not in thread else
-                "'posts' is empty" if isinstance(posts, list) else f"'posts' is {type(posts).__name__}, not a list")
+        what = (
+            "no 'posts' field"
+            if "posts" not in thread
+            else "'posts' is empty"
+            if isinstance(posts, list)
+            else f"'posts' is {type(posts).__name__}, not a list"
+        )
         problem(NO_POSTS, f"{what}; thread skipped")
         return None, 0, problems
     blocks = []
@@ -184,6 +188,7 @@ def convert_chunk(task: tuple[int, bytes]) -> ChunkResult:
 # --------------------------------------------------------------------------------------------
 # Reading dumps
 
+
 @dataclasses.dataclass(frozen=True)
 class _Chunk:
     path: str
@@ -223,8 +228,9 @@ def _read_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
             size = len(data) - cut
 
 
-def _ordered_map(function: Callable, items: Iterable[tuple[object, object]], workers: int
-                 ) -> Iterator[tuple[object, object]]:
+def _ordered_map(
+    function: Callable, items: Iterable[tuple[object, object]], workers: int
+) -> Iterator[tuple[object, object]]:
     """``(meta, function(payload))`` for each ``(meta, payload)``, in input order, ``workers`` processes.
 
     Unlike ``Pool.imap`` (whose feeder thread reads its whole input ahead), submission stops at
@@ -316,9 +322,9 @@ class _RecordSink:
         self.tokens += ids.size
         stream = np.concatenate([self.carry, ids])
         full = stream.size // self.width
-        for row in stream[:full * self.width].reshape(full, self.width):
+        for row in stream[: full * self.width].reshape(full, self.width):
             self._write(tfrecord.serialize_example(row))
-        self.carry = stream[full * self.width:].copy()  # not a view pinning the whole chunk
+        self.carry = stream[full * self.width :].copy()  # not a view pinning the whole chunk
 
     def _write(self, record: bytes) -> None:
         if self.writer is None:
@@ -353,22 +359,37 @@ class _RecordSink:
             warnings.warn(
                 f"the threads hold {self.tokens} tokens, fewer than one sequence of seq_len + 1 = {self.width}: "
                 f"writing a single record padded with EOS (its real length is in the 'length' feature)",
-                DataWarning, stacklevel=3,
+                DataWarning,
+                stacklevel=3,
             )
         runs = [[(self.width, self.width, count)] for count in self.counts]
         if padding:
-            runs[-1] = [r for r in ((self.width, self.width, self.counts[-1] - 1),
-                                    (self.width, self.width - padding, 1)) if r[2]]
+            runs[-1] = [
+                r
+                for r in ((self.width, self.width, self.counts[-1] - 1), (self.width, self.width - padding, 1))
+                if r[2]
+            ]
         index_path = os.path.join(self.output_dir, f"{self.name}.index")
         meta_path = tfrecord.write_index(
-            index_path, self.files, runs, seq_len=self.seq_len, eos_id=self.eos,
-            tokenizer=getattr(self.tokenizer, "name_or_path", "") or "", documents=self.documents,
-            dropped_documents=0, tokens=self.tokens, sequences=self.sequences, padding_tokens=padding,
-            n_repack_epochs=1, preserve_data_order=True, source=source,
+            index_path,
+            self.files,
+            runs,
+            seq_len=self.seq_len,
+            eos_id=self.eos,
+            tokenizer=getattr(self.tokenizer, "name_or_path", "") or "",
+            documents=self.documents,
+            dropped_documents=0,
+            tokens=self.tokens,
+            sequences=self.sequences,
+            padding_tokens=padding,
+            n_repack_epochs=1,
+            preserve_data_order=True,
+            source=source,
             source_format="thread dump, one document per thread",
         )
-        return CreateResult(index_path, meta_path, tuple(self.files), self.documents, 0, self.tokens,
-                            self.sequences, padding)
+        return CreateResult(
+            index_path, meta_path, tuple(self.files), self.documents, 0, self.tokens, self.sequences, padding
+        )
 
     def abort(self) -> None:
         if self.writer is not None:
@@ -398,10 +419,20 @@ class ThreadsResult:
 
 
 def prepare_threads(
-    inputs: str | os.PathLike | Sequence[str | os.PathLike], *, text_output: str | os.PathLike | None = None,
-    tfrecords_dir: str | os.PathLike | None = None, name: str = "threads", tokenizer="gpt2", seq_len: int = 2048,
-    sequences_per_file: int = 10_000, workers: int | None = None, strict: bool = False, max_reported: int = 20,
-    problems_path: str | os.PathLike | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: bool = True,
+    inputs: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    text_output: str | os.PathLike | None = None,
+    tfrecords_dir: str | os.PathLike | None = None,
+    name: str = "threads",
+    tokenizer="gpt2",
+    seq_len: int = 2048,
+    sequences_per_file: int = 10_000,
+    workers: int | None = None,
+    strict: bool = False,
+    max_reported: int = 20,
+    problems_path: str | os.PathLike | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    progress: bool = True,
 ) -> ThreadsResult:
     """Convert thread dumps (in the given order) to GPT-4chan's text and/or standard TFRecords.
 
@@ -420,8 +451,13 @@ def prepare_threads(
     if text_output is None and tfrecords_dir is None:
         raise DataError("nothing to write: give a text output path and/or a TFRecord directory")
     workers = (os.cpu_count() or 1) if workers is None else workers
-    for label, value, low in (("workers", workers, 1), ("seq_len", seq_len, 1), ("chunk_bytes", chunk_bytes, 1),
-                              ("sequences_per_file", sequences_per_file, 1), ("max_reported", max_reported, 0)):
+    for label, value, low in (
+        ("workers", workers, 1),
+        ("seq_len", seq_len, 1),
+        ("chunk_bytes", chunk_bytes, 1),
+        ("sequences_per_file", sequences_per_file, 1),
+        ("max_reported", max_reported, 0),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise DataError(f"{label} must be an integer >= {low}, got {value!r}")
     for path in paths:
@@ -474,8 +510,11 @@ def prepare_threads(
                 bar.set_postfix(lines_per_s=f"{lines / elapsed:,.0f}", threads=threads, malformed=malformed_lines)
         source = ", ".join(paths)
         if threads == 0:
-            why = (f"every one of its {lines} lines is malformed ({', '.join(sorted(counts))})" if lines
-                   else "it holds no lines")
+            why = (
+                f"every one of its {lines} lines is malformed ({', '.join(sorted(counts))})"
+                if lines
+                else "it holds no lines"
+            )
             raise DataError(f"no threads in {source}: {why}; nothing to write")
         tfrecords = record_sink.finish(source) if record_sink else None
         if text_sink:
@@ -487,6 +526,14 @@ def prepare_threads(
     finally:
         if problems_file:
             problems_file.close()
-    return ThreadsResult(lines, threads, posts, malformed_lines, dict(counts), tuple(reported),
-                         text_sink.path if text_sink else None, tfrecords, time.perf_counter() - start)
-
+    return ThreadsResult(
+        lines,
+        threads,
+        posts,
+        malformed_lines,
+        dict(counts),
+        tuple(reported),
+        text_sink.path if text_sink else None,
+        tfrecords,
+        time.perf_counter() - start,
+    )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -41,7 +40,7 @@ def mesh_config(spec: MeshConfig | str | Sequence[int] | None) -> MeshConfig:
         except ValueError:
             raise ConfigError(f"mesh {spec!r}: sizes must be integers; {hint}") from None
     if not isinstance(spec, Sequence) or len(spec) != len(MESH_AXES):
-        raise ConfigError(f"mesh {spec!r}: expected a mesh, a layout name, \"data,fsdp,model\" or three sizes")
+        raise ConfigError(f'mesh {spec!r}: expected a mesh, a layout name, "data,fsdp,model" or three sizes')
     return MeshConfig(*spec)
 
 
@@ -63,12 +62,18 @@ def make_mesh(spec: MeshSpec = None, devices=None) -> Mesh:
         if devices[0].platform == "cpu" and needed > len(devices):
             raise ConfigError(
                 f"{e}; on CPU, get {needed} virtual devices by starting with "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}") from None
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}"
+            ) from None
         raise
     n = math.prod(shape)
     if 1 < n < len(devices):
-        log.warning("mesh %s uses %d of the %d devices; the other %d stay idle (put -1 on one axis to use them all)",
-                    shape, n, len(devices), len(devices) - n)
+        log.warning(
+            "mesh %s uses %d of the %d devices; the other %d stay idle (put -1 on one axis to use them all)",
+            shape,
+            n,
+            len(devices),
+            len(devices) - n,
+        )
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:n])
 
 
@@ -101,5 +106,10 @@ def initialize_distributed(
     if coordinator is None and not on_tpu_pod:
         return
     jax.distributed.initialize(coordinator, num_processes, process_id)
-    log.info("process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
-             jax.local_device_count(), jax.device_count())
+    log.info(
+        "process %d of %d, %d local / %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )

@@ -42,8 +42,9 @@ def _flat(abstract: Any) -> list[tuple[str, Any, PartitionSpec]]:
     return [(_path_name(path), leaf, spec) for (path, leaf), spec in zip(leaves, specs, strict=True)]
 
 
-def check_divisible(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES,
-                    axis_fields: Mapping[str, str] | None = None) -> None:
+def check_divisible(
+    abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, axis_fields: Mapping[str, str] | None = None
+) -> None:
     """Refuse a mesh that cannot split ``abstract`` (a boxed tree) as the rules say.
 
     Every dimension is resolved through the rules to the mesh axes it is split over; their sizes
@@ -64,7 +65,8 @@ def check_divisible(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES,
                 raise ConfigError(
                     f"{field}={size} is not divisible by the {where} mesh axis of size {ways} in mesh {desc}: "
                     f"parameter {name} splits its {logical!r} axis over it. Pick a {where} size that divides "
-                    f"{size}" + (" or pad the vocabulary to a multiple of it" if logical == "vocab" else ""))
+                    f"{size}" + (" or pad the vocabulary to a multiple of it" if logical == "vocab" else "")
+                )
 
 
 def restore_targets(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, dtype: Any = None) -> tuple[Any, Any]:
@@ -72,8 +74,9 @@ def restore_targets(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, dty
     ``jax.ShapeDtypeStruct`` carrying its ``NamedSharding`` (in ``dtype``, default the leaf's own),
     what Orbax restores into and what ``jit`` lowers against."""
     shardings = logical_to_sharding(nn.get_partition_spec(abstract), mesh, rules)
-    targets = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s),
-                           nn.meta.unbox(abstract), shardings)
+    targets = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s), nn.meta.unbox(abstract), shardings
+    )
     return targets, shardings
 
 
@@ -109,16 +112,18 @@ def sharding_rows(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> li
     for (name, leaf, spec), sharding in zip(_flat(abstract), sharding_leaves, strict=True):
         local = sharding.shard_shape(leaf.shape)
         itemsize = np.dtype(leaf.dtype).itemsize
-        rows.append({
-            "name": name,
-            "logical": tuple(spec),
-            "mesh": tuple(sharding.spec),
-            "shape": tuple(leaf.shape),
-            "local_shape": tuple(local),
-            "dtype": str(np.dtype(leaf.dtype)),
-            "bytes": math.prod(leaf.shape) * itemsize,
-            "local_bytes": math.prod(local) * itemsize,
-        })
+        rows.append(
+            {
+                "name": name,
+                "logical": tuple(spec),
+                "mesh": tuple(sharding.spec),
+                "shape": tuple(leaf.shape),
+                "local_shape": tuple(local),
+                "dtype": str(np.dtype(leaf.dtype)),
+                "bytes": math.prod(leaf.shape) * itemsize,
+                "local_bytes": math.prod(local) * itemsize,
+            }
+        )
     return rows
 
 
@@ -143,8 +148,14 @@ def sharding_table(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> s
     rows = sharding_rows(abstract, mesh, rules)
     header = ("parameter", "logical axes", "mesh axes", "global shape", "per-device shape", "per-device")
     body = [
-        (r["name"], _axes(r["logical"]), _axes(r["mesh"]), str(r["shape"]), str(r["local_shape"]),
-         _format_bytes(r["local_bytes"]))
+        (
+            r["name"],
+            _axes(r["logical"]),
+            _axes(r["mesh"]),
+            str(r["shape"]),
+            str(r["local_shape"]),
+            _format_bytes(r["local_bytes"]),
+        )
         for r in rows
     ]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
@@ -153,11 +164,13 @@ def sharding_table(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> s
     total = sum(r["bytes"] for r in rows)
     local = sum(r["local_bytes"] for r in rows)
     mesh_desc = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
-    return "\n".join([
-        line(header),
-        line(["-" * w for w in widths]),
-        *map(line, body),
-        "",
-        f"{n_params:,} parameters, {_format_bytes(total)} in all; {_format_bytes(local)} per device "
-        f"on mesh ({mesh_desc})",
-    ])
+    return "\n".join(
+        [
+            line(header),
+            line(["-" * w for w in widths]),
+            *map(line, body),
+            "",
+            f"{n_params:,} parameters, {_format_bytes(total)} in all; {_format_bytes(local)} per device "
+            f"on mesh ({mesh_desc})",
+        ]
+    )

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig, dtype_name
-from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING, DecodeRun, Decoder
+from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING, Decoder, DecodeRun
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, per_example
 from gptj_flax.sampling.stopping import TextTracker, decode
 
@@ -58,8 +58,12 @@ class Scored:
 
 
 def _is_token_ids(x) -> bool:
-    return isinstance(x, (Sequence, np.ndarray)) and not isinstance(x, (str, bytes)) and len(x) > 0 and all(
-        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in x)
+    return (
+        isinstance(x, (Sequence, np.ndarray))
+        and not isinstance(x, (str, bytes))
+        and len(x) > 0
+        and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in x)
+    )
 
 
 def _as_batch(prompts) -> tuple[list, bool]:
@@ -67,8 +71,9 @@ def _as_batch(prompts) -> tuple[list, bool]:
     if isinstance(prompts, str) or _is_token_ids(prompts):
         return [prompts], True
     if not isinstance(prompts, (Sequence, np.ndarray)) or isinstance(prompts, bytes):
-        raise SamplingError(f"prompts must be a string, a list of token ids, or a list of those; got "
-                            f"{type(prompts).__name__}")
+        raise SamplingError(
+            f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
+        )
     if len(prompts) == 0:
         raise SamplingError("no prompts given: pass at least one")
     for i, p in enumerate(prompts):
@@ -87,6 +92,7 @@ def _flags(name: str, value, n: int) -> np.ndarray:
 
 def _stop_lists(stop, n: int) -> list[list[str]]:
     """``None`` | a string | a list of strings (for every prompt) | one of those per prompt."""
+
     def one(s, where):
         items = [] if s is None else [s] if isinstance(s, str) else list(s)
         for item in items:
@@ -97,22 +103,22 @@ def _stop_lists(stop, n: int) -> list[list[str]]:
     if stop is None or isinstance(stop, str) or all(isinstance(s, str) for s in stop):
         return [one(stop, "stop")] * n
     if len(stop) != n:
-        raise SamplingError(f"stop: got {len(stop)} entries for {n} prompts; give one list for all prompts "
-                            "or one per prompt")
+        raise SamplingError(
+            f"stop: got {len(stop)} entries for {n} prompts; give one list for all prompts or one per prompt"
+        )
     return [one(s, f"stop[{i}]") for i, s in enumerate(stop)]
 
 
 class _Generation:
     """A batch being generated: the device run plus each row's text."""
 
-    def __init__(self, run: DecodeRun, trackers: list[TextTracker] | None, prompt_lengths: list[int],
-                 check_steps: int):
+    def __init__(self, run: DecodeRun, trackers: list[TextTracker] | None, prompt_lengths: list[int], check_steps: int):
         self.run, self.trackers, self.prompt_lengths = run, trackers, prompt_lengths
         self.check_steps = check_steps  # decode steps per device call when not streaming
 
     def _row_tokens(self, row: int) -> np.ndarray:
         p = self.run.progress
-        return p.tokens[row, :p.num_generated[row]]
+        return p.tokens[row, : p.num_generated[row]]
 
     def pieces(self) -> list[str]:
         """Bring every row's text up to date; returns each row's newly final text."""
@@ -150,14 +156,16 @@ class _Generation:
             else:
                 n, reason = int(p.num_generated[row]), FINISH_REASON_OF_CODE[int(p.finish[row])]
             tokens = p.tokens[row, :n]
-            out.append(Completion(
-                text=None if tracker is None else tracker.text,
-                finish_reason=reason,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=n,
-                tokens=[int(t) for t in tokens] if return_tokens or tracker is None else None,
-                logprobs=[float(x) for x in p.logprobs[row, :n]] if return_logprobs else None,
-            ))
+            out.append(
+                Completion(
+                    text=None if tracker is None else tracker.text,
+                    finish_reason=reason,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=n,
+                    tokens=[int(t) for t in tokens] if return_tokens or tracker is None else None,
+                    logprobs=[float(x) for x in p.logprobs[row, :n]] if return_logprobs else None,
+                )
+            )
         return out
 
 
@@ -202,8 +210,9 @@ class LanguageModel:
     held) and ``compute_dtype`` (what the matmuls run in).
     """
 
-    def __init__(self, config: ModelConfig, params: Any, tokenizer=None, mesh: Mesh | None = None,
-                 step: int | None = None):
+    def __init__(
+        self, config: ModelConfig, params: Any, tokenizer=None, mesh: Mesh | None = None, step: int | None = None
+    ):
         """
         Args:
           config: the model's config; ``params``: its ``params`` collection (any layout the config
@@ -230,9 +239,11 @@ class LanguageModel:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"LanguageModel({c.param_count():,} parameters: {c.n_layers} layers, d_model {c.d_model}, "
-                f"{c.n_heads} heads, vocab {c.vocab_size}, context {c.max_len}; parameters {self.param_dtype}, "
-                f"compute {self.compute_dtype}; step {self.step}; mesh {dict(self.mesh.shape)})")
+        return (
+            f"LanguageModel({c.param_count():,} parameters: {c.n_layers} layers, d_model {c.d_model}, "
+            f"{c.n_heads} heads, vocab {c.vocab_size}, context {c.max_len}; parameters {self.param_dtype}, "
+            f"compute {self.compute_dtype}; step {self.step}; mesh {dict(self.mesh.shape)})"
+        )
 
     # -- text <-> tokens -------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -248,31 +259,72 @@ class LanguageModel:
         return decode(self.tokenizer, tokens)
 
     # -- generation ------------------------------------------------------------------------
-    def _start(self, prompts, max_new_tokens, temperature, top_k, top_p, typical_p, min_p, repetition_penalty,
-               stop, seed, ignore_eos, original_order) -> tuple[_Generation, bool]:
+    def _start(
+        self,
+        prompts,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        typical_p,
+        min_p,
+        repetition_penalty,
+        stop,
+        seed,
+        ignore_eos,
+        original_order,
+    ) -> tuple[_Generation, bool]:
         batch, single = _as_batch(prompts)
         n = len(batch)
         max_new = per_example("max_new_tokens", max_new_tokens, n, int, lambda x: x >= 1, "an integer >= 1")
         seeds = per_example("seed", seed, n, int, lambda x: 0 <= x < 2**32, "an integer in [0, 2**32)", np.int64)
         if isinstance(seed, (int, np.integer)):
             seeds = (seeds.astype(np.int64) + np.arange(n)) % 2**32  # distinct draws for repeated prompts
-        sampling = SamplingParams.build(n, temperature=temperature, top_k=top_k, top_p=top_p, typical_p=typical_p,
-                                        min_p=min_p, repetition_penalty=repetition_penalty)
+        sampling = SamplingParams.build(
+            n,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            typical_p=typical_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+        )
         stops = _stop_lists(stop, n)
         if self.tokenizer is None and any(stops):
             raise SamplingError("stop strings need a tokenizer to decode the output; this model has none")
         eos = -1 if self.eos_token_id is None else int(self.eos_token_id)
         eos_ids = np.where(_flags("ignore_eos", ignore_eos, n), -1, eos).astype(np.int32)
         token_prompts = [self.encode(p) for p in batch]
-        run = self.decoder.start(token_prompts, max_new_tokens=max_new, sampling=sampling, seeds=seeds,
-                                 eos_id=eos_ids, original_order=bool(original_order))
+        run = self.decoder.start(
+            token_prompts,
+            max_new_tokens=max_new,
+            sampling=sampling,
+            seeds=seeds,
+            eos_id=eos_ids,
+            original_order=bool(original_order),
+        )
         trackers = None if self.tokenizer is None else [TextTracker(self.tokenizer, s) for s in stops]
         check_steps = STOP_CHECK_STEPS if any(stops) else run.capacity
         return _Generation(run, trackers, [len(p) for p in token_prompts], check_steps), single
 
-    def generate(self, prompts, max_new_tokens=128, *, temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0,
-                 min_p=0.0, repetition_penalty=1.0, stop=None, seed=0, ignore_eos=False, original_order=False,
-                 return_tokens=False, return_logprobs=False) -> Completion | list[Completion]:
+    def generate(
+        self,
+        prompts,
+        max_new_tokens=128,
+        *,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        typical_p=1.0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        stop=None,
+        seed=0,
+        ignore_eos=False,
+        original_order=False,
+        return_tokens=False,
+        return_logprobs=False,
+    ) -> Completion | list[Completion]:
         """Continue each prompt; a single prompt gives a :class:`Completion`, a list gives a list.
 
         Args:
@@ -294,17 +346,42 @@ class LanguageModel:
         Every setting except ``original_order``, ``return_tokens`` and ``return_logprobs`` takes one
         value for all prompts or a list with one per prompt.
         """
-        job, single = self._start(prompts, max_new_tokens, temperature, top_k, top_p, typical_p, min_p,
-                                  repetition_penalty, stop, seed, ignore_eos, original_order)
+        job, single = self._start(
+            prompts,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            typical_p,
+            min_p,
+            repetition_penalty,
+            stop,
+            seed,
+            ignore_eos,
+            original_order,
+        )
         job.pieces()
         while not job.finished:
             job.advance(job.check_steps)
         out = job.completions(return_tokens, return_logprobs)
         return out[0] if single else out
 
-    def stream(self, prompts, max_new_tokens=128, *, temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0,
-               min_p=0.0, repetition_penalty=1.0, stop=None, seed=0, ignore_eos=False,
-               original_order=False) -> "TextStream":
+    def stream(
+        self,
+        prompts,
+        max_new_tokens=128,
+        *,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        typical_p=1.0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        stop=None,
+        seed=0,
+        ignore_eos=False,
+        original_order=False,
+    ) -> TextStream:
         """Like :meth:`generate`, but yield text as each token is produced.
 
         A single prompt yields strings; a batch yields lists of strings, one (possibly empty) per
@@ -315,8 +392,20 @@ class LanguageModel:
         """
         if self.tokenizer is None:
             raise SamplingError("stream yields text and this model has no tokenizer; use generate with token ids")
-        job, single = self._start(prompts, max_new_tokens, temperature, top_k, top_p, typical_p, min_p,
-                                  repetition_penalty, stop, seed, ignore_eos, original_order)
+        job, single = self._start(
+            prompts,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            typical_p,
+            min_p,
+            repetition_penalty,
+            stop,
+            seed,
+            ignore_eos,
+            original_order,
+        )
         return TextStream(job, single)
 
     def score(self, texts_or_token_ids) -> Scored | list[Scored]:

@@ -57,11 +57,22 @@ class DecodeState:
     sampling: SamplingParams
 
     @classmethod
-    def logical_axes(cls, config: ModelConfig) -> "DecodeState":
+    def logical_axes(cls, config: ModelConfig) -> DecodeState:
         rows, table = PartitionSpec("batch"), PartitionSpec("batch", None)
-        return cls(cache=KVCache.logical_axes(config), tokens=table, logprobs=table, num_generated=rows,
-                   finish=rows, step=PartitionSpec(), prompt_lengths=rows, max_new_tokens=rows,
-                   eos_id=rows, seeds=rows, seen=table, sampling=SamplingParams.logical_axes())
+        return cls(
+            cache=KVCache.logical_axes(config),
+            tokens=table,
+            logprobs=table,
+            num_generated=rows,
+            finish=rows,
+            step=PartitionSpec(),
+            prompt_lengths=rows,
+            max_new_tokens=rows,
+            eos_id=rows,
+            seeds=rows,
+            seen=table,
+            sampling=SamplingParams.logical_axes(),
+        )
 
 
 @dataclasses.dataclass
@@ -87,8 +98,15 @@ class Decoder:
     at every step.
     """
 
-    def __init__(self, config: ModelConfig, params: Any, mesh: Mesh, *, valid_vocab: int | None = None,
-                 rules: partitioning.Rules = partitioning.DEFAULT_RULES):
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: Any,
+        mesh: Mesh,
+        *,
+        valid_vocab: int | None = None,
+        rules: partitioning.Rules = partitioning.DEFAULT_RULES,
+    ):
         """
         Args:
           config: the model; ``params`` must match it (scanned or unrolled layout).
@@ -114,12 +132,18 @@ class Decoder:
         rows, table = sharding("batch"), sharding("batch", "length")
         sampling = partitioning.logical_to_sharding(SamplingParams.logical_axes(), mesh, rules)
         self._prefill = jax.jit(
-            self._prefill_fn, static_argnums=(7, 8),
+            self._prefill_fn,
+            static_argnums=(7, 8),
             in_shardings=(param_shardings, table, rows, rows, rows, rows, sampling),
-            out_shardings=state)
+            out_shardings=state,
+        )
         self._decode = jax.jit(
-            self._decode_fn, static_argnums=(4,), donate_argnums=(1,),
-            in_shardings=(param_shardings, state, sharding(), rows), out_shardings=state)
+            self._decode_fn,
+            static_argnums=(4,),
+            donate_argnums=(1,),
+            in_shardings=(param_shardings, state, sharding(), rows),
+            out_shardings=state,
+        )
         self._score = jax.jit(self._score_fn, in_shardings=(param_shardings, table, table), out_shardings=table)
 
     # -- device programs ---------------------------------------------------------------------
@@ -136,24 +160,36 @@ class Decoder:
         rows = jnp.arange(token.shape[0])
         return state.replace(
             tokens=lax.dynamic_update_slice_in_dim(state.tokens, token[:, None], state.step, axis=1),
-            logprobs=lax.dynamic_update_slice_in_dim(state.logprobs, jnp.where(running, logprob, 0.0)[:, None],
-                                                     state.step, axis=1),
+            logprobs=lax.dynamic_update_slice_in_dim(
+                state.logprobs, jnp.where(running, logprob, 0.0)[:, None], state.step, axis=1
+            ),
             num_generated=num_generated,
             finish=finish,
             step=state.step + 1,
             seen=state.seen.at[rows, token].max(running),
         )
 
-    def _prefill_fn(self, params, prompt_tokens, prompt_lengths, max_new_tokens, eos_id, seeds, sampling,
-                    new_tokens: int, original_order: bool) -> DecodeState:
+    def _prefill_fn(
+        self,
+        params,
+        prompt_tokens,
+        prompt_lengths,
+        max_new_tokens,
+        eos_id,
+        seeds,
+        sampling,
+        new_tokens: int,
+        original_order: bool,
+    ) -> DecodeState:
         batch, prompt_len = prompt_tokens.shape
         slots = jnp.arange(prompt_len)[None, :]
         padding = (prompt_len - prompt_lengths)[:, None]
         segment_ids = (slots >= padding).astype(jnp.int32)
         positions = jnp.maximum(slots - padding, 0)
         cache = KVCache.empty(self.config, batch, prompt_len + new_tokens)
-        logits, cache = self.model.apply({"params": params}, prompt_tokens, positions, segment_ids, cache,
-                                         last_logits_only=True, method=GPTJ.decode)
+        logits, cache = self.model.apply(
+            {"params": params}, prompt_tokens, positions, segment_ids, cache, last_logits_only=True, method=GPTJ.decode
+        )
         rows = jnp.arange(batch)[:, None]
         seen = jnp.zeros((batch, self.config.vocab_size), bool).at[rows, prompt_tokens].max(segment_ids > 0)
         state = DecodeState(
@@ -163,8 +199,12 @@ class Decoder:
             num_generated=jnp.zeros((batch,), jnp.int32),
             finish=jnp.where(max_new_tokens > 0, RUNNING, LENGTH).astype(jnp.int32),  # padding rows ask for 0
             step=jnp.zeros((), jnp.int32),
-            prompt_lengths=prompt_lengths, max_new_tokens=max_new_tokens, eos_id=eos_id, seeds=seeds,
-            seen=seen, sampling=sampling,
+            prompt_lengths=prompt_lengths,
+            max_new_tokens=max_new_tokens,
+            eos_id=eos_id,
+            seeds=seeds,
+            seen=seen,
+            sampling=sampling,
         )
         return self._emit(state, logits[:, -1], original_order)
 
@@ -178,8 +218,15 @@ class Decoder:
         def step(s):
             fed = lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
             positions = (s.prompt_lengths + s.step - 1)[:, None]
-            logits, cache = self.model.apply({"params": params}, fed, positions, jnp.ones_like(fed), s.cache,
-                                             last_logits_only=True, method=GPTJ.decode)
+            logits, cache = self.model.apply(
+                {"params": params},
+                fed,
+                positions,
+                jnp.ones_like(fed),
+                s.cache,
+                last_logits_only=True,
+                method=GPTJ.decode,
+            )
             return self._emit(s.replace(cache=cache), logits[:, -1], original_order)
 
         return lax.while_loop(unfinished, step, state)
@@ -198,18 +245,29 @@ class Decoder:
             raise SamplingError("no prompts given: pass at least one")
         for i, (prompt, more) in enumerate(zip(prompts, extra, strict=True)):
             if len(prompt) == 0:
-                raise SamplingError(f"prompt {i} has no tokens; GPT-J has no start token, so give at least one "
-                                    "(e.g. the tokenizer's EOS, <|endoftext|>)")
+                raise SamplingError(
+                    f"prompt {i} has no tokens; GPT-J has no start token, so give at least one "
+                    "(e.g. the tokenizer's EOS, <|endoftext|>)"
+                )
             bad = [t for t in prompt if not 0 <= int(t) < self.config.vocab_size]
             if bad:
                 raise SamplingError(f"prompt {i} has token id {bad[0]} outside [0, {self.config.vocab_size})")
             if len(prompt) + more > self.config.max_len:
                 raise SamplingError(
                     f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={more} that exceeds the "
-                    f"model's context of {self.config.max_len} tokens: shorten the prompt or ask for fewer tokens")
+                    f"model's context of {self.config.max_len} tokens: shorten the prompt or ask for fewer tokens"
+                )
 
-    def start(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: np.ndarray, sampling: SamplingParams,
-              seeds: np.ndarray, eos_id: np.ndarray, original_order: bool = False) -> "DecodeRun":
+    def start(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: np.ndarray,
+        sampling: SamplingParams,
+        seeds: np.ndarray,
+        eos_id: np.ndarray,
+        original_order: bool = False,
+    ) -> DecodeRun:
         """Prefill ``prompts`` (token ids) and choose each row's first token.
 
         Prompts are left-padded to a power-of-two length ``P`` (at least 16), so every row's newest
@@ -228,7 +286,7 @@ class Decoder:
         new_tokens = bucket(int(np.max(max_new_tokens)))
         tokens = np.zeros((batch, prompt_len), np.int32)
         for row, prompt in enumerate(prompts):
-            tokens[row, prompt_len - len(prompt):] = prompt
+            tokens[row, prompt_len - len(prompt) :] = prompt
         lengths = np.zeros(batch, np.int32)
         lengths[:n] = [len(p) for p in prompts]
 
@@ -238,9 +296,17 @@ class Decoder:
             return out
 
         with partitioning.sharding_scope(self.mesh, self.rules):
-            state = self._prefill(self.params, tokens, lengths, pad(max_new_tokens, np.int32),
-                                  pad(eos_id, np.int32), pad(seeds, np.uint32), sampling.pad_to(batch),
-                                  new_tokens, original_order)
+            state = self._prefill(
+                self.params,
+                tokens,
+                lengths,
+                pad(max_new_tokens, np.int32),
+                pad(eos_id, np.int32),
+                pad(seeds, np.uint32),
+                sampling.pad_to(batch),
+                new_tokens,
+                original_order,
+            )
         return DecodeRun(self, state, n, original_order)
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -252,19 +318,21 @@ class Decoder:
             raise SamplingError("no sequences given to score: pass at least one")
         for i, seq in enumerate(sequences):
             if len(seq) < 2:
-                raise SamplingError(f"sequence {i} has {len(seq)} token(s); scoring needs at least 2 "
-                                    "(the first token is the context of the second)")
+                raise SamplingError(
+                    f"sequence {i} has {len(seq)} token(s); scoring needs at least 2 "
+                    "(the first token is the context of the second)"
+                )
         self._check_lengths(sequences, [0] * len(sequences))
         batch = self.padded_batch(len(sequences))
         length = min(bucket(max(len(s) for s in sequences)), self.config.max_len)
         tokens = np.zeros((batch, length), np.int32)
         segments = np.zeros((batch, length), np.int32)
         for row, seq in enumerate(sequences):  # right-padded: causal attention never sees the padding
-            tokens[row, :len(seq)] = seq
-            segments[row, :len(seq)] = 1
+            tokens[row, : len(seq)] = seq
+            segments[row, : len(seq)] = 1
         with partitioning.sharding_scope(self.mesh, self.rules):
             out = np.asarray(self._score(self.params, tokens, segments))
-        return [out[row, :len(seq) - 1] for row, seq in enumerate(sequences)]
+        return [out[row, : len(seq) - 1] for row, seq in enumerate(sequences)]
 
     def compilations(self) -> int:
         """Programs compiled so far (prefill + decode + score), for checking that nothing recompiles."""
@@ -283,7 +351,8 @@ class DecodeRun:
     def _fetch(self) -> Progress:
         s, n = self._state, self._rows
         tokens, logprobs, num, finish, self._step = jax.device_get(
-            (s.tokens, s.logprobs, s.num_generated, s.finish, s.step))
+            (s.tokens, s.logprobs, s.num_generated, s.finish, s.step)
+        )
         return Progress(tokens[:n], logprobs[:n], num[:n], finish[:n])
 
     def advance(self, steps: int, stop_rows: Sequence[int] = ()) -> Progress:
@@ -294,7 +363,8 @@ class DecodeRun:
         stopped[list(stop_rows)] = True
         stop_at = min(int(self._step) + steps, self.capacity)
         with partitioning.sharding_scope(self._decoder.mesh, self._decoder.rules):
-            self._state = self._decoder._decode(self._decoder.params, self._state, np.int32(stop_at), stopped,
-                                                self._original_order)
+            self._state = self._decoder._decode(
+                self._decoder.params, self._state, np.int32(stop_at), stopped, self._original_order
+            )
         self.progress = self._fetch()
         return self.progress

@@ -11,8 +11,6 @@ import dataclasses
 import os
 from pathlib import Path
 
-from jax.sharding import Mesh
-
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import dtype_name, jnp_dtype
 from gptj_flax.convert.hf import HFCheckpoint, is_hf_source
@@ -25,8 +23,9 @@ from gptj_flax.sampling.samplers import SamplingError
 HF_TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 
 
-def load(path: str | os.PathLike, mesh: partitioning.MeshSpec = None, dtype=None, *, step: int | None = None,
-         tokenizer=None) -> LanguageModel:
+def load(
+    path: str | os.PathLike, mesh: partitioning.MeshSpec = None, dtype=None, *, step: int | None = None, tokenizer=None
+) -> LanguageModel:
     """A :class:`LanguageModel` from ``path``, ready to generate, stream and score.
 
     Args:
@@ -45,8 +44,9 @@ def load(path: str | os.PathLike, mesh: partitioning.MeshSpec = None, dtype=None
     name = None if dtype is None else dtype_name(dtype)
     if is_hf_source(path):
         if step is not None:
-            raise SamplingError(f"step={step}: a HuggingFace directory holds one set of weights; step= is for "
-                                "Orbax checkpoints")
+            raise SamplingError(
+                f"step={step}: a HuggingFace directory holds one set of weights; step= is for Orbax checkpoints"
+            )
         source = HFCheckpoint.open(path, dtype=name)
         held = name or source.stored_dtype
         model_config = dataclasses.replace(source.model_config, dtype=held, param_dtype=held)
@@ -55,10 +55,11 @@ def load(path: str | os.PathLike, mesh: partitioning.MeshSpec = None, dtype=None
         has_tokenizer = any((Path(source.directory) / f).is_file() for f in HF_TOKENIZER_FILES)
         saved, step = (source.directory if has_tokenizer else None), 0
     else:
-        config, params, step = checkpoint.load_params(path, mesh, step=step,
-                                                      dtype=None if name is None else jnp_dtype(name))
-        model_config = config.model if name is None else dataclasses.replace(config.model, dtype=name,
-                                                                             param_dtype=name)
+        config, params, step = checkpoint.load_params(
+            path, mesh, step=step, dtype=None if name is None else jnp_dtype(name)
+        )
+        model_config = config.model if name is None else dataclasses.replace(config.model, dtype=name, param_dtype=name)
         saved = checkpoint.tokenizer_dir(path)
-    return LanguageModel(model_config, params, tokenizer=resolve_tokenizer(tokenizer, saved=saved), mesh=mesh,
-                         step=step)
+    return LanguageModel(
+        model_config, params, tokenizer=resolve_tokenizer(tokenizer, saved=saved), mesh=mesh, step=step
+    )

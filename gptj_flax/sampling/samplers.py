@@ -50,30 +50,30 @@ class SamplingParams:
     repetition_penalty: Array  # float32 > 0; 1 → off
 
     @classmethod
-    def build(cls, batch: int, *, temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, min_p=0.0,
-              repetition_penalty=1.0) -> "SamplingParams":
+    def build(
+        cls, batch: int, *, temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, min_p=0.0, repetition_penalty=1.0
+    ) -> SamplingParams:
         """Host-side numpy settings for ``batch`` rows; each argument is one value or one per row.
 
         Raises :class:`SamplingError` naming the first value out of its range.
         """
         return cls(
-            temperature=per_example("temperature", temperature, batch, float, lambda x: x >= 0,
-                                    ">= 0 (0 is greedy)"),
+            temperature=per_example("temperature", temperature, batch, float, lambda x: x >= 0, ">= 0 (0 is greedy)"),
             top_k=per_example("top_k", top_k, batch, int, lambda x: x >= 0, "an integer >= 0 (0 is off)"),
             top_p=per_example("top_p", top_p, batch, float, lambda x: 0 < x <= 1, "in (0, 1] (1 is off)"),
-            typical_p=per_example("typical_p", typical_p, batch, float, lambda x: 0 < x <= 1,
-                                  "in (0, 1] (1 is off)"),
+            typical_p=per_example("typical_p", typical_p, batch, float, lambda x: 0 < x <= 1, "in (0, 1] (1 is off)"),
             min_p=per_example("min_p", min_p, batch, float, lambda x: 0 <= x <= 1, "in [0, 1] (0 is off)"),
-            repetition_penalty=per_example("repetition_penalty", repetition_penalty, batch, float,
-                                           lambda x: x > 0, "> 0 (1 is off)"),
+            repetition_penalty=per_example(
+                "repetition_penalty", repetition_penalty, batch, float, lambda x: x > 0, "> 0 (1 is off)"
+            ),
         )
 
     @classmethod
-    def logical_axes(cls) -> "SamplingParams":
+    def logical_axes(cls) -> SamplingParams:
         batch = PartitionSpec("batch")
         return cls(*(batch,) * 6)
 
-    def pad_to(self, batch: int) -> "SamplingParams":
+    def pad_to(self, batch: int) -> SamplingParams:
         """Extend host settings to ``batch`` rows with neutral values (for batch-padding rows)."""
         neutral = SamplingParams.build(1, temperature=0.0)
         return jax.tree.map(lambda x, n: np.concatenate([x, np.repeat(n, batch - len(x))]), self, neutral)
@@ -193,8 +193,9 @@ def warp(logits: Array, params: SamplingParams, original_order: bool = False) ->
     return logits
 
 
-def next_tokens(logits: Array, params: SamplingParams, seen: Array, keys: Array, valid_vocab: int,
-                original_order: bool = False) -> Array:
+def next_tokens(
+    logits: Array, params: SamplingParams, seen: Array, keys: Array, valid_vocab: int, original_order: bool = False
+) -> Array:
     """Choose one token per row: greedy where temperature is 0, otherwise a draw with that row's key.
 
     Args:
@@ -205,8 +206,9 @@ def next_tokens(logits: Array, params: SamplingParams, seen: Array, keys: Array,
       valid_vocab: ids at or above it are never chosen.
     """
     logits = mask_vocab(logits, valid_vocab)
-    logits = _when_used(params.repetition_penalty != 1, lambda x, p: repetition_penalty(x, seen, p),
-                        logits, params.repetition_penalty)
+    logits = _when_used(
+        params.repetition_penalty != 1, lambda x, p: repetition_penalty(x, seen, p), logits, params.repetition_penalty
+    )
     greedy = first_argmax(logits)
 
     def draw(logits):

@@ -54,7 +54,7 @@ class TextTracker:
             text, self.num_tokens, self.stopped = text[:hit], n, True
         self.text = text
         end = len(text) if final or self.stopped else len(text) - self._held_back(text)
-        piece = text[self._emitted:end] if end > self._emitted else ""
+        piece = text[self._emitted : end] if end > self._emitted else ""
         self._emitted = max(self._emitted, end)
         return piece
 

@@ -11,5 +11,16 @@ from gptj_flax.serving.auth import KeysFileError
 from gptj_flax.serving.server import LOG_FORMAT, DrainingServer, serve
 from gptj_flax.serving.settings import ServeSettings, ServingError, SettingsError, add_arguments, settings_from
 
-__all__ = ["LOG_FORMAT", "DrainingServer", "KeysFileError", "ServeSettings", "Service", "ServingError",
-           "SettingsError", "add_arguments", "create_app", "serve", "settings_from"]
+__all__ = [
+    "LOG_FORMAT",
+    "DrainingServer",
+    "KeysFileError",
+    "ServeSettings",
+    "Service",
+    "ServingError",
+    "SettingsError",
+    "add_arguments",
+    "create_app",
+    "serve",
+    "settings_from",
+]

@@ -27,7 +27,7 @@ from gptj_flax.serving.auth import KeyStore, KeysUnavailable, bearer_token, key_
 from gptj_flax.serving.metrics import Metrics
 from gptj_flax.serving.request_log import RequestLog
 from gptj_flax.serving.settings import ServeSettings, ServingError
-from gptj_flax.serving.worker import READY, WARMING_UP, BatchWorker, Job, NotAccepting, QueueFull, Prompt, StreamEnd
+from gptj_flax.serving.worker import READY, WARMING_UP, BatchWorker, Job, NotAccepting, Prompt, QueueFull, StreamEnd
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +57,25 @@ ERRORS = {
 
 
 # One server-sent event of a streamed completion, as OpenAPI describes SSE responses.
-SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
-    "type": "string", "description": "a completion chunk (JSON, one choice's new text) or, last, `[DONE]`"}}}
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string", "description": "a completion chunk (JSON, one choice's new text) or, last, `[DONE]`"}
+    },
+}
 
 
 class Service:
     """What one app serves with: the model, its worker, keys, metrics, request log, and drain state."""
 
-    def __init__(self, model, settings: ServeSettings, keys: KeyStore | None = None,
-                 request_log: RequestLog | None = None):
+    def __init__(
+        self, model, settings: ServeSettings, keys: KeyStore | None = None, request_log: RequestLog | None = None
+    ):
         if model.tokenizer is None:
-            raise ServingError(f"{settings.checkpoint} has no tokenizer; serving needs one saved beside the "
-                               "checkpoint (tokenizer/)")
+            raise ServingError(
+                f"{settings.checkpoint} has no tokenizer; serving needs one saved beside the checkpoint (tokenizer/)"
+            )
         self.model, self.settings = model, settings
         self.name = settings.served_model_name
         self.context = int(model.config.max_len)
@@ -76,9 +83,14 @@ class Service:
         self.metrics = Metrics()
         self.keys = keys if keys is not None else open_keys(settings)
         self.request_log = request_log if request_log is not None else open_request_log(settings)
-        self.worker = BatchWorker(model, max_batch=settings.max_batch, queue_size=settings.queue_size,
-                                  batch_window_s=settings.batch_window_ms / 1000, warmup_tokens=settings.warmup_tokens,
-                                  metrics=self.metrics)
+        self.worker = BatchWorker(
+            model,
+            max_batch=settings.max_batch,
+            queue_size=settings.queue_size,
+            batch_window_s=settings.batch_window_ms / 1000,
+            warmup_tokens=settings.warmup_tokens,
+            metrics=self.metrics,
+        )
         # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest.
         self.max_body_bytes = 2**16 + 2 * settings.max_batch * schemas.MAX_TEXT_CHARS * 6
         self.created = int(time.time())
@@ -107,8 +119,11 @@ class Service:
             raise HTTPException(503, "the server cannot check API keys at the moment; try again later") from None
         if not valid:
             logger.info("refused %s: %s API key", request.url.path, "no" if key is None else "an invalid")
-            raise HTTPException(401, "a valid API key is required (the api_key field or Authorization: Bearer)",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401,
+                "a valid API key is required (the api_key field or Authorization: Bearer)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return key_id(key)
 
     def encode(self, text: str) -> list[int]:
@@ -140,11 +155,27 @@ class Service:
                 self.worker.cancel(job)
                 job.result.cancel()
 
-    def log(self, *, key: str | None, endpoint: str, prompt: str | list[str], pre_prompt: str,
-            settings: dict[str, Any], response: str | list[str], started: float) -> None:
+    def log(
+        self,
+        *,
+        key: str | None,
+        endpoint: str,
+        prompt: str | list[str],
+        pre_prompt: str,
+        settings: dict[str, Any],
+        response: str | list[str],
+        started: float,
+    ) -> None:
         if self.request_log is not None:
-            self.request_log.write(key_id=key, endpoint=endpoint, prompt=prompt, pre_prompt=pre_prompt,
-                                   settings=settings, response=response, latency_s=time.monotonic() - started)
+            self.request_log.write(
+                key_id=key,
+                endpoint=endpoint,
+                prompt=prompt,
+                pre_prompt=pre_prompt,
+                settings=settings,
+                response=response,
+                latency_s=time.monotonic() - started,
+            )
 
     def close(self) -> None:
         if self.request_log is not None:
@@ -157,21 +188,33 @@ def open_keys(settings: ServeSettings) -> KeyStore | None:
 
 
 def open_request_log(settings: ServeSettings) -> RequestLog | None:
-    return None if not settings.log_file else RequestLog(
-        settings.log_file, log_format=settings.log_format, max_bytes=settings.log_max_bytes,
-        backups=settings.log_backups)
+    return (
+        None
+        if not settings.log_file
+        else RequestLog(
+            settings.log_file,
+            log_format=settings.log_format,
+            max_bytes=settings.log_max_bytes,
+            backups=settings.log_backups,
+        )
+    )
 
 
 def validation_errors(exc: RequestValidationError) -> list[dict]:
     """Each error's field and problem, without the value sent (it may be a key, or not JSON at all)."""
-    return [{"loc": [part if isinstance(part, int) else str(part) for part in error["loc"]],
-             "msg": str(error["msg"]), "type": str(error["type"])} for error in exc.errors()]
+    return [
+        {
+            "loc": [part if isinstance(part, int) else str(part) for part in error["loc"]],
+            "msg": str(error["msg"]),
+            "type": str(error["type"]),
+        }
+        for error in exc.errors()
+    ]
 
 
 def json_response(content: Any, status_code: int) -> Response:
     # ASCII escapes keep any character JSON-encodable, even one that has no UTF-8 form.
-    return Response(json.dumps(content, ensure_ascii=True, allow_nan=False), status_code,
-                    media_type="application/json")
+    return Response(json.dumps(content, ensure_ascii=True, allow_nan=False), status_code, media_type="application/json")
 
 
 async def _client_gone(request: Request) -> None:
@@ -242,8 +285,9 @@ def _sse(payload: Any) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def create_app(model, settings: ServeSettings, keys: KeyStore | None = None,
-               request_log: RequestLog | None = None) -> FastAPI:
+def create_app(
+    model, settings: ServeSettings, keys: KeyStore | None = None, request_log: RequestLog | None = None
+) -> FastAPI:
     """The app serving ``model`` (a :class:`~gptj_flax.sampling.LanguageModel`).
 
     Its lifespan starts the batch worker (which warms the model up before ``/health`` says ready)
@@ -261,8 +305,13 @@ def create_app(model, settings: ServeSettings, keys: KeyStore | None = None,
         await asyncio.to_thread(service.worker.stop)
         service.close()
 
-    app = FastAPI(title="gptj_flax", version="1", lifespan=lifespan, max_body_size=service.max_body_bytes,
-                  description="GPT-J completions: the GPT-4chan `/complete` API and OpenAI-style `/v1/completions`.")
+    app = FastAPI(
+        title="gptj_flax",
+        version="1",
+        lifespan=lifespan,
+        max_body_size=service.max_body_bytes,
+        description="GPT-J completions: the GPT-4chan `/complete` API and OpenAI-style `/v1/completions`.",
+    )
     app.state.service = service
     app.add_middleware(ServiceMiddleware, service=service)
 
@@ -272,8 +321,13 @@ def create_app(model, settings: ServeSettings, keys: KeyStore | None = None,
         FastAPI's shape (``loc``, ``msg``, ``type``) without the ``input`` it would echo."""
         for error in exc.errors():
             if error.get("type") == "json_invalid":
-                return json_response({"detail": f"malformed JSON at character {error['loc'][-1]}: "
-                                                f"{error.get('ctx', {}).get('error', 'cannot parse')}"}, 400)
+                return json_response(
+                    {
+                        "detail": f"malformed JSON at character {error['loc'][-1]}: "
+                        f"{error.get('ctx', {}).get('error', 'cannot parse')}"
+                    },
+                    400,
+                )
         return json_response({"detail": validation_errors(exc)}, 422)
 
     @app.post("/complete", response_model=schemas.CompleteResponse, responses=ERRORS)
@@ -282,27 +336,55 @@ def create_app(model, settings: ServeSettings, keys: KeyStore | None = None,
         the context with `length` new tokens (413 if even the pre_prompt and one prompt token cannot)."""
         started = time.monotonic()
         key = service.authorize(request, body.api_key)
-        pre = service.encode(body.pre_prompt)[:settings.pre_prompt_length]
+        pre = service.encode(body.pre_prompt)[: settings.pre_prompt_length]
         prompt = service.encode(body.prompt)
         shortest = len(pre) + min(len(prompt), 1) or 1  # nothing at all: start from the EOS token
         if shortest + body.length > service.context:
-            raise HTTPException(413, f"length {body.length} with a pre_prompt of {len(pre)} tokens and at least one "
-                                     f"prompt token exceeds the model's context of {service.context} tokens")
+            raise HTTPException(
+                413,
+                f"length {body.length} with a pre_prompt of {len(pre)} tokens and at least one "
+                f"prompt token exceeds the model's context of {service.context} tokens",
+            )
         room = service.context - body.length - len(pre)
-        tokens = pre + prompt[max(0, len(prompt) - room):] or [service.start_token]
-        row = Prompt(tokens, body.length, min(body.temperature, HOTTEST), _fewest(body.top_p), _fewest(body.typical_p),
-                  _seed(body.seed))
+        tokens = pre + prompt[max(0, len(prompt) - room) :] or [service.start_token]
+        row = Prompt(
+            tokens,
+            body.length,
+            min(body.temperature, HOTTEST),
+            _fewest(body.top_p),
+            _fewest(body.typical_p),
+            _seed(body.seed),
+        )
         (completion,) = await service.run(request, Job([row]))
-        service.log(key=key, endpoint="/complete", prompt=body.prompt, pre_prompt=body.pre_prompt,
-                    settings=dict(length=body.length, top_p=body.top_p, temperature=body.temperature,
-                                  typical_p=body.typical_p, seed=row.seed),
-                    response=completion.text, started=started)
+        service.log(
+            key=key,
+            endpoint="/complete",
+            prompt=body.prompt,
+            pre_prompt=body.pre_prompt,
+            settings=dict(
+                length=body.length,
+                top_p=body.top_p,
+                temperature=body.temperature,
+                typical_p=body.typical_p,
+                seed=row.seed,
+            ),
+            response=completion.text,
+            started=started,
+        )
         return {"response": completion.text}
 
-    @app.post("/v1/completions", response_model=schemas.CompletionResponse,
-              responses={**ERRORS, 404: _error("unknown model"),
-                         200: {"content": {"text/event-stream": {"schema": SSE_EVENT}},
-                               "description": "a completion; with `stream`, server-sent events"}})
+    @app.post(
+        "/v1/completions",
+        response_model=schemas.CompletionResponse,
+        responses={
+            **ERRORS,
+            404: _error("unknown model"),
+            200: {
+                "content": {"text/event-stream": {"schema": SSE_EVENT}},
+                "description": "a completion; with `stream`, server-sent events",
+            },
+        },
+    )
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI-style completions of one prompt or a list; `stream` sends server-sent events."""
         started = time.monotonic()
@@ -310,62 +392,106 @@ def create_app(model, settings: ServeSettings, keys: KeyStore | None = None,
         if body.model is not None and body.model != service.name:
             raise HTTPException(404, f"model {body.model!r} is not served here; this server has {service.name!r}")
         if body.stream and body.logprobs is not None:  # the streaming API yields text only
-            raise RequestValidationError([{"type": "value_error", "loc": ("body", "logprobs"), "input": body.logprobs,
-                                           "msg": "logprobs is not available with stream"}])
+            raise RequestValidationError(
+                [
+                    {
+                        "type": "value_error",
+                        "loc": ("body", "logprobs"),
+                        "input": body.logprobs,
+                        "msg": "logprobs is not available with stream",
+                    }
+                ]
+            )
         texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         stop = () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
         rows = []
         for i, text in enumerate(texts):
             tokens = service.encode(text) or [service.start_token]
             if len(tokens) + body.max_tokens > service.context:
-                raise HTTPException(413, f"prompt {i} has {len(tokens)} tokens; with max_tokens={body.max_tokens} "
-                                         f"that exceeds the model's context of {service.context} tokens")
-            rows.append(Prompt(tokens, body.max_tokens, body.temperature, _fewest(body.top_p), 1.0,
-                            _seed(body.seed, i), stop))
-        settings_logged = dict(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                               stop=list(stop), seed=body.seed, stream=body.stream)
+                raise HTTPException(
+                    413,
+                    f"prompt {i} has {len(tokens)} tokens; with max_tokens={body.max_tokens} "
+                    f"that exceeds the model's context of {service.context} tokens",
+                )
+            rows.append(
+                Prompt(tokens, body.max_tokens, body.temperature, _fewest(body.top_p), 1.0, _seed(body.seed, i), stop)
+            )
+        settings_logged = dict(
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            stop=list(stop),
+            seed=body.seed,
+            stream=body.stream,
+        )
         completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def log(responses: list[str]) -> None:
-            service.log(key=key, endpoint="/v1/completions", prompt=body.prompt, pre_prompt="",
-                        settings=settings_logged, response=responses[0] if isinstance(body.prompt, str) else responses,
-                        started=started)
+            service.log(
+                key=key,
+                endpoint="/v1/completions",
+                prompt=body.prompt,
+                pre_prompt="",
+                settings=settings_logged,
+                response=responses[0] if isinstance(body.prompt, str) else responses,
+                started=started,
+            )
 
         if body.stream:
             job = Job(rows, stream=True)
             service.submit(job)
-            return JobStream(_events(job, completion_id, created, service.name, log),
-                             on_close=lambda: service.worker.cancel(job))
+            return JobStream(
+                _events(job, completion_id, created, service.name, log), on_close=lambda: service.worker.cancel(job)
+            )
 
         job = Job(rows, logprobs=body.logprobs is not None)
         results = await service.run(request, job)
-        choices = [schemas.Choice(text=c.text, index=i, finish_reason=OPENAI_FINISH_REASON[c.finish_reason],
-                                  logprobs=_logprobs(service.model, c, len(texts[i])) if job.logprobs else None)
-                   for i, c in enumerate(results)]
+        choices = [
+            schemas.Choice(
+                text=c.text,
+                index=i,
+                finish_reason=OPENAI_FINISH_REASON[c.finish_reason],
+                logprobs=_logprobs(service.model, c, len(texts[i])) if job.logprobs else None,
+            )
+            for i, c in enumerate(results)
+        ]
         prompt_tokens = sum(c.prompt_tokens for c in results)
         completion_tokens = sum(c.completion_tokens for c in results)
         log([c.text for c in results])
         return schemas.CompletionResponse(
-            id=completion_id, created=created, model=service.name, choices=choices,
-            usage=schemas.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                total_tokens=prompt_tokens + completion_tokens))
+            id=completion_id,
+            created=created,
+            model=service.name,
+            choices=choices,
+            usage=schemas.Usage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            ),
+        )
 
     @app.get("/v1/models", response_model=schemas.ModelList)
     async def models():
-        return schemas.ModelList(data=[schemas.ModelCard(id=service.name, created=service.created,
-                                                         max_model_len=service.context)])
+        return schemas.ModelList(
+            data=[schemas.ModelCard(id=service.name, created=service.created, max_model_len=service.context)]
+        )
 
     @app.get("/health", response_model=schemas.Health, responses={503: {"model": schemas.Health}})
     async def health():
         """200 once the model is warmed up (compiled) and taking requests; 503 before, and while draining."""
         status = service.status
-        body = schemas.Health(status=status, model=service.name, queued_prompts=service.worker.queued_rows,
-                              error=service.worker.error)
+        body = schemas.Health(
+            status=status, model=service.name, queued_prompts=service.worker.queued_rows, error=service.worker.error
+        )
         return JSONResponse(body.model_dump(), status_code=200 if status == READY else 503)
 
-    @app.get("/metrics", response_class=Response,
-             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                              "description": "Prometheus text format"}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"}
+        },
+    )
     async def metrics():
         return Response(service.metrics.render(), media_type=service.metrics.content_type)
 
@@ -379,21 +505,36 @@ async def _events(job: Job, completion_id: str, created: int, model_name: str, l
         item = await job.pieces.get()
         if isinstance(item, StreamEnd):
             if item.error is not None:
-                yield _sse({"error": {"message": "generation failed; the server log has the details",
-                                      "type": "server_error"}})
+                yield _sse(
+                    {"error": {"message": "generation failed; the server log has the details", "type": "server_error"}}
+                )
                 return
             break
         for index, piece in enumerate(item):
             if piece:
                 texts[index] += piece
-                yield _sse({"id": completion_id, "object": "text_completion", "created": created,
-                            "model": model_name,
-                            "choices": [{"text": piece, "index": index, "logprobs": None, "finish_reason": None}]})
+                yield _sse(
+                    {
+                        "id": completion_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model_name,
+                        "choices": [{"text": piece, "index": index, "logprobs": None, "finish_reason": None}],
+                    }
+                )
     for index, reason in enumerate(item.finish_reasons):  # as OpenAI: a last chunk per choice says why it ended
         if reason is not None:
-            yield _sse({"id": completion_id, "object": "text_completion", "created": created, "model": model_name,
-                        "choices": [{"text": "", "index": index, "logprobs": None,
-                                     "finish_reason": OPENAI_FINISH_REASON[reason]}]})
+            yield _sse(
+                {
+                    "id": completion_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model_name,
+                    "choices": [
+                        {"text": "", "index": index, "logprobs": None, "finish_reason": OPENAI_FINISH_REASON[reason]}
+                    ],
+                }
+            )
     log(texts)
     yield _sse("[DONE]")
 

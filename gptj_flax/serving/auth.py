@@ -64,8 +64,10 @@ def read_keys(path: str) -> tuple[bytes, ...]:
         if not tokens or tokens[0].startswith("#"):
             continue
         if len(tokens[0]) < MIN_KEY_CHARS:
-            raise KeysFileError(f"API keys file {path} line {number}: the key is shorter than {MIN_KEY_CHARS} "
-                                "characters; use a longer random key, or start the line with # to comment it out")
+            raise KeysFileError(
+                f"API keys file {path} line {number}: the key is shorter than {MIN_KEY_CHARS} "
+                "characters; use a longer random key, or start the line with # to comment it out"
+            )
         digests.append(key_digest(tokens[0]))
     return tuple(digests)
 

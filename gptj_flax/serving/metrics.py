@@ -15,23 +15,36 @@ class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("gptj_requests", "HTTP requests answered, by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
-        self.request_latency = Histogram("gptj_request_latency_seconds",
-                                         "Time from request to complete response, completion endpoints",
-                                         ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "gptj_requests", "HTTP requests answered, by endpoint and status code", ["endpoint", "status"], registry=r
+        )
+        self.request_latency = Histogram(
+            "gptj_request_latency_seconds",
+            "Time from request to complete response, completion endpoints",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge("gptj_queue_depth", "Prompts waiting for the batch worker", registry=r)
-        self.queue_wait = Histogram("gptj_queue_wait_seconds", "Time a request waited before its batch started",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("gptj_batch_size", "Prompts per batched generate call",
-                                    buckets=BATCH_BUCKETS, registry=r)
-        self.batch_latency = Histogram("gptj_batch_seconds", "Duration of one batched generate call",
-                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram(
+            "gptj_queue_wait_seconds",
+            "Time a request waited before its batch started",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "gptj_batch_size", "Prompts per batched generate call", buckets=BATCH_BUCKETS, registry=r
+        )
+        self.batch_latency = Histogram(
+            "gptj_batch_seconds", "Duration of one batched generate call", buckets=LATENCY_BUCKETS, registry=r
+        )
         # Streamed completions are not counted: LanguageModel.stream reports text, not tokens.
-        self.generated_tokens = Counter("gptj_generated_tokens", "Tokens generated for non-streamed completions",
-                                        registry=r)
-        self.tokens_per_second = Gauge("gptj_tokens_per_second",
-                                       "Generated tokens per second in the last non-streamed batch", registry=r)
+        self.generated_tokens = Counter(
+            "gptj_generated_tokens", "Tokens generated for non-streamed completions", registry=r
+        )
+        self.tokens_per_second = Gauge(
+            "gptj_tokens_per_second", "Generated tokens per second in the last non-streamed batch", registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

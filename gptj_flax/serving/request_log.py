@@ -24,8 +24,9 @@ from typing import Any
 
 
 class RequestLog:
-    def __init__(self, path: str | os.PathLike, *, log_format: str = "jsonl", max_bytes: int = 100 * 2**20,
-                 backups: int = 5):
+    def __init__(
+        self, path: str | os.PathLike, *, log_format: str = "jsonl", max_bytes: int = 100 * 2**20, backups: int = 5
+    ):
         path = os.fspath(path)
         if os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -37,18 +38,39 @@ class RequestLog:
         self._logger.propagate = False
         self._logger.addHandler(self._handler)
 
-    def write(self, *, key_id: str | None, endpoint: str, prompt: str | list[str], pre_prompt: str,
-              settings: dict[str, Any], response: str | list[str], latency_s: float) -> None:
+    def write(
+        self,
+        *,
+        key_id: str | None,
+        endpoint: str,
+        prompt: str | list[str],
+        pre_prompt: str,
+        settings: dict[str, Any],
+        response: str | list[str],
+        latency_s: float,
+    ) -> None:
         """One request; a list prompt comes with a list of responses (one transcript block each)."""
         now = time.time()
         if self.format == "transcript":
             pairs = zip(prompt, response, strict=True) if isinstance(prompt, list) else [(prompt, response)]
-            record = "\n".join(f"##### {key_id or '-'} ##### {int(now)} #####\n{pre_prompt}\n###\n{text}\n#####\n"
-                                f"{completion}\n" for text, completion in pairs)
+            record = "\n".join(
+                f"##### {key_id or '-'} ##### {int(now)} #####\n{pre_prompt}\n###\n{text}\n#####\n{completion}\n"
+                for text, completion in pairs
+            )
         else:
-            record = json.dumps({"time": round(now, 3), "key_id": key_id, "endpoint": endpoint, "prompt": prompt,
-                                 "pre_prompt": pre_prompt, "settings": settings, "response": response,
-                                 "latency_s": round(latency_s, 4)}, ensure_ascii=False)
+            record = json.dumps(
+                {
+                    "time": round(now, 3),
+                    "key_id": key_id,
+                    "endpoint": endpoint,
+                    "prompt": prompt,
+                    "pre_prompt": pre_prompt,
+                    "settings": settings,
+                    "response": response,
+                    "latency_s": round(latency_s, 4),
+                },
+                ensure_ascii=False,
+            )
         self._logger.info(record)
 
     def close(self) -> None:

@@ -14,10 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_TEXT_CHARS = 16384  # the GPT-4chan limit on prompt and pre_prompt
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 4, 256
 SEED_LIMIT = 2**32  # LanguageModel.generate takes seeds in [0, 2**32)
-SEED = Field(None, ge=0, lt=SEED_LIMIT, description="random seed; the same seed, prompt and settings give the same "
-                                               "output (default: a fresh random seed)")
-API_KEY = Field(None, min_length=1, max_length=128,
-                description="API key (or send it as `Authorization: Bearer KEY`)")
+SEED = Field(
+    None,
+    ge=0,
+    lt=SEED_LIMIT,
+    description="random seed; the same seed, prompt and settings give the same output (default: a fresh random seed)",
+)
+API_KEY = Field(None, min_length=1, max_length=128, description="API key (or send it as `Authorization: Bearer KEY`)")
 
 
 class StrictModel(BaseModel):
@@ -27,17 +30,32 @@ class StrictModel(BaseModel):
 class CompleteRequest(StrictModel):
     """The GPT-4chan `/complete` body: its fields, defaults and limits, plus an optional seed."""
 
-    prompt: str = Field(max_length=MAX_TEXT_CHARS, description="text to continue; its oldest tokens are dropped "
-                                                               "when it does not fit the context with `length`")
-    pre_prompt: str = Field("", max_length=MAX_TEXT_CHARS,
-                            description="text put before the prompt; its first `pre_prompt_length` tokens are kept")
+    prompt: str = Field(
+        max_length=MAX_TEXT_CHARS,
+        description="text to continue; its oldest tokens are dropped when it does not fit the context with `length`",
+    )
+    pre_prompt: str = Field(
+        "",
+        max_length=MAX_TEXT_CHARS,
+        description="text put before the prompt; its first `pre_prompt_length` tokens are kept",
+    )
     api_key: str | None = API_KEY
     length: int = Field(128, ge=1, le=1024, description="tokens to generate (fewer if the model ends the text)")
-    top_p: float = Field(1.0, ge=0, le=1, allow_inf_nan=False,
-                         description="nucleus sampling; 1 is off, 0 keeps only the most likely token")
+    top_p: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="nucleus sampling; 1 is off, 0 keeps only the most likely token",
+    )
     temperature: float = Field(1.0, ge=0, allow_inf_nan=False, description="0 is greedy")
-    typical_p: float = Field(1.0, ge=0, le=1, allow_inf_nan=False,
-                             description="locally typical sampling; 1 is off, 0 keeps only the most typical token")
+    typical_p: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="locally typical sampling; 1 is off, 0 keeps only the most typical token",
+    )
     seed: int | None = SEED
 
 
@@ -57,19 +75,35 @@ def completion_request_model(max_prompts: int) -> type[StrictModel]:
 
         model: str | None = Field(None, max_length=256, description="must be the served model's id, if given")
         prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=max_prompts)] = Field(
-            description=f"a text, or a list of up to {max_prompts} texts completed together")
-        max_tokens: int = Field(16, ge=1, le=2**20, description="tokens to generate per prompt; prompt and "
-                                                                "max_tokens must fit the model's context")
+            description=f"a text, or a list of up to {max_prompts} texts completed together"
+        )
+        max_tokens: int = Field(
+            16,
+            ge=1,
+            le=2**20,
+            description="tokens to generate per prompt; prompt and max_tokens must fit the model's context",
+        )
         temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0 is greedy")
-        top_p: float = Field(1.0, ge=0, le=1, allow_inf_nan=False,
-                             description="nucleus sampling; 1 is off, 0 keeps only the most likely token")
+        top_p: float = Field(
+            1.0,
+            ge=0,
+            le=1,
+            allow_inf_nan=False,
+            description="nucleus sampling; 1 is off, 0 keeps only the most likely token",
+        )
         stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
-            None, description="up to 4 strings that end the text (they are not part of it)")
+            None, description="up to 4 strings that end the text (they are not part of it)"
+        )
         seed: int | None = SEED
         stream: bool = Field(False, description="send the text as server-sent events while it is generated")
-        logprobs: int | None = Field(None, ge=0, le=0, description="0: return each generated token's "
-                                                                   "log-probability (alternatives are not available; "
-                                                                   "not with `stream`)")
+        logprobs: int | None = Field(
+            None,
+            ge=0,
+            le=0,
+            description="0: return each generated token's "
+            "log-probability (alternatives are not available; "
+            "not with `stream`)",
+        )
         api_key: str | None = API_KEY
 
     return CompletionRequest

@@ -53,8 +53,9 @@ def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket
     (and no second server can take the port while this one loads)."""
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as e:
         raise ServingError(f"cannot listen on {where}: {e.strerror} (set --host or GPTJ_FLAX_HOST)") from None
     sock = socket.socket(family, kind, proto)
@@ -64,12 +65,17 @@ def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket
         sock.listen(backlog)
     except OSError as e:
         sock.close()
-        hint = ("; another process is listening there: stop it or choose another --port (GPTJ_FLAX_PORT)"
-                if e.errno == errno.EADDRINUSE else "")
+        hint = (
+            "; another process is listening there: stop it or choose another --port (GPTJ_FLAX_PORT)"
+            if e.errno == errno.EADDRINUSE
+            else ""
+        )
         raise ServingError(f"cannot listen on {where}: {e.strerror}{hint}") from None
     bound = sock.getsockname()[1]  # the port chosen for --port 0
-    logger.info("listening on http://%s; requests are answered once the model is loaded and warmed up",
-                f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}")
+    logger.info(
+        "listening on http://%s; requests are answered once the model is loaded and warmed up",
+        f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}",
+    )
     return sock
 
 

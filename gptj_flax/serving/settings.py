@@ -53,26 +53,41 @@ class ServeSettings:
     host: str = _setting("127.0.0.1", str, "address to listen on")
     port: int = _setting(8080, int, "TCP port to listen on")
     mesh: str | None = _setting(None, str, "data,fsdp,model sizes or a layout name (default: one device)")
-    dtype: str | None = _setting(None, str, "parameter and compute dtype: float32/fp32, bfloat16/bf16 or float16/fp16 "
-                                 "(default: as stored, see gptj_flax.load)")
+    dtype: str | None = _setting(
+        None,
+        str,
+        "parameter and compute dtype: float32/fp32, bfloat16/bf16 or float16/fp16 "
+        "(default: as stored, see gptj_flax.load)",
+    )
     api_keys_file: str | None = _setting(
-        None, str, "file of valid API keys: the first whitespace-separated token of each line, at least 16 "
+        None,
+        str,
+        "file of valid API keys: the first whitespace-separated token of each line, at least 16 "
         "characters; blank lines and lines starting with # are skipped; re-read when it changes (default: no "
-        "authentication)")
+        "authentication)",
+    )
     queue_size: int = _setting(1024, int, "prompts that may wait for the model; beyond it requests get 429")
     max_batch: int = _setting(16, int, "most prompts generated together in one batch (and per request)")
     batch_window_ms: float = _setting(
-        50.0, float, "how long the worker may wait for more requests to join a batch (only while fewer "
-        "wait than it expects: those queued plus the clients of the batch it just answered)")
+        50.0,
+        float,
+        "how long the worker may wait for more requests to join a batch (only while fewer "
+        "wait than it expects: those queued plus the clients of the batch it just answered)",
+    )
     warmup_tokens: int = _setting(
-        128, int, "tokens generated per warm-up batch before /health reports ready (compiles that length's "
-        "programs for every batch size up to --max-batch)")
+        128,
+        int,
+        "tokens generated per warm-up batch before /health reports ready (compiles that length's "
+        "programs for every batch size up to --max-batch)",
+    )
     pre_prompt_length: int = _setting(512, int, "tokens of /complete's pre_prompt that are kept (its first ones)")
-    model_name: str | None = _setting(None, str, "model id in /v1/models and responses (default: the "
-                                      "checkpoint directory's name)")
+    model_name: str | None = _setting(
+        None, str, "model id in /v1/models and responses (default: the checkpoint directory's name)"
+    )
     log_file: str | None = _setting(None, str, "append every answered completion here (default: no request log)")
-    log_format: str = _setting("jsonl", str, "request log format: one JSON object per line, or the GPT-4chan "
-                               "transcript", LOG_FORMATS)
+    log_format: str = _setting(
+        "jsonl", str, "request log format: one JSON object per line, or the GPT-4chan transcript", LOG_FORMATS
+    )
     log_max_bytes: int = _setting(100 * 2**20, int, "rotate the request log at this size (0: never)")
     log_backups: int = _setting(5, int, "rotated request logs kept")
     log_level: str = _setting("info", str, "server log level (info includes uvicorn's access log)", LOG_LEVELS)
@@ -80,8 +95,9 @@ class ServeSettings:
     def __post_init__(self):
         def check(ok: bool, name: str, accepted: str):
             if not ok:
-                raise SettingsError(f"{flag(name)} (or {env_name(name)}) must be {accepted}, "
-                                    f"got {getattr(self, name)!r}")
+                raise SettingsError(
+                    f"{flag(name)} (or {env_name(name)}) must be {accepted}, got {getattr(self, name)!r}"
+                )
 
         for name in PATH_SETTINGS:  # the frozen dataclass's own way to normalise a field
             object.__setattr__(self, name, absolute_path(getattr(self, name)))
@@ -90,10 +106,14 @@ class ServeSettings:
         check(0 <= self.port <= 65535, "port", "in 0..65535")
         check(self.queue_size >= 1, "queue_size", ">= 1")
         check(self.max_batch >= 1, "max_batch", ">= 1")
-        check(self.queue_size >= self.max_batch, "queue_size", f">= --max-batch ({self.max_batch}), or a request "
-              "with that many prompts could never be queued")
-        check(math.isfinite(self.batch_window_ms) and self.batch_window_ms >= 0, "batch_window_ms",
-              "a finite number >= 0")
+        check(
+            self.queue_size >= self.max_batch,
+            "queue_size",
+            f">= --max-batch ({self.max_batch}), or a request with that many prompts could never be queued",
+        )
+        check(
+            math.isfinite(self.batch_window_ms) and self.batch_window_ms >= 0, "batch_window_ms", "a finite number >= 0"
+        )
         check(self.warmup_tokens >= 1, "warmup_tokens", ">= 1")
         check(self.pre_prompt_length >= 0, "pre_prompt_length", ">= 0")
         if self.dtype is not None:
@@ -124,7 +144,7 @@ def absolute_path(path: str | None) -> str | None:
     if not path or "://" in path:
         return path
     if path.startswith(HF_PREFIX):
-        return HF_PREFIX + os.path.abspath(os.path.expanduser(path[len(HF_PREFIX):]))
+        return HF_PREFIX + os.path.abspath(os.path.expanduser(path[len(HF_PREFIX) :]))
     return os.path.abspath(os.path.expanduser(path))
 
 
@@ -134,8 +154,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         meta = field.metadata
         default = "" if field.default is None else f"; default {field.default}"
         legacy = f" (or {field.name.upper()}, deprecated)" if field.name in LEGACY_ENV else ""
-        parser.add_argument(flag(field.name), dest=field.name, type=meta["parse"], choices=meta["choices"],
-                            default=None, help=f"{meta['help']} [env {env_name(field.name)}{legacy}{default}]")
+        parser.add_argument(
+            flag(field.name),
+            dest=field.name,
+            type=meta["parse"],
+            choices=meta["choices"],
+            default=None,
+            help=f"{meta['help']} [env {env_name(field.name)}{legacy}{default}]",
+        )
 
 
 def _from_environment(name: str, env: Mapping[str, tuple[str, str]]) -> tuple[str, str] | None:
@@ -163,6 +189,7 @@ def settings_from(args: argparse.Namespace | None = None, environ: Mapping[str, 
             try:
                 values[field.name] = field.metadata["parse"](value)
             except ValueError:
-                raise SettingsError(f"environment variable {variable}={value!r} is not a valid "
-                                    f"{field.metadata['parse'].__name__}") from None
+                raise SettingsError(
+                    f"environment variable {variable}={value!r} is not a valid {field.metadata['parse'].__name__}"
+                ) from None
     return ServeSettings(**values)

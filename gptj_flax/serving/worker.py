@@ -104,8 +104,9 @@ class Job:
 class BatchWorker:
     """Owns the model: warms it up, then serves queued jobs in batches until stopped."""
 
-    def __init__(self, model, *, max_batch: int, queue_size: int, batch_window_s: float, warmup_tokens: int,
-                 metrics: Metrics):
+    def __init__(
+        self, model, *, max_batch: int, queue_size: int, batch_window_s: float, warmup_tokens: int, metrics: Metrics
+    ):
         self.model, self.metrics = model, metrics
         self.max_batch, self.queue_size, self.batch_window_s = max_batch, queue_size, batch_window_s
         self.warmup_tokens = warmup_tokens
@@ -194,8 +195,11 @@ class BatchWorker:
                     return None
                 self._cond.wait()
             deadline = time.monotonic() + self.batch_window_s
-            while (self._compatible_rows() < expected and not self._stopping
-                   and (remaining := deadline - time.monotonic()) > 0):
+            while (
+                self._compatible_rows() < expected
+                and not self._stopping
+                and (remaining := deadline - time.monotonic()) > 0
+            ):
                 self._cond.wait(remaining)
             return self._take()
 
@@ -253,16 +257,25 @@ class BatchWorker:
 
     @staticmethod
     def _settings(rows: list[Prompt]) -> dict:
-        return dict(max_new_tokens=[r.max_new_tokens for r in rows], temperature=[r.temperature for r in rows],
-                    top_p=[r.top_p for r in rows], typical_p=[r.typical_p for r in rows],
-                    seed=[r.seed for r in rows], stop=[list(r.stop) for r in rows])
+        return dict(
+            max_new_tokens=[r.max_new_tokens for r in rows],
+            temperature=[r.temperature for r in rows],
+            top_p=[r.top_p for r in rows],
+            typical_p=[r.typical_p for r in rows],
+            seed=[r.seed for r in rows],
+            stop=[list(r.stop) for r in rows],
+        )
 
     def _generate(self, jobs: list[Job], rows: list[Prompt]) -> int:
-        completions = self.model.generate([r.tokens for r in rows], return_tokens=True,
-                                          return_logprobs=any(job.logprobs for job in jobs), **self._settings(rows))
+        completions = self.model.generate(
+            [r.tokens for r in rows],
+            return_tokens=True,
+            return_logprobs=any(job.logprobs for job in jobs),
+            **self._settings(rows),
+        )
         offset = 0
         for job in jobs:
-            job.resolve(completions[offset:offset + len(job.rows)])
+            job.resolve(completions[offset : offset + len(job.rows)])
             offset += len(job.rows)
         return sum(c.completion_tokens for c in completions)
 
@@ -272,7 +285,7 @@ class BatchWorker:
             for pieces in pieces_iter:
                 offset, listening = 0, False
                 for job in jobs:
-                    own = pieces[offset:offset + len(job.rows)]
+                    own = pieces[offset : offset + len(job.rows)]
                     offset += len(job.rows)
                     if not job.cancelled:
                         listening = True
@@ -285,7 +298,10 @@ class BatchWorker:
         completions = pieces_iter.completions  # None when every client left before the end
         offset = 0
         for job in jobs:
-            reasons = ((None,) * len(job.rows) if completions is None else
-                       tuple(c.finish_reason for c in completions[offset:offset + len(job.rows)]))
+            reasons = (
+                (None,) * len(job.rows)
+                if completions is None
+                else tuple(c.finish_reason for c in completions[offset : offset + len(job.rows)])
+            )
             offset += len(job.rows)
             job.send(StreamEnd(finish_reasons=reasons))

@@ -6,6 +6,17 @@ from gptj_flax.training.optimizer import make_optimizer, restart_schedule, sched
 from gptj_flax.training.steps import TrainState, compile_eval_step, compile_train_step, create_state, state_shardings
 
 __all__ = [
-    "RunDirLocked", "TrainResult", "TrainState", "TrainingDiverged", "compile_eval_step", "compile_train_step", "create_state",
-    "evaluate", "make_optimizer", "restart_schedule", "schedule", "state_shardings", "train",
+    "RunDirLocked",
+    "TrainResult",
+    "TrainState",
+    "TrainingDiverged",
+    "compile_eval_step",
+    "compile_train_step",
+    "create_state",
+    "evaluate",
+    "make_optimizer",
+    "restart_schedule",
+    "schedule",
+    "state_shardings",
+    "train",
 ]

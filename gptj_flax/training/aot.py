@@ -23,8 +23,16 @@ GiB = 2**30
 # Nominal HBM per JAX device (a v2/v3 device is one core with its own HBM). XLA keeps a little for
 # itself (e.g. 15.48 GiB usable of a v3 core's 16) and is the judge: it refuses to compile a step
 # that would not fit.
-HBM_BYTES = {"TPU v2": 8 * GiB, "TPU v3": 16 * GiB, "TPU v4": 32 * GiB, "TPU v5 lite": 16 * GiB,
-             "TPU v5e": 16 * GiB, "TPU v5p": 95 * GiB, "TPU v6 lite": 32 * GiB, "TPU v6e": 32 * GiB}
+HBM_BYTES = {
+    "TPU v2": 8 * GiB,
+    "TPU v3": 16 * GiB,
+    "TPU v4": 32 * GiB,
+    "TPU v5 lite": 16 * GiB,
+    "TPU v5e": 16 * GiB,
+    "TPU v5p": 95 * GiB,
+    "TPU v6 lite": 32 * GiB,
+    "TPU v6e": 32 * GiB,
+}
 
 
 @dataclasses.dataclass
@@ -57,19 +65,24 @@ class AotReport:
     def format(self) -> str:
         hbm = f"{self.hbm_bytes / GiB:.1f} GiB" if self.hbm_bytes else "unknown"
         verdict = "FITS (XLA compiled it for this chip)" if self.fits else "DOES NOT FIT"
-        head = [f"topology {self.topology}: {self.n_devices} x {self.device_kind}, mesh {self.mesh}",
-                f"global batch {self.global_batch_tokens:,} tokens per optimiser step"]
+        head = [
+            f"topology {self.topology}: {self.n_devices} x {self.device_kind}, mesh {self.mesh}",
+            f"global batch {self.global_batch_tokens:,} tokens per optimiser step",
+        ]
         if self.compile_error:
             return "\n".join([*head, f"XLA: {self.compile_error} -> {verdict}"])
-        return "\n".join([
-            *head,
-            f"per device: arguments {self.argument_bytes / GiB:.2f} GiB + outputs {self.output_bytes / GiB:.2f} GiB"
-            f" - aliased {self.alias_bytes / GiB:.2f} GiB + temporaries {self.temp_bytes / GiB:.2f} GiB"
-            f" = {self.peak_bytes / GiB:.2f} GiB (at most) of {hbm} HBM -> {verdict}",
-            f"FLOPs per device per step: compiled {self.compiled_flops:.3e}, model (6N + attention) "
-            f"{self.model_flops:.3e} (ratio {self.compiled_flops / self.model_flops:.2f}"
-            + ("; XLA counts a scanned layer's body once" if self.scanned else "") + ")",
-        ])
+        return "\n".join(
+            [
+                *head,
+                f"per device: arguments {self.argument_bytes / GiB:.2f} GiB + outputs {self.output_bytes / GiB:.2f} GiB"
+                f" - aliased {self.alias_bytes / GiB:.2f} GiB + temporaries {self.temp_bytes / GiB:.2f} GiB"
+                f" = {self.peak_bytes / GiB:.2f} GiB (at most) of {hbm} HBM -> {verdict}",
+                f"FLOPs per device per step: compiled {self.compiled_flops:.3e}, model (6N + attention) "
+                f"{self.model_flops:.3e} (ratio {self.compiled_flops / self.model_flops:.2f}"
+                + ("; XLA counts a scanned layer's body once" if self.scanned else "")
+                + ")",
+            ]
+        )
 
 
 class TopologyError(GptjFlaxError, RuntimeError):
@@ -81,9 +94,11 @@ def topology_devices(topology: str):
 
     try:
         return topologies.get_topology_desc(topology, "tpu").devices
-    except Exception as e:  # libtpu missing or an unknown name: say which
-        raise TopologyError(f"cannot describe TPU topology {topology!r} ({e}); install the extra: pip install "
-                            "-e '.[tpu]', and name a slice like v3:2x2, v4:2x2x1 or v5e:2x4") from None
+    except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown name: say which
+        raise TopologyError(
+            f"cannot describe TPU topology {topology!r} ({e}); install the extra: pip install "
+            "-e '.[tpu]', and name a slice like v3:2x2, v4:2x2x1 or v5e:2x4"
+        ) from None
 
 
 def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotReport:
@@ -107,10 +122,20 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
     kind = devices[0].device_kind
     n_tokens = tc.grad_accum_steps * batch * seq_len
     report = AotReport(
-        topology=topology, device_kind=kind, n_devices=len(devices), mesh=shape, global_batch_tokens=n_tokens,
-        argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
-        hbm_bytes=next((v for k, v in HBM_BYTES.items() if kind.startswith(k)), None), compile_error=None,
-        compiled_flops=0.0, scanned=config.model.scan_layers, model_flops=config.model.flops_per_token(seq_len) * n_tokens / len(devices),
+        topology=topology,
+        device_kind=kind,
+        n_devices=len(devices),
+        mesh=shape,
+        global_batch_tokens=n_tokens,
+        argument_bytes=0,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=0,
+        hbm_bytes=next((v for k, v in HBM_BYTES.items() if kind.startswith(k)), None),
+        compile_error=None,
+        compiled_flops=0.0,
+        scanned=config.model.scan_layers,
+        model_flops=config.model.flops_per_token(seq_len) * n_tokens / len(devices),
     )
     try:
         with partitioning.sharding_scope(mesh):
@@ -119,11 +144,17 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         # XLA's TPU compiler refuses programs that cannot fit; its message has the numbers.
-        return dataclasses.replace(report, compile_error=str(e).split("RESOURCE_EXHAUSTED:")[-1].strip().splitlines()[0])
+        return dataclasses.replace(
+            report, compile_error=str(e).split("RESOURCE_EXHAUSTED:")[-1].strip().splitlines()[0]
+        )
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return dataclasses.replace(
-        report, argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
-        alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
-        compiled_flops=float(cost.get("flops", 0.0)))
+        report,
+        argument_bytes=memory.argument_size_in_bytes,
+        output_bytes=memory.output_size_in_bytes,
+        alias_bytes=memory.alias_size_in_bytes,
+        temp_bytes=memory.temp_size_in_bytes,
+        compiled_flops=float(cost.get("flops", 0.0)),
+    )

@@ -40,9 +40,12 @@ class RunDirLocked(GptjFlaxError, RuntimeError):
 
 
 def _holder_info() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(sys.argv)}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+    }
 
 
 def _parse(text: str) -> dict[str, Any] | None:
@@ -83,7 +86,7 @@ class RunDirLock:
         self._token: str | None = None
         self._made_dir = False
 
-    def __enter__(self) -> "RunDirLock":
+    def __enter__(self) -> RunDirLock:
         self.acquire()
         return self
 
@@ -91,8 +94,9 @@ class RunDirLock:
         self.release()
 
     def _refuse(self, info: dict[str, Any] | None, advice: str) -> RunDirLocked:
-        return RunDirLocked(f"{self.run_dir} is in use by another trainer: {_describe(info)} "
-                            f"(lock file {self.path}); {advice}")
+        return RunDirLocked(
+            f"{self.run_dir} is in use by another trainer: {_describe(info)} (lock file {self.path}); {advice}"
+        )
 
     def acquire(self) -> None:
         if self.is_url:
@@ -147,10 +151,15 @@ class RunDirLock:
             if previous.strip():
                 info = _parse(previous)
                 if info is not None and info["host"] != socket.gethostname():
-                    raise self._refuse(info, "this host cannot tell whether that process still runs; if it "
-                                             f"does not, delete {self.path}")
-                log.warning("taking over the stale lock of %s: no process holds it any more%s", _describe(info),
-                            "" if info is None or not _pid_alive(info["pid"]) else " (its pid was reused)")
+                    raise self._refuse(
+                        info,
+                        f"this host cannot tell whether that process still runs; if it does not, delete {self.path}",
+                    )
+                log.warning(
+                    "taking over the stale lock of %s: no process holds it any more%s",
+                    _describe(info),
+                    "" if info is None or not _pid_alive(info["pid"]) else " (its pid was reused)",
+                )
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(_holder_info()) + "\n").encode(), 0)
             os.fsync(fd)
@@ -174,13 +183,17 @@ class RunDirLock:
     # -- object stores ----------------------------------------------------------------------
     def _acquire_object_store(self) -> None:
         path = epath.Path(self.path)
-        log.warning("%s is on an object store, which has no locks: the run-directory lock there only catches a "
-                    "trainer that is already running, not two that start at the same moment", self.run_dir)
+        log.warning(
+            "%s is on an object store, which has no locks: the run-directory lock there only catches a "
+            "trainer that is already running, not two that start at the same moment",
+            self.run_dir,
+        )
         if path.exists():
             info = _parse(path.read_text())
             if info is None or info["host"] != socket.gethostname():
-                raise self._refuse(info, "this host cannot tell whether that process still runs; if it does not, "
-                                         f"delete {self.path}")
+                raise self._refuse(
+                    info, f"this host cannot tell whether that process still runs; if it does not, delete {self.path}"
+                )
             if _pid_alive(info["pid"]):
                 raise self._refuse(info, "wait for it to finish or stop it first")
             log.warning("taking over the stale lock of %s: that process is no longer running", _describe(info))

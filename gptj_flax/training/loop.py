@@ -74,8 +74,10 @@ class _StopRequests:
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             self.interrupted = True
-            log.warning("Ctrl-C: finishing this step, then saving and exiting; press Ctrl-C again to quit at once "
-                        "without saving")
+            log.warning(
+                "Ctrl-C: finishing this step, then saving and exiting; press Ctrl-C again to quit at once "
+                "without saving"
+            )
         else:
             log.warning("SIGTERM received: finishing this step, then saving and exiting")
         self.requested = True
@@ -85,9 +87,18 @@ class _StopRequests:
             signal.signal(signum, previous)
 
 
-def _restore_or_init(config: Config, model: GPTJ, tx, mesh: Mesh, targets: steps.TrainState,
-                     shardings: steps.TrainState, ckpt: checkpoint.Checkpointer, init_from: str | None,
-                     fresh_opt: bool, resume_step: int | None = None) -> tuple[steps.TrainState, dict]:
+def _restore_or_init(
+    config: Config,
+    model: GPTJ,
+    tx,
+    mesh: Mesh,
+    targets: steps.TrainState,
+    shardings: steps.TrainState,
+    ckpt: checkpoint.Checkpointer,
+    init_from: str | None,
+    fresh_opt: bool,
+    resume_step: int | None = None,
+) -> tuple[steps.TrainState, dict]:
     """Resume from the run directory's latest checkpoint (or ``resume_step``), else start from
     ``init_from``, else fresh.
 
@@ -97,9 +108,13 @@ def _restore_or_init(config: Config, model: GPTJ, tx, mesh: Mesh, targets: steps
     latest = ckpt.latest_step()
     if latest is not None:
         if init_from is not None:
-            log.warning("%s holds checkpoints (latest step %d): the run resumes from them and init_from=%s is "
-                        "not used (it only starts a run directory without checkpoints)", ckpt.directory, latest,
-                        init_from)
+            log.warning(
+                "%s holds checkpoints (latest step %d): the run resumes from them and init_from=%s is "
+                "not used (it only starts a run directory without checkpoints)",
+                ckpt.directory,
+                latest,
+                init_from,
+            )
         step = latest if resume_step is None else ckpt.resolve_step(resume_step)
         try:
             restored = ckpt.restore(step, params_target=targets.params, opt_state_target=targets.opt_state)
@@ -109,13 +124,22 @@ def _restore_or_init(config: Config, model: GPTJ, tx, mesh: Mesh, targets: steps
             raise checkpoint.CheckpointCorrupted(
                 f"{e} To resume from step {e.previous_step}, rerun with --resume-step {e.previous_step} "
                 f"(train(…, resume_step={e.previous_step})); the steps after it are then set aside.",
-                directory=e.directory, step=e.step, item=e.item, previous_step=e.previous_step) from None
+                directory=e.directory,
+                step=e.step,
+                item=e.item,
+                previous_step=e.previous_step,
+            ) from None
         set_aside = ckpt.set_aside_steps_after(step)
         if set_aside:
-            log.warning("resuming from step %d: the later step(s) %s were moved to %s", step, set_aside,
-                        ckpt.directory / checkpoint.ABANDONED_DIR)
-        state = steps.TrainState(step=jax.device_put(np.int32(step), shardings.step),
-                                 params=restored.params, opt_state=restored.opt_state)
+            log.warning(
+                "resuming from step %d: the later step(s) %s were moved to %s",
+                step,
+                set_aside,
+                ckpt.directory / checkpoint.ABANDONED_DIR,
+            )
+        state = steps.TrainState(
+            step=jax.device_put(np.int32(step), shardings.step), params=restored.params, opt_state=restored.opt_state
+        )
         log.info("resumed from %s at step %d", ckpt.directory, step)
         return state, restored.meta
     if resume_step is not None:
@@ -210,8 +234,14 @@ class Checkpointing(PeriodicAction):
         return super().should_run(step, last, stopping) or stopping
 
     def run(self, step: int, state: steps.TrainState) -> None:
-        self.ckpt.save(step, params=state.params, opt_state=state.opt_state, config=self.config,
-                       meta={"data": self.train_batches.state(), "seed": self.config.train.seed}, force=True)
+        self.ckpt.save(
+            step,
+            params=state.params,
+            opt_state=state.opt_state,
+            config=self.config,
+            meta={"data": self.train_batches.state(), "seed": self.config.train.seed},
+            force=True,
+        )
         self.saved_step = step
 
 
@@ -219,8 +249,16 @@ class MetricsLog:
     """Each step's loss, gradient norm, learning rate and speed, fetched one step late so the host
     never waits for the devices; a non-finite loss stops the run (:class:`TrainingDiverged`)."""
 
-    def __init__(self, writer: MetricsWriter, ckpt: checkpoint.Checkpointer, run_dir: str, tokens_per_step: int,
-                 flops_per_step: float, peak_flops: float | None, bar: tqdm):
+    def __init__(
+        self,
+        writer: MetricsWriter,
+        ckpt: checkpoint.Checkpointer,
+        run_dir: str,
+        tokens_per_step: int,
+        flops_per_step: float,
+        peak_flops: float | None,
+        bar: tqdm,
+    ):
         self.writer, self.ckpt, self.run_dir, self.bar = writer, ckpt, run_dir, bar
         self.tokens_per_step, self.flops_per_step, self.peak_flops = tokens_per_step, flops_per_step, peak_flops
         self.losses: dict[int, float] = {}
@@ -245,14 +283,22 @@ class MetricsLog:
         if not math.isfinite(metrics["loss"]):
             self.ckpt.wait()  # a save still in flight is part of what the run keeps
             latest = self.ckpt.latest_step()
-            kept = f"the last checkpoint saved (step {latest})" if latest is not None else "no checkpoint (none was saved)"
+            kept = (
+                f"the last checkpoint saved (step {latest})" if latest is not None else "no checkpoint (none was saved)"
+            )
             raise TrainingDiverged(
                 f"loss became {metrics['loss']} at step {step} (grad norm {metrics['grad_norm']}); the run stops "
                 f"here, without saving, and {self.run_dir} keeps {kept}. "
-                "Lower train.lr, raise train.warmup_steps or check the data.")
+                "Lower train.lr, raise train.warmup_steps or check the data."
+            )
         self.losses[step] = metrics["loss"]
-        row = {"train/loss": metrics["loss"], "train/grad_norm": metrics["grad_norm"], "train/lr": metrics["lr"],
-               "perf/step_time_s": seconds, "perf/tokens_per_s": self.tokens_per_step / seconds}
+        row = {
+            "train/loss": metrics["loss"],
+            "train/grad_norm": metrics["grad_norm"],
+            "train/lr": metrics["lr"],
+            "perf/step_time_s": seconds,
+            "perf/tokens_per_s": self.tokens_per_step / seconds,
+        }
         if self.peak_flops:
             row["perf/mfu"] = self.flops_per_step / seconds / (self.peak_flops * jax.device_count())
         self.writer.write(step, row)
@@ -265,10 +311,12 @@ class MetricsLog:
 
 def _holding_run_dir(train_fn):
     """Run ``train_fn(config, …)`` while holding ``config.train.run_dir``'s lock."""
+
     @functools.wraps(train_fn)
     def locked(config: Config, *args, **kwargs):
         with exclusive_run_dir(config.train.run_dir):
             return train_fn(config, *args, **kwargs)
+
     return locked
 
 
@@ -283,20 +331,34 @@ def _run_tokenizer(config: Config, tokenizer):
         except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise bare Exceptions for bad files
             if tokenizer is None and not tc.tokenizer:
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise data.DataError(f"{saved} is incomplete or damaged ({reason}); set train.tokenizer to rebuild "
-                                     "it from the tokenizer the run was started with") from None
-            log.warning("%s is incomplete or damaged; writing it again from %s", saved,
-                        "the tokenizer passed in" if tokenizer is not None else f"train.tokenizer={tc.tokenizer}")
+                raise data.DataError(
+                    f"{saved} is incomplete or damaged ({reason}); set train.tokenizer to rebuild "
+                    "it from the tokenizer the run was started with"
+                ) from None
+            log.warning(
+                "%s is incomplete or damaged; writing it again from %s",
+                saved,
+                "the tokenizer passed in" if tokenizer is not None else f"train.tokenizer={tc.tokenizer}",
+            )
     if tokenizer is None:
         tokenizer = saved_tokenizer if saved_tokenizer is not None else data.resolve_tokenizer(tc.tokenizer)
     return tokenizer, tokenizer is not None and saved_tokenizer is None
 
 
 @_holding_run_dir
-def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = None, fresh_opt: bool = False,
-          peak_flops: float | None = None, stop_after: int | None = None, progress: bool = True,
-          tokenizer=None, harness: Callable[..., dict[str, float]] | None = None,
-          resume_step: int | None = None) -> TrainResult:
+def train(
+    config: Config,
+    *,
+    mesh: Mesh | None = None,
+    init_from: str | None = None,
+    fresh_opt: bool = False,
+    peak_flops: float | None = None,
+    stop_after: int | None = None,
+    progress: bool = True,
+    tokenizer=None,
+    harness: Callable[..., dict[str, float]] | None = None,
+    resume_step: int | None = None,
+) -> TrainResult:
     """Train ``config`` in ``config.train.run_dir``, resuming there if a checkpoint exists.
 
     Args:
@@ -324,22 +386,25 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
     data_parallel = partitioning.data_parallel_size(mesh)
     batch_size = tc.global_batch_size(data_parallel)
     if batch_size % data_parallel:
-        raise ConfigError(f"train.batch_size={batch_size} is not divisible by the {data_parallel} data-parallel "
-                          f"shards (data x fsdp) of mesh {partitioning.mesh_shape(mesh)}: use a multiple of "
-                          f"{data_parallel}")
+        raise ConfigError(
+            f"train.batch_size={batch_size} is not divisible by the {data_parallel} data-parallel "
+            f"shards (data x fsdp) of mesh {partitioning.mesh_shape(mesh)}: use a multiple of "
+            f"{data_parallel}"
+        )
     seq_len = tc.seq_len or mc.max_len
     if tc.train_set is None:
         raise ConfigError("train.train_set is not set: give an .index file, a text/jsonl path or tfds:NAME")
     if tc.eval_harness_tasks and harness is None:
-        log.warning("train.eval_harness_tasks=%s but no harness hook was passed to train(); the tasks do not run",
-                    list(tc.eval_harness_tasks))
+        log.warning(
+            "train.eval_harness_tasks=%s but no harness hook was passed to train(); the tasks do not run",
+            list(tc.eval_harness_tasks),
+        )
 
     model = GPTJ(mc)
     tx = optimizer.make_optimizer(tc, nn.meta.unbox(model_lib.abstract_params(mc)), tc.freeze)
     targets, shardings = steps.state_targets(model, tx, mesh)
     ckpt = checkpoint.Checkpointer(tc.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every)
-    state, meta = _restore_or_init(config, model, tx, mesh, targets, shardings, ckpt, init_from, fresh_opt,
-                                   resume_step)
+    state, meta = _restore_or_init(config, model, tx, mesh, targets, shardings, ckpt, init_from, fresh_opt, resume_step)
     start = int(state.step)
 
     tokenizer, save_tokenizer = _run_tokenizer(config, tokenizer)
@@ -348,32 +413,71 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
     # Which rows of each global batch this process's devices hold (any device order).
     share, n_shares = data.process_share(train_sharding, (tc.grad_accum_steps, batch_size, seq_len + 1), 1)
     train_batches = data.make_train_iterator(
-        tc.train_set, seq_len=seq_len, batch_size=batch_size, grad_accum=tc.grad_accum_steps, seed=tc.seed,
-        tokenizer=tokenizer, process_index=share, process_count=n_shares, state=meta.get("data"), progress=progress,
-        vocab_size=mc.vocab_size)
-    val_sets = data.make_eval_sets(tc.val_set, seq_len=seq_len, batch_size=batch_size, n_batches=tc.val_batches,
-                                   tokenizer=tokenizer, process_index=share, process_count=n_shares,
-                                   progress=progress, vocab_size=mc.vocab_size)
+        tc.train_set,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        grad_accum=tc.grad_accum_steps,
+        seed=tc.seed,
+        tokenizer=tokenizer,
+        process_index=share,
+        process_count=n_shares,
+        state=meta.get("data"),
+        progress=progress,
+        vocab_size=mc.vocab_size,
+    )
+    val_sets = data.make_eval_sets(
+        tc.val_set,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        n_batches=tc.val_batches,
+        tokenizer=tokenizer,
+        process_index=share,
+        process_count=n_shares,
+        progress=progress,
+        vocab_size=mc.vocab_size,
+    )
     if save_tokenizer:  # only once the data has accepted it (one too large for the model is refused above)
         ckpt.save_tokenizer(tokenizer)  # atomic; replaces a damaged copy
 
-    train_step = steps.compile_train_step(model, tx, mesh, shardings, optimizer.schedule(tc), tc.z_loss,
-                                          accumulated=True)
+    train_step = steps.compile_train_step(
+        model, tx, mesh, shardings, optimizer.schedule(tc), tc.z_loss, accumulated=True
+    )
     eval_step = steps.compile_eval_step(model, mesh, shardings.params, accumulated=False)
 
     # Rows past the restored step were written by a run that died before its next checkpoint; the
     # step-0 baseline is recomputed when there is no checkpoint at all.
-    writer = MetricsWriter(tc.run_dir, wandb_project=tc.wandb_project, run_name=tc.name, config=config.to_dict(),
-                           drop_from_step=start + 1 if start else 0)
+    writer = MetricsWriter(
+        tc.run_dir,
+        wandb_project=tc.wandb_project,
+        run_name=tc.name,
+        config=config.to_dict(),
+        drop_from_step=start + 1 if start else 0,
+    )
     end = tc.total_steps if stop_after is None else min(tc.total_steps, start + stop_after)
-    bar = tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True,
-               disable=not progress or jax.process_index() != 0)
+    bar = tqdm(
+        total=end,
+        initial=start,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        disable=not progress or jax.process_index() != 0,
+    )
     tokens_per_step = tc.grad_accum_steps * batch_size * seq_len
-    metrics_log = MetricsLog(writer, ckpt, tc.run_dir, tokens_per_step, mc.flops_per_token(seq_len) * tokens_per_step,
-                             peak_flops_per_device(peak_flops), bar)
+    metrics_log = MetricsLog(
+        writer,
+        ckpt,
+        tc.run_dir,
+        tokens_per_step,
+        mc.flops_per_token(seq_len) * tokens_per_step,
+        peak_flops_per_device(peak_flops),
+        bar,
+    )
     validation = Validation(tc.val_every, eval_step, val_sets, eval_sharding, writer)
-    hook = None if harness is None else HarnessAction(
-        tc.val_every, harness, writer, {"model_config": mc, "mesh": mesh, "tokenizer": tokenizer})
+    hook = (
+        None
+        if harness is None
+        else HarnessAction(tc.val_every, harness, writer, {"model_config": mc, "mesh": mesh, "tokenizer": tokenizer})
+    )
     saving = Checkpointing(tc.ckpt_every, ckpt, config, train_batches)
     baseline = [a for a in (validation if val_sets else None, hook) if a is not None]
     actions = [*baseline, saving]
@@ -409,6 +513,13 @@ def train(config: Config, *, mesh: Mesh | None = None, init_from: str | None = N
             writer.flush()
     writer.plot()
     writer.close()
-    return TrainResult(step=step, losses=metrics_log.losses, val=validation.results,
-                       harness={} if hook is None else hook.results, preempted=preempted, run_dir=tc.run_dir,
-                       interrupted=preempted and stop.interrupted, saved_step=saving.saved_step)
+    return TrainResult(
+        step=step,
+        losses=metrics_log.losses,
+        val=validation.results,
+        harness={} if hook is None else hook.results,
+        preempted=preempted,
+        run_dir=tc.run_dir,
+        interrupted=preempted and stop.interrupted,
+        saved_step=saving.saved_step,
+    )

@@ -80,8 +80,15 @@ class MetricsWriter:
     """``drop_from_step``: the first step this run records again; older runs' rows from there on are
     removed from ``metrics.jsonl`` and purged from TensorBoard's view."""
 
-    def __init__(self, run_dir: str, *, wandb_project: str | None = None, run_name: str = "",
-                 config: dict | None = None, drop_from_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        wandb_project: str | None = None,
+        run_name: str = "",
+        config: dict | None = None,
+        drop_from_step: int | None = None,
+    ):
         self.enabled = jax.process_index() == 0
         self.run_dir = run_dir
         self.history: list[dict] = []
@@ -93,8 +100,12 @@ class MetricsWriter:
         if drop_from_step is not None:
             dropped = drop_records_from(jsonl, drop_from_step)
             if dropped:
-                log.info("dropped %d metrics rows of steps >= %d from %s: those steps run again", dropped,
-                         drop_from_step, jsonl)
+                log.info(
+                    "dropped %d metrics rows of steps >= %d from %s: those steps run again",
+                    dropped,
+                    drop_from_step,
+                    jsonl,
+                )
         self._jsonl = open(jsonl, "a")
         from tensorboardX import SummaryWriter
 
@@ -103,8 +114,10 @@ class MetricsWriter:
             try:
                 import wandb
             except ImportError:
-                raise RuntimeError(f"train.wandb_project={wandb_project!r} is set but wandb is not installed: "
-                                   "pip install wandb, or set train.wandb_project=null") from None
+                raise RuntimeError(
+                    f"train.wandb_project={wandb_project!r} is set but wandb is not installed: "
+                    "pip install wandb, or set train.wandb_project=null"
+                ) from None
             self._wandb = wandb.init(project=wandb_project, name=run_name or None, config=config, resume="allow")
 
     def write(self, step: int, values: Mapping[str, float]) -> None:

@@ -21,8 +21,9 @@ from gptj_flax.config import ConfigError, TrainConfig, jnp_dtype
 def schedule(train: TrainConfig) -> optax.Schedule:
     """0 → lr linearly over ``warmup_steps``; lr → end_lr by half-cosine over ``anneal_steps``; then end_lr."""
     warmup = optax.linear_schedule(0.0, train.lr, max(train.warmup_steps, 1))
-    anneal = optax.cosine_decay_schedule(train.lr, max(train.anneal_steps, 1),
-                                         alpha=train.end_lr / train.lr if train.lr else 0.0)
+    anneal = optax.cosine_decay_schedule(
+        train.lr, max(train.anneal_steps, 1), alpha=train.end_lr / train.lr if train.lr else 0.0
+    )
     return optax.join_schedules([warmup, anneal], boundaries=[train.warmup_steps])
 
 
@@ -33,7 +34,8 @@ def _path_str(path) -> str:
 def frozen_mask(params, patterns: Sequence[str]):
     """True for every parameter whose path (e.g. ``layers/attn/q_proj``, ``wte``) matches a glob."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: any(fnmatch.fnmatch(_path_str(path), p) for p in patterns), params)
+        lambda path, _: any(fnmatch.fnmatch(_path_str(path), p) for p in patterns), params
+    )
 
 
 def make_optimizer(train: TrainConfig, params=None, freeze: Sequence[str] = ()) -> optax.GradientTransformation:
@@ -54,14 +56,17 @@ def make_optimizer(train: TrainConfig, params=None, freeze: Sequence[str] = ()) 
         raise ValueError("freezing parameters needs the params tree to resolve the patterns")
     mask = frozen_mask(params, freeze)
     if not any(jax.tree.leaves(mask)):
-        raise ConfigError(f"train.freeze patterns {list(freeze)} match no parameter; paths look like "
-                          f"{', '.join(_path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)[:3])}")
+        raise ConfigError(
+            f"train.freeze patterns {list(freeze)} match no parameter; paths look like "
+            f"{', '.join(_path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)[:3])}"
+        )
     labels = jax.tree.map(lambda frozen: "frozen" if frozen else "train", mask)
     return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
 
 
 def restart_schedule(opt_state):
     """Zero every schedule counter (fine-tuning restarts warmup) but keep Adam's moments and count."""
+
     def reset(node):
         if isinstance(node, optax.ScaleByScheduleState):
             return optax.ScaleByScheduleState(count=jnp.zeros_like(node.count))

@@ -36,27 +36,36 @@ class TrainState:
 def abstract_state(model: GPTJ, tx: optax.GradientTransformation) -> Any:
     """Boxed abstract TrainState (shapes and logical axes; nothing allocated): the optimiser's
     moments carry their parameters' logical axes."""
+
     def init(params):
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
     return jax.eval_shape(init, model_lib.abstract_params(model.config))
 
 
-def state_targets(model: GPTJ, tx: optax.GradientTransformation, mesh: Mesh,
-                  rules: partitioning.Rules = partitioning.DEFAULT_RULES) -> tuple[TrainState, TrainState]:
+def state_targets(
+    model: GPTJ, tx: optax.GradientTransformation, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES
+) -> tuple[TrainState, TrainState]:
     """``(targets, shardings)`` of every TrainState leaf on ``mesh``: what a checkpoint is restored
     into and a step is lowered against."""
     return partitioning.restore_targets(abstract_state(model, tx), mesh, rules)
 
 
-def state_shardings(model: GPTJ, tx: optax.GradientTransformation, mesh: Mesh,
-                    rules: partitioning.Rules = partitioning.DEFAULT_RULES) -> Any:
+def state_shardings(
+    model: GPTJ, tx: optax.GradientTransformation, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES
+) -> Any:
     """NamedShardings of every TrainState leaf: optimiser moments follow their parameters."""
     return partitioning.logical_to_sharding(nn.get_partition_spec(abstract_state(model, tx)), mesh, rules)
 
 
-def create_state(model: GPTJ, tx: optax.GradientTransformation, mesh: Mesh, rng: jax.Array,
-                 rules: partitioning.Rules = partitioning.DEFAULT_RULES, params: Any = None) -> TrainState:
+def create_state(
+    model: GPTJ,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    rng: jax.Array,
+    rules: partitioning.Rules = partitioning.DEFAULT_RULES,
+    params: Any = None,
+) -> TrainState:
     """A fresh TrainState born sharded; with ``params`` given, only the optimiser state is new."""
     shardings = state_shardings(model, tx, mesh, rules)
 
@@ -68,8 +77,9 @@ def create_state(model: GPTJ, tx: optax.GradientTransformation, mesh: Mesh, rng:
     with partitioning.sharding_scope(mesh, rules):
         if params is None:
             return jax.jit(lambda r: init(r, None), out_shardings=shardings)(rng)
-        return jax.jit(init, in_shardings=(None, shardings.params), out_shardings=shardings,
-                       donate_argnums=1)(rng, params)
+        return jax.jit(init, in_shardings=(None, shardings.params), out_shardings=shardings, donate_argnums=1)(
+            rng, params
+        )
 
 
 def _as_accumulated(batch: Batch) -> Batch:
@@ -79,8 +89,9 @@ def _as_accumulated(batch: Batch) -> Batch:
 
 def _loss_sums(model: GPTJ, params, micro: Batch, z_loss: float = 0.0):
     """(objective, cross-entropy, tokens) summed over the micro-batch; the LM head runs in chunks."""
-    hidden = model.apply({"params": params}, micro.inputs, segment_ids=micro.input_segment_ids,
-                         method=GPTJ.hidden_states)
+    hidden = model.apply(
+        {"params": params}, micro.inputs, segment_ids=micro.input_segment_ids, method=GPTJ.hidden_states
+    )
     return chunked_loss_sums(hidden, params["lm_head"], micro.targets, micro.loss_mask, z_loss)
 
 
@@ -92,6 +103,7 @@ def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callab
     so the accumulated gradient is already the mean over every token — k micro-batches give exactly
     the gradient of one k-times larger batch — and no extra pass over the gradients is needed.
     """
+
     def micro_grads(params, micro, denom):
         def loss_fn(p):
             objective, loss, tokens = _loss_sums(model, p, micro, z_loss)
@@ -105,10 +117,11 @@ def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callab
         if batch.tokens.shape[0] == 1:  # no accumulation: spare the float32 accumulator's memory
             grads, (loss_sum, tokens) = micro_grads(state.params, jax.tree.map(lambda x: x[0], batch), denom)
         else:
+
             def body(carry, micro):
                 grads, loss_sum, tokens = carry
-                g, (l, n) = micro_grads(state.params, micro, denom)
-                return (jax.tree.map(jnp.add, grads, g), loss_sum + l, tokens + n), None
+                g, (micro_loss, n) = micro_grads(state.params, micro, denom)
+                return (jax.tree.map(jnp.add, grads, g), loss_sum + micro_loss, tokens + n), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
             (grads, loss_sum, tokens), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), batch)
@@ -127,6 +140,7 @@ def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callab
 
 def make_eval_step(model: GPTJ):
     """``eval_step(params, batch) -> {"loss_sum", "tokens"}`` (sums, so batches aggregate exactly)."""
+
     def eval_step(params, batch):
         batch = _as_accumulated(batch)
 
@@ -144,17 +158,21 @@ def batch_sharding(mesh: Mesh, accumulated: bool, rules: partitioning.Rules = pa
     return partitioning.named_sharding(mesh, ACCUM_BATCH_AXES if accumulated else BATCH_AXES, rules)
 
 
-def compile_train_step(model: GPTJ, tx, mesh: Mesh, shardings: TrainState, lr_fn: Callable,
-                       z_loss: float = 0.0, accumulated: bool = True):
+def compile_train_step(
+    model: GPTJ, tx, mesh: Mesh, shardings: TrainState, lr_fn: Callable, z_loss: float = 0.0, accumulated: bool = True
+):
     """Jit the train step with NamedShardings in and out; the state is donated (updated in place)."""
     data = batch_sharding(mesh, accumulated)
     replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(make_train_step(model, tx, lr_fn, z_loss), in_shardings=(shardings, data),
-                   out_shardings=(shardings, replicated), donate_argnums=0)
+    return jax.jit(
+        make_train_step(model, tx, lr_fn, z_loss),
+        in_shardings=(shardings, data),
+        out_shardings=(shardings, replicated),
+        donate_argnums=0,
+    )
 
 
 def compile_eval_step(model: GPTJ, mesh: Mesh, param_shardings: Any, accumulated: bool = False):
     data = batch_sharding(mesh, accumulated)
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(make_eval_step(model), in_shardings=(param_shardings, data), out_shardings=replicated)
-

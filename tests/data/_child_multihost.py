@@ -27,8 +27,9 @@ def main(process_id: int, port: int, index: str, out_path: str) -> None:
     share = process_share(sharding, (grad_accum, batch_size, seq_len + 1), batch_axis=1)
     assert share == (jax.process_index(), 2), share
 
-    settings = dict(seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, seed=7, shuffle_buffer=3,
-                    progress=False)
+    settings = dict(
+        seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, seed=7, shuffle_buffer=3, progress=False
+    )
     local_it = make_train_iterator(index, process_index=share[0], process_count=share[1], **settings)
     whole_it = make_train_iterator(index, process_index=0, process_count=1, **settings)
     saved = {}

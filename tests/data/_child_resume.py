@@ -14,8 +14,14 @@ def main(source: str, settings_json: str, state_json: str, n_batches: int, out_p
         state = json.load(f)
     it = make_train_iterator(source, state=state, process_index=0, process_count=1, progress=False, **settings)
     batches = [next(it) for _ in range(n_batches)]
-    np.savez(out_path, **{f"{field}_{k}": getattr(b, field) for k, b in enumerate(batches)
-                          for field in ("tokens", "segment_ids", "loss_mask")})
+    np.savez(
+        out_path,
+        **{
+            f"{field}_{k}": getattr(b, field)
+            for k, b in enumerate(batches)
+            for field in ("tokens", "segment_ids", "loss_mask")
+        },
+    )
 
 
 if __name__ == "__main__":

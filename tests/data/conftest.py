@@ -6,8 +6,8 @@ import pathlib
 
 import numpy as np
 import pytest
-
 from data_helpers import make_documents, write_index, write_legacy_tfrecords
+
 from gptj_flax.data import save_tokenizer, train_bpe_tokenizer
 
 

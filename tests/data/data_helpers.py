@@ -7,8 +7,10 @@ import pathlib
 
 import numpy as np
 
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega the of and to in is that for it as with was on").split()
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega the of and to in is that for it as with was on"
+).split()
 
 
 def make_documents(n: int, seed: int = 0) -> list[str]:

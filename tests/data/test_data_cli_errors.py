@@ -7,8 +7,8 @@ import gzip
 import os
 
 import pytest
-
 from data_helpers import make_documents, run_script
+
 from gptj_flax.data import DataError
 from gptj_flax.errors import EXIT_ERROR
 
@@ -48,7 +48,8 @@ def test_create_tfrecords_bad_inputs(tmp_path, monkeypatch, repo_root, capsys, c
     (tmp_path / "nothing.txt.gz").write_bytes(gzip.compress(b""))
     assert create_tfrecords(repo_root, "good.txt", "nothing.txt.gz", *tok) == EXIT_ERROR
     assert one_error_line(capsys).startswith(
-        f"error: {tmp_path / 'nothing.txt.gz'}: empty: a gzip file that decompresses to 0 bytes")
+        f"error: {tmp_path / 'nothing.txt.gz'}: empty: a gzip file that decompresses to 0 bytes"
+    )
 
     (tmp_path / "no_tokenizer").mkdir()
     assert create_tfrecords(repo_root, "good.txt", "--tokenizer", "no_tokenizer") == EXIT_ERROR

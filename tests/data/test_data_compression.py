@@ -12,8 +12,8 @@ import sys
 
 import pytest
 import zstandard
-
 from data_helpers import make_documents, run_script
+
 from gptj_flax.data import DataError, make_eval_sets, make_train_iterator, open_source
 from gptj_flax.data.compression import open_decompressed
 from gptj_flax.data.text import iter_documents
@@ -35,7 +35,7 @@ def corpus_bytes(n_documents: int = 2000) -> bytes:
 def write_cut(path, data: bytes, suffix: str) -> str:
     """``data`` compressed with ``suffix``'s format, only the first half of the file kept."""
     compressed = COMPRESSORS[suffix](data)
-    path.write_bytes(compressed[:len(compressed) // 2])
+    path.write_bytes(compressed[: len(compressed) // 2])
     return str(path)
 
 
@@ -63,7 +63,7 @@ def test_several_frames_members_or_streams_read_to_the_end(tmp_path, suffix):
 def test_corrupt_and_empty_compressed_files_name_the_file(tmp_path, suffix):
     compressed = bytearray(COMPRESSORS[suffix](corpus_bytes(200)))
     middle = len(compressed) // 2
-    compressed[middle:middle + 8] = bytes(b ^ 0xFF for b in compressed[middle:middle + 8])
+    compressed[middle : middle + 8] = bytes(b ^ 0xFF for b in compressed[middle : middle + 8])
     (tmp_path / f"bad.txt{suffix}").write_bytes(bytes(compressed))
     with pytest.raises(DataError, match=rf"bad\.txt\{suffix}: corrupt \w+ data after [\d,]+ bytes of content"):
         list(iter_documents(tmp_path / f"bad.txt{suffix}"))
@@ -111,8 +111,9 @@ def test_text_sources_refuse_a_truncated_file_alone_or_next_to_a_good_one(tmp_pa
 def _create_tfrecords_process(args, cwd) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "create_tfrecords.py")
-    return subprocess.run([sys.executable, script, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, script, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @FORMATS
@@ -121,8 +122,20 @@ def test_create_tfrecords_cli_stops_at_a_truncated_file_next_to_a_good_one(tmp_p
     (tmp_path / "good.txt").write_bytes(data)
     cut = write_cut(tmp_path / f"cut.txt{suffix}", data, suffix)
     # Relative paths, as a user types them: the message names the absolute file.
-    done = _create_tfrecords_process(["good.txt", f"cut.txt{suffix}", "--output-dir", "out", "--tokenizer",
-                                      str(tokenizer_dir), "--seq-len", "64", "--quiet"], cwd=tmp_path)
+    done = _create_tfrecords_process(
+        [
+            "good.txt",
+            f"cut.txt{suffix}",
+            "--output-dir",
+            "out",
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--seq-len",
+            "64",
+            "--quiet",
+        ],
+        cwd=tmp_path,
+    )
     assert done.returncode == EXIT_ERROR, done.stdout
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
@@ -131,11 +144,15 @@ def test_create_tfrecords_cli_stops_at_a_truncated_file_next_to_a_good_one(tmp_p
 
 
 @FORMATS
-def test_create_tfrecords_cli_on_a_truncated_file_alone_says_truncated(tmp_path, tokenizer_dir, repo_root, capsys,
-                                                                       suffix):
+def test_create_tfrecords_cli_on_a_truncated_file_alone_says_truncated(
+    tmp_path, tokenizer_dir, repo_root, capsys, suffix
+):
     cut = write_cut(tmp_path / f"cut.txt{suffix}", corpus_bytes(), suffix)
-    rc = run_script(repo_root, "create_tfrecords", [cut, "--output-dir", str(tmp_path / "out"), "--tokenizer",
-                                                    str(tokenizer_dir), "--quiet"])
+    rc = run_script(
+        repo_root,
+        "create_tfrecords",
+        [cut, "--output-dir", str(tmp_path / "out"), "--tokenizer", str(tokenizer_dir), "--quiet"],
+    )
     assert rc == EXIT_ERROR
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {cut}: truncated: "), lines

@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from data_helpers import write_index, write_legacy_tfrecords
+
 from gptj_flax.data import DataError, create_tfrecords, make_eval_batches, make_train_iterator
 from gptj_flax.data.sources import open_source
 
@@ -74,10 +74,13 @@ def test_records_for_a_longer_context(tmp_path, legacy_dataset):
         open_index(index, seq_len=32)
 
 
-@pytest.mark.parametrize("kind,values,expected", [
-    ("float", [1.0] * 17, "stores feature 'text' as float_list, expected int64_list"),
-    ("bytes", [b"abc"], "stores feature 'text' as bytes_list, expected int64_list"),
-])
+@pytest.mark.parametrize(
+    "kind,values,expected",
+    [
+        ("float", [1.0] * 17, "stores feature 'text' as float_list, expected int64_list"),
+        ("bytes", [b"abc"], "stores feature 'text' as bytes_list, expected int64_list"),
+    ],
+)
 def test_non_int64_text_feature(tmp_path, kind, values, expected):
     records = [{"text": ("int64", list(range(17)))}] * 3 + [{"text": (kind, values)}]
     index = write_index(tmp_path / "t.index", [write_examples(tmp_path / "typed.tfrecords", records)])
@@ -116,8 +119,9 @@ def test_corrupt_record_while_counting(tmp_path):
 def test_corrupt_record_while_reading(tmp_path, tokenizer):
     """With a sidecar no counting pass runs: the reader itself must name the record."""
     (tmp_path / "a.txt").write_text(" ".join(["alpha beta gamma"] * 200))
-    result = create_tfrecords(tmp_path / "a.txt", tmp_path / "out", tokenizer=tokenizer, seq_len=16,
-                              sequences_per_file=1000, progress=False)
+    result = create_tfrecords(
+        tmp_path / "a.txt", tmp_path / "out", tokenizer=tokenizer, seq_len=16, sequences_per_file=1000, progress=False
+    )
     path = result.files[0]
     size = len(open(path, "rb").read())
     n = result.sequences

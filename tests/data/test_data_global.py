@@ -13,8 +13,11 @@ def test_global_batch_on_eight_devices(legacy_dataset):
     mesh = jax.make_mesh((8,), ("batch",), axis_types=(AxisType.Auto,))
     sharding = NamedSharding(mesh, PartitionSpec(None, "batch"))
     assert process_share(sharding, (2, 16, 17), batch_axis=1) == (0, 1)
-    local = next(make_train_iterator(index, seq_len=16, batch_size=16, grad_accum=2, process_index=0, process_count=1,
-                                     progress=False))
+    local = next(
+        make_train_iterator(
+            index, seq_len=16, batch_size=16, grad_accum=2, process_index=0, process_count=1, progress=False
+        )
+    )
     global_batch = to_global_batch(local, sharding)
     assert isinstance(global_batch.tokens, jax.Array) and global_batch.tokens.sharding == sharding
     assert len(global_batch.tokens.addressable_shards) == 8

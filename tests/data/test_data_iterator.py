@@ -4,8 +4,8 @@ import json
 
 import numpy as np
 import pytest
-
 from data_helpers import make_documents
+
 from gptj_flax.data import Batch, DataError, create_tfrecords, make_eval_batches, make_eval_sets, make_train_iterator
 from gptj_flax.data.batch import make_batch
 from gptj_flax.data.sources import TFRecordShard, open_source
@@ -86,10 +86,12 @@ def test_segment_ids_and_loss_mask():
 def test_created_records_give_document_segments(tmp_path, tokenizer):
     docs = make_documents(20)
     (tmp_path / "a.txt").write_text("<|endoftext|>".join(docs))
-    result = create_tfrecords(tmp_path / "a.txt", tmp_path / "out", tokenizer=tokenizer, seq_len=64,
-                              preserve_data_order=True, progress=False)
-    batches = make_eval_batches(result.index_path, seq_len=64, batch_size=2, process_index=0, process_count=1,
-                                progress=False)
+    result = create_tfrecords(
+        tmp_path / "a.txt", tmp_path / "out", tokenizer=tokenizer, seq_len=64, preserve_data_order=True, progress=False
+    )
+    batches = make_eval_batches(
+        result.index_path, seq_len=64, batch_size=2, process_index=0, process_count=1, progress=False
+    )
     eos = tokenizer.eos_token_id
     for batch in batches:
         for tokens, segments in zip(batch.tokens, batch.segment_ids):
@@ -104,7 +106,9 @@ def test_text_source_packs_documents(tmp_path, tokenizer):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     source = open_source(tmp_path / "a.jsonl", seq_len=32, tokenizer=tokenizer, progress=False)
     stream = np.concatenate([t[i, :n] for t, ls in source.iter_sequences() for i, n in enumerate(ls)])
-    np.testing.assert_array_equal(stream, np.concatenate([tokenizer.encode(d) + [tokenizer.eos_token_id] for d in docs]))
+    np.testing.assert_array_equal(
+        stream, np.concatenate([tokenizer.encode(d) + [tokenizer.eos_token_id] for d in docs])
+    )
     batch = next(train(source, seq_len=32))
     assert batch.segment_ids.max() > 1
 
@@ -119,8 +123,10 @@ def test_text_source_needs_a_tokenizer(tmp_path):
 def test_shares_of_two_processes_make_the_global_batch(legacy_dataset, grad_accum):
     index, _ = legacy_dataset(n_rows=64)
     whole = take(train(index, batch_size=8, grad_accum=grad_accum, shuffle_buffer=5), 6)
-    parts = [take(train(index, batch_size=8, grad_accum=grad_accum, shuffle_buffer=5, process_index=p,
-                        process_count=2), 6) for p in range(2)]
+    parts = [
+        take(train(index, batch_size=8, grad_accum=grad_accum, shuffle_buffer=5, process_index=p, process_count=2), 6)
+        for p in range(2)
+    ]
     axis = 0 if grad_accum is None else 1
     for k, batch in enumerate(whole):
         joined = np.concatenate([parts[0][k].tokens, parts[1][k].tokens], axis=axis)
@@ -187,18 +193,29 @@ def test_eval_batches_cover_the_set_once_with_padding(legacy_dataset):
     again = make_eval_batches(index, seq_len=16, batch_size=4, process_index=0, process_count=1, progress=False)
     assert_same(batches, again)
     # Two processes: their shares make the same global batches.
-    shares = [make_eval_batches(index, seq_len=16, batch_size=4, process_index=p, process_count=2, progress=False)
-              for p in range(2)]
+    shares = [
+        make_eval_batches(index, seq_len=16, batch_size=4, process_index=p, process_count=2, progress=False)
+        for p in range(2)
+    ]
     for k, batch in enumerate(batches):
         np.testing.assert_array_equal(np.concatenate([shares[0][k].tokens, shares[1][k].tokens]), batch.tokens)
-    limited = make_eval_batches(index, seq_len=16, batch_size=4, n_batches=2, process_index=0, process_count=1,
-                                progress=False)
+    limited = make_eval_batches(
+        index, seq_len=16, batch_size=4, n_batches=2, process_index=0, process_count=1, progress=False
+    )
     assert len(limited) == 2 and all(b.loss_mask.min() == 1 for b in limited)
 
 
 def test_eval_sets_by_name(legacy_dataset, tmp_path, tokenizer):
     index, _ = legacy_dataset()
     (tmp_path / "v.txt").write_text("<|endoftext|>".join(make_documents(10)))
-    sets = make_eval_sets({"pile": index, "notes": str(tmp_path / "v.txt")}, seq_len=16, batch_size=2, n_batches=3,
-                          tokenizer=tokenizer, process_index=0, process_count=1, progress=False)
+    sets = make_eval_sets(
+        {"pile": index, "notes": str(tmp_path / "v.txt")},
+        seq_len=16,
+        batch_size=2,
+        n_batches=3,
+        tokenizer=tokenizer,
+        process_index=0,
+        process_count=1,
+        progress=False,
+    )
     assert sorted(sets) == ["notes", "pile"] and all(len(v) == 3 for v in sets.values())

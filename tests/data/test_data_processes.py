@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 from data_helpers import make_documents
+
 from gptj_flax.data import create_tfrecords, make_train_iterator
 
 HERE = Path(__file__).resolve().parent
@@ -38,9 +38,20 @@ def test_resume_in_a_fresh_process(legacy_dataset, tmp_path):
         next(first)
     (tmp_path / "state.json").write_text(json.dumps(first.state()))
     out = tmp_path / "resumed.npz"
-    subprocess.run([sys.executable, str(HERE / "_child_resume.py"), index, json.dumps(settings),
-                    str(tmp_path / "state.json"), "10", str(out)],
-                   check=True, env=child_env(tmp_path), timeout=180)
+    subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "_child_resume.py"),
+            index,
+            json.dumps(settings),
+            str(tmp_path / "state.json"),
+            "10",
+            str(out),
+        ],
+        check=True,
+        env=child_env(tmp_path),
+        timeout=180,
+    )
     resumed = np.load(out)
     for k, batch in enumerate(reference[10:]):
         for field in ("tokens", "segment_ids", "loss_mask"):
@@ -49,13 +60,21 @@ def test_resume_in_a_fresh_process(legacy_dataset, tmp_path):
 
 def test_two_processes_share_one_global_batch(tmp_path, tokenizer):
     (tmp_path / "a.txt").write_text("<|endoftext|>".join(make_documents(300)))
-    index = create_tfrecords(tmp_path / "a.txt", tmp_path / "out", tokenizer=tokenizer, seq_len=32,
-                             sequences_per_file=40, progress=False).index_path
+    index = create_tfrecords(
+        tmp_path / "a.txt", tmp_path / "out", tokenizer=tokenizer, seq_len=32, sequences_per_file=40, progress=False
+    ).index_path
     port = free_port()
     outs = [tmp_path / f"process{p}.npz" for p in range(2)]
-    children = [subprocess.Popen([sys.executable, str(HERE / "_child_multihost.py"), str(p), str(port), index,
-                                  str(outs[p])], env=child_env(tmp_path), stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True) for p in range(2)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "_child_multihost.py"), str(p), str(port), index, str(outs[p])],
+            env=child_env(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for p in range(2)
+    ]
     logs = []
     for child in children:
         try:
@@ -64,8 +83,17 @@ def test_two_processes_share_one_global_batch(tmp_path, tokenizer):
             child.kill()
     assert [c.returncode for c in children] == [0, 0], "\n\n".join(log[-3000:] for log in logs)
 
-    whole = make_train_iterator(index, seq_len=32, batch_size=8, grad_accum=2, seed=7, shuffle_buffer=3,
-                                process_index=0, process_count=1, progress=False)
+    whole = make_train_iterator(
+        index,
+        seq_len=32,
+        batch_size=8,
+        grad_accum=2,
+        seed=7,
+        shuffle_buffer=3,
+        process_index=0,
+        process_count=1,
+        progress=False,
+    )
     shares = [np.load(out) for out in outs]
     for step in range(5):
         batch = next(whole)

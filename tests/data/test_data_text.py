@@ -15,10 +15,15 @@ def test_split_on_eos_literal_skips_empty_pieces():
     assert split_documents("a b<|endoftext|>c\n<|endoftext|>\n<|endoftext|>") == ["a b", "c\n"]
 
 
-@pytest.mark.parametrize("suffix,opener", [
-    ("", open), (".gz", gzip.open), (".xz", lzma.open),
-    (".zst", lambda p, mode: zstandard.open(p, mode)),
-])
+@pytest.mark.parametrize(
+    "suffix,opener",
+    [
+        ("", open),
+        (".gz", gzip.open),
+        (".xz", lzma.open),
+        (".zst", lambda p, mode: zstandard.open(p, mode)),
+    ],
+)
 def test_txt_and_jsonl_in_every_compression(tmp_path, suffix, opener):
     with opener(tmp_path / f"a.txt{suffix}", "wt") as f:
         f.write("one<|endoftext|>two")
@@ -49,7 +54,8 @@ def test_ftfy_normalisation(tmp_path):
     (tmp_path / "a.txt").write_text("The Mona Lisa doesnÃ¢â‚¬â„¢t have eyebrows. ｆｕｌｌ")
     assert list(iter_documents(tmp_path / "a.txt")) == ["The Mona Lisa doesnÃ¢â‚¬â„¢t have eyebrows. ｆｕｌｌ"]
     assert list(iter_documents(tmp_path / "a.txt", normalize_with_ftfy=True)) == [
-        "The Mona Lisa doesn't have eyebrows. full"]
+        "The Mona Lisa doesn't have eyebrows. full"
+    ]
 
 
 def test_jsonl_errors_name_file_and_line(tmp_path):

@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from data_helpers import make_documents
+
 from gptj_flax.data import DataError, make_train_iterator
 from gptj_flax.data.sources import open_source, parse_tfds_spec
 
@@ -21,7 +21,8 @@ class GptjFlaxTinyCorpus(tfds.core.GeneratorBasedBuilder):
 
     def _info(self):
         return tfds.core.DatasetInfo(
-            builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text(), "id": tf.int64}))
+            builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text(), "id": tf.int64})
+        )
 
     def _split_generators(self, dl_manager):
         return {"train": self._generate_examples(TRAIN_DOCS), "validation": self._generate_examples(VALIDATION_DOCS)}
@@ -61,9 +62,14 @@ def documents_of(source, eos):
     return sorted(tuple(d) for d in np.split(stream, np.flatnonzero(stream == eos)[:-1] + 1))
 
 
-@pytest.mark.parametrize("spec,docs", [("tfds:gptj_flax_tiny_corpus", TRAIN_DOCS),
-                                       ("tfds:gptj_flax_tiny_corpus:1.0.0@validation", VALIDATION_DOCS),
-                                       ("tfds:gptj_flax_body_corpus", TRAIN_DOCS[:5])])
+@pytest.mark.parametrize(
+    "spec,docs",
+    [
+        ("tfds:gptj_flax_tiny_corpus", TRAIN_DOCS),
+        ("tfds:gptj_flax_tiny_corpus:1.0.0@validation", VALIDATION_DOCS),
+        ("tfds:gptj_flax_body_corpus", TRAIN_DOCS[:5]),
+    ],
+)
 def test_tfds_source_tokenises_every_document(data_dir, tokenizer, spec, docs):
     source = open_source(spec, seq_len=32, tokenizer=tokenizer, tfds_data_dir=data_dir, progress=False)
     eos = tokenizer.eos_token_id
@@ -72,8 +78,16 @@ def test_tfds_source_tokenises_every_document(data_dir, tokenizer, spec, docs):
 
 
 def test_tfds_train_iterator(data_dir, tokenizer):
-    it = make_train_iterator("tfds:gptj_flax_tiny_corpus", seq_len=32, batch_size=4, tokenizer=tokenizer,
-                             tfds_data_dir=data_dir, process_index=0, process_count=1, progress=False)
+    it = make_train_iterator(
+        "tfds:gptj_flax_tiny_corpus",
+        seq_len=32,
+        batch_size=4,
+        tokenizer=tokenizer,
+        tfds_data_dir=data_dir,
+        process_index=0,
+        process_count=1,
+        progress=False,
+    )
     batch = next(it)
     assert batch.tokens.shape == (4, 33) and batch.segment_ids.max() > 1
 

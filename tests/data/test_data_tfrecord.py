@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from data_helpers import real_tokens, write_index, write_legacy_tfrecords
+
 from gptj_flax.data import make_eval_batches, make_train_iterator
 from gptj_flax.data import tfrecord as tfrecord_module
 from gptj_flax.data.sources import open_source
@@ -14,8 +14,12 @@ def test_fixed_2049_token_records(tmp_path, compressed):
     rng = np.random.default_rng(1)
     rows = rng.integers(0, 50257, (24, 2049))
     suffix = "_zstd" if compressed else ""
-    files = [write_legacy_tfrecords(tmp_path / f"pile_{i}{suffix}.tfrecords", rows[i * 8:(i + 1) * 8], compressed=compressed)
-             for i in range(3)]
+    files = [
+        write_legacy_tfrecords(
+            tmp_path / f"pile_{i}{suffix}.tfrecords", rows[i * 8 : (i + 1) * 8], compressed=compressed
+        )
+        for i in range(3)
+    ]
     index = write_index(tmp_path / "pile.index", files)
     source = open_source(index, seq_len=2048)
     assert source.num_sequences == 24 and source.eos_id is None
@@ -47,7 +51,7 @@ def test_long_stream_records_are_cut_into_windows(tmp_path, compressed):
     np.testing.assert_array_equal(real_tokens(source), np.concatenate(streams))
     # Windows never straddle records: each record ends in its own (padded) window.
     assert lengths.tolist() == [1024] * 4 + [5000 - 4096] + [1024] * 6 + [7000 - 6144] + [1024] * 2 + [1]
-    assert np.all(windows[4, 5000 - 4096:] == 0)
+    assert np.all(windows[4, 5000 - 4096 :] == 0)
 
     batches = make_eval_batches(index, seq_len=seq_len, batch_size=4, process_index=0, process_count=1)
     padded = [b for b in batches if b.loss_mask.min() == 0]
@@ -88,6 +92,7 @@ def test_layouts_are_counted_once_and_cached(tmp_path, legacy_dataset, monkeypat
 
 def test_sidecar_spares_the_counting_pass(tmp_path, tokenizer, monkeypatch):
     from data_helpers import make_documents
+
     from gptj_flax.data import create_tfrecords
 
     (tmp_path / "a.txt").write_text("<|endoftext|>".join(make_documents(30)))

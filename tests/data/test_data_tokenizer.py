@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from gptj_flax.data import DataError, EOS_TOKEN, eos_token_id, load_tokenizer, save_tokenizer, train_bpe_tokenizer
+from gptj_flax.data import EOS_TOKEN, DataError, eos_token_id, load_tokenizer, save_tokenizer, train_bpe_tokenizer
 from gptj_flax.data.tokenizer import encode_documents
 
 

@@ -6,9 +6,11 @@ import json
 import os
 import random
 
-_WORDS = ("the of and to a in is that it was for on are as with they be at one have this from or had by "
-          "word but what some we can out other were all there when up use your how said an each she which "
-          "kek based cringe anon thread bump sage meme lurk post image board cope seethe").split()
+_WORDS = (
+    "the of and to a in is that it was for on are as with they be at one have this from or had by "
+    "word but what some we can out other were all there when up use your how said an each she which "
+    "kek based cringe anon thread bump sage meme lurk post image board cope seethe"
+).split()
 
 
 def write_synthetic_dump(path: str | os.PathLike, target_bytes: int, *, seed: int = 0) -> int:
@@ -38,8 +40,10 @@ def write_synthetic_dump(path: str | os.PathLike, target_bytes: int, *, seed: in
                         words = " ".join(rng.choices(_WORDS, k=rng.randint(1, 25)))
                         roll = rng.random()
                         if roll < 0.2:
-                            lines.append(f'<a href="#p{no - rng.randint(1, 50)}" class="quotelink">'
-                                         f'&gt;&gt;{no - rng.randint(1, 50)}</a>')
+                            lines.append(
+                                f'<a href="#p{no - rng.randint(1, 50)}" class="quotelink">'
+                                f"&gt;&gt;{no - rng.randint(1, 50)}</a>"
+                            )
                         elif roll < 0.35:
                             lines.append(f'<span class="quote">&gt;{words}</span>')
                         elif roll < 0.4:

@@ -13,40 +13,52 @@ import sys
 import numpy as np
 import pytest
 import zstandard
+from synthetic_dump import write_synthetic_dump
 
 from gptj_flax.data import DataError, make_eval_batches, open_source
 from gptj_flax.errors import EXIT_ERROR
 from gptj_flax.gpt4chan import prepare_threads
 from gptj_flax.gpt4chan.thread_dumps import BAD_JSON, BAD_UTF8, NO_POSTS, POST_WITHOUT_COM, POST_WITHOUT_NO
-from synthetic_dump import write_synthetic_dump
 from tests.data.data_helpers import real_tokens, run_script
 
 # A dump covering what real ones hold, one line per entry (bytes: line 6 is deliberately not UTF-8).
 DUMP_LINES = [
-    json.dumps({"posts": [
-        {"no": 100, "com": "Hello<br>world &amp; friends<br><br>https://exa<wbr>mple.com/a<wbr>b"},
-        {"no": 101, "com": '<a href="#p100" class="quotelink">&gt;&gt;100</a><br>'
-                           '<span class="quote">&gt;implying</span><br>it&#039;s &quot;fine&quot; &lt;3'},
-        {"no": 102, "com": "日本語 ünïcödé 😂<br>"},
-        {"no": 103, "com": ""},
-        {"no": 104, "filename": "image-only"},
-        {"no": 105, "com": "<p>para one</p><p>para two</p>a<div>b</div>c"},
-    ]}, ensure_ascii=False).encode(),
+    json.dumps(
+        {
+            "posts": [
+                {"no": 100, "com": "Hello<br>world &amp; friends<br><br>https://exa<wbr>mple.com/a<wbr>b"},
+                {
+                    "no": 101,
+                    "com": '<a href="#p100" class="quotelink">&gt;&gt;100</a><br>'
+                    '<span class="quote">&gt;implying</span><br>it&#039;s &quot;fine&quot; &lt;3',
+                },
+                {"no": 102, "com": "日本語 ünïcödé 😂<br>"},
+                {"no": 103, "com": ""},
+                {"no": 104, "filename": "image-only"},
+                {"no": 105, "com": "<p>para one</p><p>para two</p>a<div>b</div>c"},
+            ]
+        },
+        ensure_ascii=False,
+    ).encode(),
     b'{"posts": [',
     b"",
     b'{"thread": 5}',
-    json.dumps({"posts": [
-        {"no": 200, "com": "<s>spoiler</s> text<br/>next"},
-        {"com": "a post without its number"},
-        {"no": "201", "com": "  spaced  "},
-    ]}).encode(),
+    json.dumps(
+        {
+            "posts": [
+                {"no": 200, "com": "<s>spoiler</s> text<br/>next"},
+                {"com": "a post without its number"},
+                {"no": "201", "com": "  spaced  "},
+            ]
+        }
+    ).encode(),
     b'{"posts": [{"no": 1, "com": "\xff"}]}',
     b'{"posts": [{"no": 300, "com": "last line, no newline after it"}]}',
 ]
 
 EXPECTED_TEXT = (
     "--- 100\nHello\nworld & friends\n\nhttps://example.com/ab\n"
-    "--- 101\n>>100\n>implying\nit's \"fine\" <3\n"
+    '--- 101\n>>100\n>implying\nit\'s "fine" <3\n'
     "--- 102\n日本語 ünïcödé 😂\n"
     "--- 103\n\n"
     "--- 104\n\n"
@@ -81,10 +93,14 @@ def expected_threads(text: str) -> list[str]:
     return [thread + "\n-----\n" for thread in text.split("\n-----\n")[:-1]]
 
 
-@pytest.mark.parametrize("out_name, decompress", [
-    ("out.txt", lambda data: data), ("out.txt.gz", gzip.decompress),
-    ("out.txt.zst", lambda data: zstandard.ZstdDecompressor().stream_reader(data).read()),
-])
+@pytest.mark.parametrize(
+    "out_name, decompress",
+    [
+        ("out.txt", lambda data: data),
+        ("out.txt.gz", gzip.decompress),
+        ("out.txt.zst", lambda data: zstandard.ZstdDecompressor().stream_reader(data).read()),
+    ],
+)
 def test_dump_converts_to_exactly_the_expected_text(tmp_path, dump, out_name, decompress):
     out = tmp_path / out_name
     result = prepare_threads(dump, text_output=out, workers=1, progress=False)
@@ -103,16 +119,23 @@ def test_same_output_with_1_and_4_workers_and_any_compression(tmp_path):
     data = plain.read_bytes()
     (tmp_path / "big.ndjson.gz").write_bytes(gzip.compress(data, compresslevel=1))
     half = data.index(b"\n", len(data) // 2) + 1  # two frames, as pzstd and concatenated archives have
-    (tmp_path / "big.ndjson.zst").write_bytes(b"".join(zstandard.ZstdCompressor().compress(part)
-                                                       for part in (data[:half], data[half:])))
+    (tmp_path / "big.ndjson.zst").write_bytes(
+        b"".join(zstandard.ZstdCompressor().compress(part) for part in (data[:half], data[half:]))
+    )
     (tmp_path / "big.ndjson.xz").write_bytes(lzma.compress(data, preset=0))
 
     runs = {}
-    for name, workers in (("big.ndjson", 1), ("big.ndjson", 4), ("big.ndjson.gz", 4), ("big.ndjson.zst", 1),
-                          ("big.ndjson.xz", 2)):
+    for name, workers in (
+        ("big.ndjson", 1),
+        ("big.ndjson", 4),
+        ("big.ndjson.gz", 4),
+        ("big.ndjson.zst", 1),
+        ("big.ndjson.xz", 2),
+    ):
         out = tmp_path / f"{name}.{workers}.txt"
-        result = prepare_threads(tmp_path / name, text_output=out, workers=workers, chunk_bytes=32 << 10,
-                                 max_reported=1000, progress=False)
+        result = prepare_threads(
+            tmp_path / name, text_output=out, workers=workers, chunk_bytes=32 << 10, max_reported=1000, progress=False
+        )
         runs[name, workers] = (out.read_bytes(), result)
     reference, first = runs["big.ndjson", 1]
     assert first.threads > n_threads and first.problems[BAD_JSON] == 1 and first.problems[NO_POSTS] == 1
@@ -121,10 +144,14 @@ def test_same_output_with_1_and_4_workers_and_any_compression(tmp_path):
         reported = [m.replace(str(tmp_path / name), "DUMP") for m in result.reported]
         assert reported == [m.replace(str(tmp_path / "big.ndjson"), "DUMP") for m in first.reported]
         assert (result.lines, result.threads, result.posts, result.problems) == (
-            first.lines, first.threads, first.posts, first.problems)
+            first.lines,
+            first.threads,
+            first.posts,
+            first.problems,
+        )
     assert reference.count(b"\n-----\n") == first.threads
     # Line numbers count physical lines of the decompressed dump, across chunk boundaries.
-    bad_line = data[:data.index(b"not json\n")].count(b"\n") + 1
+    bad_line = data[: data.index(b"not json\n")].count(b"\n") + 1
     assert f"{tmp_path / 'big.ndjson'}, line {bad_line}: bad JSON" in " ".join(first.reported)
 
 
@@ -132,10 +159,29 @@ def test_tfrecords_round_trip_through_the_reader(tmp_path, dump, tokenizer, toke
     synthetic = tmp_path / "synthetic.ndjson"
     write_synthetic_dump(synthetic, 60_000, seed=1)
     out_dir = tmp_path / "records"
-    rc = run_script(repo_root, "prepare_threads", [
-        str(dump), str(synthetic), "--output", str(tmp_path / "all.txt"), "--tfrecords-dir", str(out_dir),
-        "--name", "pol", "--tokenizer", str(tokenizer_dir), "--seq-len", "32", "--sequences-per-file", "100",
-        "--workers", "2", "--quiet"])
+    rc = run_script(
+        repo_root,
+        "prepare_threads",
+        [
+            str(dump),
+            str(synthetic),
+            "--output",
+            str(tmp_path / "all.txt"),
+            "--tfrecords-dir",
+            str(out_dir),
+            "--name",
+            "pol",
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--seq-len",
+            "32",
+            "--sequences-per-file",
+            "100",
+            "--workers",
+            "2",
+            "--quiet",
+        ],
+    )
     assert rc == 0
     text = (tmp_path / "all.txt").read_text(encoding="utf-8")
     assert text.startswith(EXPECTED_TEXT)
@@ -166,9 +212,22 @@ def test_tfrecords_round_trip_through_the_reader(tmp_path, dump, tokenizer, toke
 def test_malformed_lines_reported_strict_stops(tmp_path, dump, repo_root, capsys):
     out = tmp_path / "out.txt"
     problems = tmp_path / "problems.txt"
-    rc = run_script(repo_root, "prepare_threads", [
-        str(dump), "--output", str(out), "--workers", "1", "--max-reported", "2", "--problems-file", str(problems),
-        "--quiet"])
+    rc = run_script(
+        repo_root,
+        "prepare_threads",
+        [
+            str(dump),
+            "--output",
+            str(out),
+            "--workers",
+            "1",
+            "--max-reported",
+            "2",
+            "--problems-file",
+            str(problems),
+            "--quiet",
+        ],
+    )
     assert rc == 0
     err = capsys.readouterr().err
     messages = expected_problems(dump)
@@ -182,8 +241,9 @@ def test_malformed_lines_reported_strict_stops(tmp_path, dump, repo_root, capsys
     assert f"error: {messages[0]} (--strict: stopping)" in capsys.readouterr().err
     assert not strict_out.exists() and not os.path.exists(f"{strict_out}.partial")
     with pytest.raises(DataError, match=r"line 2: bad JSON \(Expecting value at column 12\)"):
-        prepare_threads(_without_line(tmp_path, dump, 1), text_output=strict_out, strict=True, workers=2,
-                        progress=False)
+        prepare_threads(
+            _without_line(tmp_path, dump, 1), text_output=strict_out, strict=True, workers=2, progress=False
+        )
 
 
 def _without_line(tmp_path, dump, line_number):
@@ -218,8 +278,21 @@ def _peak_rss_kb(repo_root, dump, out) -> int:
     """Run the CLI in a fresh process; its (and its workers') peak RSS from wait4's rusage."""
     with open(os.devnull, "wb") as devnull:
         process = subprocess.Popen(
-            [sys.executable, str(repo_root / "scripts" / "prepare_threads.py"), str(dump), "--output", str(out),
-             "--workers", "2", "--quiet", "--max-reported", "0"], stdout=devnull, stderr=subprocess.PIPE)
+            [
+                sys.executable,
+                str(repo_root / "scripts" / "prepare_threads.py"),
+                str(dump),
+                "--output",
+                str(out),
+                "--workers",
+                "2",
+                "--quiet",
+                "--max-reported",
+                "0",
+            ],
+            stdout=devnull,
+            stderr=subprocess.PIPE,
+        )
         _, status, usage = os.wait4(process.pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, process.stderr.read().decode()
     process.stderr.close()
@@ -251,7 +324,7 @@ def test_a_truncated_dump_is_refused_alone_or_next_to_a_good_one(tmp_path, suffi
     write_synthetic_dump(plain, 400_000, seed=1)
     compressed = COMPRESSORS[suffix](plain.read_bytes())
     cut = tmp_path / f"cut.ndjson{suffix}"
-    cut.write_bytes(compressed[:len(compressed) // 2])
+    cut.write_bytes(compressed[: len(compressed) // 2])
     out = tmp_path / "out.txt"
     for inputs in (cut, [str(plain), cut]):
         with pytest.raises(DataError, match=rf"{cut}: truncated: .*the last complete line read was line \d+"):
@@ -289,29 +362,39 @@ def test_cli_bad_inputs_give_one_error_line(tmp_path, monkeypatch, repo_root, ca
 
     (tmp_path / "empty.ndjson").write_bytes(b"")
     assert prepare_threads_cli(repo_root, "empty.ndjson", "--output", "out.txt") == EXIT_ERROR
-    assert one_error_line(capsys) == (f"error: no threads in {tmp_path / 'empty.ndjson'}: it holds no lines; "
-                                      f"nothing to write")
+    assert one_error_line(capsys) == (
+        f"error: no threads in {tmp_path / 'empty.ndjson'}: it holds no lines; nothing to write"
+    )
     (tmp_path / "junk.ndjson").write_text("not json\n[1]\n")
     assert prepare_threads_cli(repo_root, "junk.ndjson", "--output", "out.txt") == EXIT_ERROR
     captured = capsys.readouterr().err
-    assert (f"error: no threads in {tmp_path / 'junk.ndjson'}: every one of its 2 lines is malformed "
-            f"(bad JSON, not a JSON object); nothing to write") in captured
+    assert (
+        f"error: no threads in {tmp_path / 'junk.ndjson'}: every one of its 2 lines is malformed "
+        f"(bad JSON, not a JSON object); nothing to write"
+    ) in captured
     (tmp_path / "empty.ndjson.zst").write_bytes(b"")
     assert prepare_threads_cli(repo_root, "empty.ndjson.zst", "--output", "out.txt") == EXIT_ERROR
     assert one_error_line(capsys).startswith(f"error: {tmp_path / 'empty.ndjson.zst'}: empty (0 bytes)")
     (tmp_path / "nothing.ndjson.zst").write_bytes(zstandard.ZstdCompressor().compress(b""))
     assert prepare_threads_cli(repo_root, "nothing.ndjson.zst", "--output", "out.txt") == EXIT_ERROR
     assert one_error_line(capsys).startswith(
-        f"error: {tmp_path / 'nothing.ndjson.zst'}: empty: a zstd file that decompresses to 0 bytes")
+        f"error: {tmp_path / 'nothing.ndjson.zst'}: empty: a zstd file that decompresses to 0 bytes"
+    )
     assert not (tmp_path / "out.txt").exists()
 
     (tmp_path / "dump.ndjson").write_text('{"posts": [{"no": 1, "com": "hi"}]}\n')
     (tmp_path / "no_tokenizer").mkdir()
-    assert prepare_threads_cli(repo_root, "dump.ndjson", "--tfrecords-dir", "records", "--tokenizer",
-                               "no_tokenizer") == EXIT_ERROR
+    assert (
+        prepare_threads_cli(repo_root, "dump.ndjson", "--tfrecords-dir", "records", "--tokenizer", "no_tokenizer")
+        == EXIT_ERROR
+    )
     assert one_error_line(capsys).startswith(f"error: cannot load a tokenizer from '{tmp_path / 'no_tokenizer'}'")
-    assert prepare_threads_cli(repo_root, "dump.ndjson", "--output", "out.txt", "--problems-file",
-                               "no/such/dir/problems.txt") == EXIT_ERROR
+    assert (
+        prepare_threads_cli(
+            repo_root, "dump.ndjson", "--output", "out.txt", "--problems-file", "no/such/dir/problems.txt"
+        )
+        == EXIT_ERROR
+    )
     assert one_error_line(capsys) == f"error: {tmp_path / 'no/such/dir/problems.txt'}: No such file or directory"
     assert not (tmp_path / "out.txt").exists() and not (tmp_path / "out.txt.partial").exists()
 

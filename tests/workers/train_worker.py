@@ -1,6 +1,6 @@
 """One process of a (possibly multi-process) training run, for tests.
 
-    python train_worker.py CONFIG_JSON OUT_JSON NUM_PROCESSES PROCESS_ID PORT LOCAL_DEVICES MESH STOP_AFTER
+python train_worker.py CONFIG_JSON OUT_JSON NUM_PROCESSES PROCESS_ID PORT LOCAL_DEVICES MESH STOP_AFTER
 """
 
 import json
