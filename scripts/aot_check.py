@@ -1,39 +1,11 @@
 """Will this config's train step fit a TPU slice? Compile it for the slice on this (CPU) machine.
 
-pip install -e '.[tpu]'
-python scripts/aot_check.py --config configs/gptj_6b.json --topology v3:2x2 [--mesh 1,1,8]
-                            [--set model.remat_policy=full --set train.per_replica_batch=2 …]
+A checkout's spelling of the ``gptj-aot-check`` command (gptj_flax/cli/aot_check.py).
 """
 
-import argparse
 import sys
 
-from gptj_flax.config import cli_path, join_negative_values
-from gptj_flax.errors import add_debug_flag, run_cli
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, type=cli_path)
-    parser.add_argument(
-        "--topology", required=True, action="append", help="a TPU slice such as v3:2x2, v4:2x2x1, v5e:2x4 (repeatable)"
-    )
-    parser.add_argument("--mesh", help="data,fsdp,model sizes (default: the config's)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    add_debug_flag(parser)
-    args = parser.parse_args(join_negative_values(sys.argv[1:]))
-
-    from gptj_flax.config import load_config
-    from gptj_flax.training.aot import compile_for_topology
-
-    config = load_config(args.config, args.set)
-    fits = True
-    for topology in args.topology:
-        report = compile_for_topology(config, topology, args.mesh)
-        print(report.format(), "\n")
-        fits = fits and report.fits
-    return 0 if fits else 1
-
+from gptj_flax.cli.aot_check import main
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(main())

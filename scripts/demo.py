@@ -1,72 +1,11 @@
 """The CPU demo: train a small GPT-J on the Python standard library's source, then sample from it.
 
-    python scripts/demo.py [--config configs/demo_cpu.json] [--mesh 2,2,2] [--set train.total_steps=100]
-
-Runs on 8 virtual CPU devices over a mesh that uses the data, fsdp and model axes together. The
-corpus and a byte-level BPE tokenizer are made locally (no network) in the directory the config's
-train_set names; the run (Orbax checkpoints, metrics, TensorBoard, loss.png) goes to train.run_dir
-and resumes there if interrupted.
+A checkout's spelling of the ``gptj-demo`` command (gptj_flax/cli/demo.py).
 """
 
-import argparse
-import json
-import logging
-import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-
-from gptj_flax.config import cli_path, join_negative_values  # noqa: E402
-from gptj_flax.errors import EXIT_INTERRUPTED, add_debug_flag, run_cli  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 8)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/demo_cpu.json", type=cli_path)
-    parser.add_argument("--mesh", help="data,fsdp,model sizes (default: the config's 2,2,2)")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value"
-    )
-    parser.add_argument("--prompt", default="def ", help="what the sample starts from")
-    add_debug_flag(parser)
-    args = parser.parse_args(join_negative_values(sys.argv[1:]))
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-
-    import gptj_flax
-    from gptj_flax import partitioning
-    from gptj_flax.config import load_config
-    from gptj_flax.data.corpus import prepare_demo_data
-    from gptj_flax.training import train
-
-    config = load_config(args.config, args.set)
-    mesh = partitioning.make_mesh(args.mesh or config.mesh)
-    print(
-        f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}; "
-        f"model of {config.model.param_count():,} parameters"
-    )
-    prepare_demo_data(os.path.dirname(config.train.train_set), config.model.vocab_size)
-    result = train(config, mesh=mesh)
-    if result.preempted:
-        print(f"stopped at step {result.step}, saved in {result.run_dir}; run the same command again to continue")
-        return EXIT_INTERRUPTED if result.interrupted else 0
-
-    rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
-    val = [(r["step"], r["val/ppl_stdlib"]) for r in rows if "val/ppl_stdlib" in r]
-    (first_step, first), (last_step, last) = val[0], val[-1]
-    print(f"\nvalidation perplexity: {first:.1f} at step {first_step} -> {last:.1f} at step {last_step}")
-    print(f"checkpoint: {result.run_dir} (loss curves: {os.path.join(result.run_dir, 'loss.png')})")
-
-    lm = gptj_flax.load(result.run_dir, mesh=mesh)
-    completion = lm.generate(args.prompt, max_new_tokens=80, temperature=0.7, top_k=40, seed=0)
-    print(
-        f"\nsample ({completion.finish_reason}, {completion.completion_tokens} tokens):\n{args.prompt}{completion.text}"
-    )
-    return 0 if last < first else 1
-
+from gptj_flax.cli.demo import main
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(main())

@@ -1,116 +1,11 @@
 """Sample from a checkpoint: one prompt, or an interactive prompt loop (the original device_sample.py).
 
-    python scripts/sample.py runs/demo --prompt "def main():" --max-new-tokens 64 --temperature 0
-    python scripts/sample.py runs/demo --interactive --top-p 0.9 --stop $'\\n\\n'
-
-In the loop, each line typed is a prompt (an empty line or end of input quits); completions are
-printed as they are generated, then the time taken.
+A checkout's spelling of the ``gptj-sample`` command (gptj_flax/cli/sample.py).
 """
 
-import argparse
 import sys
-import time
 
-import gptj_flax
-from gptj_flax.config import cli_dtype, cli_path, join_negative_values
-from gptj_flax.errors import add_debug_flag, run_cli
-from gptj_flax.sampling import SamplingError
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "checkpoint",
-        type=cli_path,
-        help="run directory (latest step), a step directory, or a HuggingFace directory (hf:DIR)",
-    )
-    parser.add_argument("--step", type=int, default=None, help="load this step instead of the latest")
-    parser.add_argument("--mesh", default=None, help="data,fsdp,model sizes or a layout name (default: one device)")
-    parser.add_argument(
-        "--dtype",
-        default=None,
-        type=cli_dtype,
-        help="parameter and compute dtype: float32/fp32, bfloat16/bf16 or float16/fp16 "
-        "(default: as stored, and the config's compute dtype)",
-    )
-    mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--prompt", help="complete this prompt and exit")
-    mode.add_argument("--prompt-file", type=cli_path, help="complete the text of this file and exit")
-    mode.add_argument("--interactive", action="store_true", help="read prompts from the terminal in a loop")
-    parser.add_argument("--num-samples", type=int, default=1, help="completions per prompt (one batch)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 is off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 is off")
-    parser.add_argument("--typical-p", type=float, default=1.0, help="1 is off")
-    parser.add_argument("--min-p", type=float, default=0.0, help="0 is off")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is off")
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
-    parser.add_argument(
-        "--original-order", action="store_true", help="apply temperature after top-k/top-p, as mesh-transformer-jax did"
-    )
-    add_debug_flag(parser)
-    args = parser.parse_args(join_negative_values(sys.argv[1:]))
-    if args.num_samples < 1:
-        parser.error(f"--num-samples must be >= 1, got {args.num_samples}")
-    return args
-
-
-def complete(lm, prompt: str, args: argparse.Namespace, settings: dict) -> None:
-    """Print the completion(s) of ``prompt``: streamed for one sample, one block per sample otherwise."""
-    if args.num_samples == 1:
-        for piece in lm.stream(prompt, **settings):
-            print(piece, end="", flush=True)
-        print()
-        return
-    seeds = [args.seed + i for i in range(args.num_samples)]
-    for i, completion in enumerate(lm.generate([prompt] * args.num_samples, **{**settings, "seed": seeds})):
-        print(f"===== sample {i} ({completion.finish_reason}, {completion.completion_tokens} tokens) =====")
-        print(completion.text)
-
-
-def main() -> None:
-    args = parse_args()
-    lm = gptj_flax.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, step=args.step)
-    print(lm, file=sys.stderr)  # states the parameter and compute dtypes in effect
-    settings = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        typical_p=args.typical_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        stop=args.stop or None,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        original_order=args.original_order,
-    )
-    if not args.interactive:
-        if args.prompt is not None:
-            prompt = args.prompt
-        else:
-            with open(args.prompt_file) as f:
-                prompt = f.read()
-        complete(lm, prompt, args, settings)
-        return
-    while True:
-        try:
-            prompt = input("prompt> ")
-        except EOFError:
-            break
-        if not prompt:
-            break
-        start = time.perf_counter()
-        try:
-            complete(lm, prompt, args, settings)
-        except SamplingError as e:  # a bad prompt (e.g. too long) ends that request, not the session
-            print(f"error: {e}", file=sys.stderr)
-            continue
-        print(f"[completion done in {time.perf_counter() - start:.2f} s]", file=sys.stderr)
-
+from gptj_flax.cli.sample import main
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(main())

@@ -1,34 +1,11 @@
 """Serve a checkpoint over HTTP: GPT-4chan's /complete, OpenAI-style /v1/completions, /health, /metrics.
 
-    python scripts/serve.py --checkpoint runs/demo [--host 127.0.0.1] [--port 8080] [--mesh 1,1,8]
-                            [--api-keys-file keys.txt] [--queue-size 1024] [--max-batch 16] [--log-file requests.jsonl]
-
-Every flag can also be set in the environment as GPTJ_FLAX_<SETTING> (GPTJ_FLAX_PORT=9000,
-GPTJ_FLAX_API_KEYS_FILE=keys.txt, …); a flag wins. The GPT-4chan server's own variables
-(QUEUE_SIZE, LOG_FILE, API_KEYS_FILE, PRE_PROMPT_LENGTH) still work, with a deprecation notice;
-other unprefixed names such as HOST or PORT are ignored. The checkpoint, the keys file and the port
-are checked before the model loads. SIGTERM or Ctrl-C drains: new requests get 503, those in flight
-finish, then the server exits (a second signal exits at once).
+A checkout's spelling of the ``gptj-serve`` command (gptj_flax/cli/serve.py).
 """
 
-import argparse
-import logging
 import sys
 
-from gptj_flax.errors import add_debug_flag, run_cli
-
-
-def main() -> int:
-    # Imported under run_cli, so that a missing serving dependency is one error line too.
-    from gptj_flax.serving import LOG_FORMAT, add_arguments, serve, settings_from
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    add_debug_flag(parser)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)  # for deprecation notices
-    return serve(settings_from(args))
-
+from gptj_flax.cli.serve import main
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(main())

@@ -1,116 +1,11 @@
 """Train or fine-tune GPT-J.
 
-    python scripts/train.py --config configs/gptj_6b.json [--set train.lr=3e-5 …] [--mesh 1,-1,8]
-                            [--init-from hf:DIR | legacy:DIR | CKPT] [--fresh-opt] [--resume-step STEP]
-
-Run the same command on every host of a TPU VM slice (JAX finds the other hosts itself); elsewhere
-add --coordinator HOST:PORT --num-processes N --process-id I. The run resumes from the latest
-checkpoint in train.run_dir, which one trainer at a time may use (RUN_DIR/train.lock names it).
-SIGTERM saves and exits 0; Ctrl-C saves and exits 130, and a second Ctrl-C quits at once.
+A checkout's spelling of the ``gptj-train`` command (gptj_flax/cli/train.py).
 """
 
-import argparse
-import logging
-import os
 import sys
 
-from gptj_flax.config import cli_path, join_negative_values
-from gptj_flax.errors import EXIT_INTERRUPTED, add_debug_flag, run_cli
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--config", required=True, type=cli_path, help="modern or legacy (mesh-transformer-jax) JSON config"
-    )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value, e.g. --set train.lr=3e-5 (repeatable)",
-    )
-    parser.add_argument("--mesh", help="data,fsdp,model sizes (-1 = the rest) or a layout name; default: config")
-    parser.add_argument(
-        "--init-from", type=cli_path, help="hf:DIR, legacy:DIR or an Orbax checkpoint to fine-tune from"
-    )
-    parser.add_argument("--fresh-opt", action="store_true", help="with --init-from: discard its optimiser moments")
-    parser.add_argument("--peak-flops", type=float, help="peak FLOP/s per device for MFU (default: by device kind)")
-    parser.add_argument(
-        "--stop-after",
-        type=non_negative_int,
-        help="stop after this many steps in this invocation (with a save); 0 runs none",
-    )
-    parser.add_argument(
-        "--resume-step",
-        type=non_negative_int,
-        metavar="STEP",
-        help="resume from this step of train.run_dir instead of the latest (e.g. the one before a "
-        "corrupted step); the later steps are moved to RUN_DIR/abandoned/",
-    )
-    parser.add_argument("--coordinator", help="HOST:PORT of process 0 (multi-host off TPU VMs)")
-    parser.add_argument("--num-processes", type=int)
-    parser.add_argument("--process-id", type=int)
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
-    add_debug_flag(parser)
-    args = parser.parse_args(join_negative_values(sys.argv[1:]))
-    if args.fresh_opt and not args.init_from:
-        parser.error("--fresh-opt needs --init-from")
-    return args
-
-
-def main() -> int:
-    args = parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from gptj_flax import partitioning
-    from gptj_flax.config import load_config
-    from gptj_flax.training import train
-
-    partitioning.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-    config = load_config(args.config, args.set)
-    mesh = partitioning.make_mesh(args.mesh or config.mesh)
-    harness = None
-    if config.train.eval_harness_tasks:
-        from gptj_flax.evaluation.during_training import HarnessDuringTraining
-
-        harness = HarnessDuringTraining(
-            config.train.eval_harness_tasks, results_dir=os.path.join(config.train.run_dir, "harness")
-        )
-    result = train(
-        config,
-        mesh=mesh,
-        init_from=args.init_from,
-        fresh_opt=args.fresh_opt,
-        peak_flops=args.peak_flops,
-        stop_after=args.stop_after,
-        progress=not args.no_progress,
-        harness=harness,
-        resume_step=args.resume_step,
-    )
-    if result.saved_step is None:
-        done = (
-            f" (train.total_steps={config.train.total_steps} reached)"
-            if result.step >= config.train.total_steps
-            else ""
-        )
-        print(f"step {result.step}: no training step ran{done}, nothing saved in {result.run_dir}")
-    elif result.interrupted:
-        print(f"step {result.step}: interrupted, saved in {result.run_dir}")
-        return EXIT_INTERRUPTED
-    else:
-        print(f"step {result.step}: {'preempted, saved' if result.preempted else 'saved'} in {result.run_dir}")
-    return 0
-
+from gptj_flax.cli.train import main
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(main())

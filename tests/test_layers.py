@@ -53,7 +53,10 @@ def test_the_scan_finds_imports_in_functions_methods_and_nested_blocks():
     ]
 
 
-MODULES = sorted(str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py"))
+# The commands in gptj_flax/cli are the top layer, which nothing imports (the contract checks it), so
+# their imports inside functions cannot hide a cycle; they defer JAX so that --help answers at once
+# and environment settings (XLA_FLAGS) come before JAX starts.
+MODULES = sorted(str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if p.parent.name != "cli")
 
 
 @pytest.mark.parametrize("module", MODULES)
