@@ -124,7 +124,7 @@ def _huggingface_times(
 def _load_to_first_token(config, params, prompt: list[int]) -> float:
     from gptj_flax.checkpoint import Checkpointer
     from gptj_flax.config import Config
-    from gptj_flax.sampling.api import load
+    from gptj_flax.sampling import load
 
     with tempfile.TemporaryDirectory() as directory:
         ckpt = Checkpointer(directory)

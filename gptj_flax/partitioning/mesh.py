@@ -36,9 +36,10 @@ def mesh_config(spec: MeshConfig | str | Sequence[int] | None) -> MeshConfig:
         if len(parts) != len(MESH_AXES):
             raise ConfigError(f"mesh {spec!r}: expected three sizes; {hint}")
         try:
-            return MeshConfig(*(int(p) for p in parts))
+            sizes = [int(p) for p in parts]
         except ValueError:
             raise ConfigError(f"mesh {spec!r}: sizes must be integers; {hint}") from None
+        return MeshConfig(*sizes)  # outside the try: its own errors (two -1s, zero) are ConfigErrors
     if not isinstance(spec, Sequence) or len(spec) != len(MESH_AXES):
         raise ConfigError(f'mesh {spec!r}: expected a mesh, a layout name, "data,fsdp,model" or three sizes')
     return MeshConfig(*spec)
