@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from benchmarks import bounds
 from benchmarks.common import BENCH_MODEL, hf_gptj_config, load_average, machine_summary
 
 
@@ -180,29 +181,54 @@ def run(args: argparse.Namespace) -> None:
                 _huggingface_times,
                 (model_dir, prompt_ids, batch_sizes, args.new_tokens, args.repeats, args.torch_threads),
             )
+    weights = bounds.weight_bytes(config)
+    bandwidth = bounds.streaming_bandwidth(weights)
+    ceilings = {config.dtype: bounds.matmul_ceiling(config.dtype)}
+    context = args.prompt_tokens + args.new_tokens / 2  # the mean number of cached tokens a decode step reads
     rows = []
     for batch, (ours_prefill, ours_full), (hf_prefill, hf_full) in zip(batch_sizes, ours, theirs):
         decoded = batch * (args.new_tokens - 1)
         ours_tps, hf_tps = decoded / (ours_full - ours_prefill), decoded / (hf_full - hf_prefill)
-        rows.append((batch, ours_tps, hf_tps, ours_prefill, hf_prefill))
+        bound = bounds.decode_bound(config, batch, context, bandwidth, ceilings[config.dtype])
+        rows.append((batch, ours_tps, hf_tps, ours_prefill, hf_prefill, bound))
 
     header = (
         "batch",
         "decode tok/s gptj_flax",
         "decode tok/s torch",
         "ratio",
+        "bound tok/s",
+        "gptj_flax % of bound",
+        "torch % of bound",
         "prefill ms gptj_flax",
         "prefill ms torch",
         "ratio",
     )
     body = [
-        (str(b), f"{o:,.0f}", f"{h:,.0f}", f"{o / h:.2f}x", f"{op * 1e3:.1f}", f"{hp * 1e3:.1f}", f"{hp / op:.2f}x")
-        for b, o, h, op, hp in rows
+        (
+            str(b),
+            f"{o:,.0f}",
+            f"{h:,.0f}",
+            f"{o / h:.2f}x",
+            f"{bound.tokens_per_s:,.0f} ({bound.limit})",
+            f"{100 * bound.reached(o):.0f}%",
+            f"{100 * bound.reached(h):.0f}%",
+            f"{op * 1e3:.1f}",
+            f"{hp * 1e3:.1f}",
+            f"{hp / op:.2f}x",
+        )
+        for b, o, h, op, hp, bound in rows
     ]
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
     for line in (header, ["-" * w for w in widths], *body):
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
     print("\n(ratio: how many times faster gptj_flax is)")
+    print(f"bounds, measured in this process (decode steps read {context:.0f} cached tokens on average):")
+    print(bounds.describe_limits(bandwidth, ceilings, weights))
+    print(
+        "  a decode step at batch B reads every matmul weight, B embeddings and B K/V caches, and does"
+        " 2 FLOPs per weight per row plus attention; its bound is the longer of the two at the limits above"
+    )
     print(f"gptj_flax load() of an Orbax checkpoint to first token (restore + compile + prefill): {cold:.2f} s")
     # Both sides share the machine's cores: other processes running at the same time skew the ratios.
     print(f"load average before / after: {load_before:.2f} / {load_average():.2f}")

@@ -113,6 +113,7 @@ def measure(
         "ours_flops": flops / ours_s,
         "hf_flops": flops / hf_s,
         "jax_matmul_flops": jax_mm,
+        "flops_per_token": config.flops_per_token(seq_len),
         "torch_matmul_flops": torch_mm,
     }
 
@@ -127,6 +128,8 @@ def report(r: dict) -> str:
             f"({100 * r['ours_flops'] / r['jax_matmul_flops']:.0f}% of jax matmul)",
             f"  HF PyTorch      {r['hf_tokens_per_s']:9.0f} tokens/s   {r['hf_flops'] / g:7.1f} GFLOP/s "
             f"({100 * r['hf_flops'] / r['torch_matmul_flops']:.0f}% of torch matmul)",
+            f"  bound (every FLOP at jax's matmul ceiling): {r['jax_matmul_flops'] / r['flops_per_token']:,.0f} tokens/s;"
+            f" gptj_flax reaches {100 * r['ours_flops'] / r['jax_matmul_flops']:.0f}%",
             f"  speed-up gptj_flax / PyTorch: {r['speedup']:.2f}x",
         ]
     )

@@ -1,0 +1,60 @@
+"""benchmarks/bounds.py: the decode and train bounds follow from the model's real parameter tree,
+and the measured limits are sane numbers."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from benchmarks import bounds
+from gptj_flax.model import abstract_params
+from tests.helpers import tiny_config
+
+CFG = tiny_config(n_layers=3, d_model=64, n_heads=4, vocab_size=200)
+
+
+def _leaf_sizes() -> dict[tuple[str, ...], int]:
+    tree = jax.tree.map(
+        lambda x: x.value if hasattr(x, "value") else x, abstract_params(CFG), is_leaf=lambda x: hasattr(x, "value")
+    )
+    return {path: math.prod(leaf.shape) for path, leaf in traverse_util.flatten_dict(tree).items()}
+
+
+def test_weight_bytes_are_the_parameter_trees_bytes():
+    assert bounds.weight_bytes(CFG) == 4 * sum(_leaf_sizes().values())
+
+
+def test_a_batch_one_decode_step_is_bound_by_reading_its_weights_once():
+    sizes = _leaf_sizes()
+    embedding = sizes[("wte",)]
+    assert embedding == CFG.vocab_size * CFG.d_model, sizes.keys()
+    weights, context = sum(sizes.values()) - embedding, 10
+    kv = 2 * CFG.n_layers * context * CFG.d_model
+    expected_bytes = 4 * (weights + CFG.d_model + kv)  # matmul weights, one embedding row, one row's K/V cache
+    bound = bounds.decode_bound(CFG, 1, context, bandwidth=1e9, flops=1e15)
+    assert bound.limit == "memory"
+    assert bound.bytes_per_step == expected_bytes
+    assert bound.tokens_per_s == pytest.approx(1e9 / expected_bytes)
+
+
+def test_a_large_batch_decode_step_is_bound_by_arithmetic_when_flops_are_scarce():
+    batch, context = 64, 10
+    bound = bounds.decode_bound(CFG, batch, context, bandwidth=1e12, flops=1e9)
+    weights = CFG.param_count() - CFG.vocab_size * CFG.d_model
+    flops = batch * (2 * weights + 4 * CFG.n_layers * CFG.d_model * context)
+    assert bound.limit == "compute"
+    assert bound.tokens_per_s == pytest.approx(batch * 1e9 / flops)
+    assert bound.reached(bound.tokens_per_s / 2) == pytest.approx(0.5)
+
+
+def test_the_train_bound_is_the_ceiling_over_the_flops_per_token():
+    bound = bounds.train_bound(CFG, 32, flops=1e11)
+    assert bound.tokens_per_s == pytest.approx(1e11 / CFG.flops_per_token(32))
+
+
+def test_measured_limits_are_finite_and_positive():
+    assert np.isfinite(bandwidth := bounds.streaming_bandwidth(1 << 20, repeats=2)) and bandwidth > 1e6
+    assert np.isfinite(peak := bounds.matmul_ceiling("float32", n=64, repeats=2)) and peak > 1e6
+    assert bounds.matmul_ceiling("bf16", n=64, repeats=1) > 0
