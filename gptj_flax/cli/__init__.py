@@ -1,4 +1,49 @@
 """The command-line programs (``gptj-train``, ``gptj-sample``, …): the top layer, importing from all others.
 
 Each module's ``main()`` parses ``sys.argv`` and returns the exit status; ``scripts/*.py`` call the same.
+Importing this package first keeps JAX off a TPU runtime that has no TPU to find (see below).
 """
+
+import glob
+import importlib.util
+import os
+
+# The PCI vendor of Google's TPU chips, which JAX itself checks before it starts the TPU runtime.
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def tpu_attached() -> bool:
+    """Whether this machine has TPU chips: libtpu's device files, or a Google PCI device."""
+    if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == _GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def default_jax_platforms() -> str | None:
+    """The ``JAX_PLATFORMS`` these commands use when the user set none, or None to leave JAX's choice.
+
+    With libtpu installed (the ``tpu`` extra) JAX tries its TPU backend first, and on a machine without
+    TPUs libtpu prints discovery errors (``TPU_WORKER_HOSTNAMES``, host bounds) before JAX falls back.
+    Naming the other platforms skips that attempt; ``gptj-aot-check`` still loads libtpu's compiler,
+    which needs no TPU backend.
+    """
+    if os.environ.get("JAX_PLATFORMS") is not None or importlib.util.find_spec("libtpu") is None:
+        return None
+    if tpu_attached():
+        return None
+    cuda_plugin = any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    nvidia_gpu = any(os.path.exists(path) for path in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg"))
+    return "cuda,cpu" if cuda_plugin and nvidia_gpu else "cpu"
+
+
+_platforms = default_jax_platforms()
+if _platforms is not None:
+    # Read by JAX when it is imported; every command module imports JAX after this package.
+    os.environ["JAX_PLATFORMS"] = _platforms
