@@ -52,7 +52,9 @@ def tensorflow():
 
     JAX owns the GPUs/TPUs; TF here only reads files, on the CPU.
     """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # Fatal messages only: TF's own errors reach us as exceptions, and at level 2 it logs a failed
+    # CUDA initialisation on machines whose CUDA libraries find no GPU.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
 
     # Only where there is a GPU to keep: hiding them makes TF initialise CUDA, which on a machine
