@@ -1,25 +1,34 @@
 # Two entry points for a fresh machine; each creates .venv and installs the project on first use.
 #   make demo   — the main job on CPU
 #   make test   — the whole test suite (slow tests included)
+# and, for contributors, `make lint` (what .ci/run and .pre-commit-config.yaml run).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The exact versions the test suite passes with; pyproject.toml declares the compatible ranges.
+CONSTRAINTS := constraints.txt
 
-.PHONY: demo test test-fast install
+.PHONY: demo test test-fast lint install
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,eval,serve]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,eval,serve]'
 	touch $@
 
 demo: install
-	$(PY) scripts/demo.py
+	$(VENV)/bin/gptj-demo
 
 test: install
 	$(PY) -m pytest
 
 test-fast: install
 	$(PY) -m pytest -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports

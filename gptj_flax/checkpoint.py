@@ -116,7 +116,7 @@ def _checksum_every_chunk() -> None:
             inner.append({"name": "crc32c"})
         return metadata
 
-    with_crc32c.adds_crc32c = True
+    with_crc32c.adds_crc32c = True  # type: ignore[attr-defined]  # marks the patch as applied
     tensorstore_utils._build_zarr3_metadata = with_crc32c
 
 
@@ -254,11 +254,11 @@ def _ignore_callbacks_into_closed_loops() -> None:
             return
         previous(unraisable)
 
-    hook.ignores_closed_loops = True
+    hook.ignores_closed_loops = True  # type: ignore[attr-defined]  # marks the hook as installed
     sys.unraisablehook = hook
 
 
-def _format_bytes(n: int) -> str:
+def _format_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -268,10 +268,10 @@ def _format_bytes(n: int) -> str:
 
 def split_step_path(path: str | os.PathLike) -> tuple[epath.Path, int | None]:
     """``RUN_DIR`` → (RUN_DIR, None); ``RUN_DIR/123`` → (RUN_DIR, 123); both made absolute."""
-    path = absolute_path(path)
-    if path.name.isdigit() and (path / "config").exists():
-        return path.parent, int(path.name)
-    return path, None
+    directory = absolute_path(path)
+    if directory.name.isdigit() and (directory / "config").exists():
+        return directory.parent, int(directory.name)
+    return directory, None
 
 
 # --------------------------------------------------------------------------------------------

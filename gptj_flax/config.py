@@ -183,9 +183,14 @@ class ModelConfig:
         if not isinstance(self.scan_layers, bool):
             raise ConfigError(f"model.scan_layers must be true or false, got {self.scan_layers!r}")
 
+    @property
+    def ff_dim(self) -> int:
+        """The MLP's hidden width: ``d_ff``, which construction resolves to ``4 * d_model`` when omitted."""
+        return 4 * self.d_model if self.d_ff is None else self.d_ff
+
     def param_count(self) -> int:
         """Dense parameter count, computed from the shapes alone."""
-        d, f, v = self.d_model, self.d_ff, self.vocab_size
+        d, f, v = self.d_model, self.ff_dim, self.vocab_size
         per_layer = 4 * d * d + (d * f + f) + (f * d + d) + 2 * d
         return v * d + self.n_layers * per_layer + 2 * d + (d * v + v)
 
@@ -234,7 +239,8 @@ class MeshConfig:
             shape[shape.index(-1)] = n_devices // fixed
         elif fixed > n_devices:
             raise ConfigError(f"mesh {self.shape} needs {fixed} devices but only {n_devices} are available")
-        return tuple(shape)
+        data, fsdp, model = shape
+        return data, fsdp, model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +315,7 @@ class TrainConfig:
         """Sequences per micro-batch over the whole mesh (``data_parallel``: the mesh's data-parallel size)."""
         if self.batch_size is not None:
             return self.batch_size
+        assert self.per_replica_batch is not None  # construction requires one of the two
         return self.per_replica_batch * data_parallel
 
 

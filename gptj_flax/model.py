@@ -273,7 +273,7 @@ class MLP(nn.Module):
     def __call__(self, x: Array) -> Array:
         cfg = self.config
         h = nn.Dense(
-            cfg.d_ff,
+            cfg.ff_dim,
             dtype=cfg.compute_dtype,
             param_dtype=cfg.weight_dtype,
             kernel_init=_init(cfg.d_model**-0.5, ("embed", "mlp")),

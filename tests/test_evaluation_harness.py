@@ -1,12 +1,13 @@
 """The lm-eval adapter against HuggingFace PyTorch on the same weights, on 1 and 8 devices, and lm-eval
-end to end on local tasks through its own ``lm_eval`` command, its entry point with the model registered,
-``scripts/eval.py harness`` and the training hook."""
+end to end on local tasks through the ``gptj-lm-eval`` command (lm-eval's command line with the model
+registered), ``scripts/eval.py harness`` and the training hook."""
 
 import glob
 import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -232,13 +233,13 @@ def test_lm_eval_builds_the_registered_model_from_model_args(run, offline, tmp_p
 
 @pytest.mark.slow
 def test_local_tasks_run_through_lm_evals_own_entry_point(run, offline, tmp_path):
-    """``python -m gptj_flax.evaluation.lm_eval_cli`` is lm-eval's ``cli_evaluate`` with the model registered."""
+    """``python -m gptj_flax.cli.lm_eval`` is lm-eval's ``cli_evaluate`` with the model registered."""
     tasks = write_tasks(tmp_path / "tasks")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     command = [
         sys.executable,
         "-m",
-        "gptj_flax.evaluation.lm_eval_cli",
+        "gptj_flax.cli.lm_eval",
         "--model",
         "gptj_flax",
         "--model_args",
@@ -267,50 +268,22 @@ def test_local_tasks_run_through_lm_evals_own_entry_point(run, offline, tmp_path
     assert "gptj_flax" in done.stdout and "tiny_choice" in done.stdout  # lm-eval's table
 
 
-HOOK = "_gptj_flax_lm_eval_hook"  # imported at interpreter start by the .pth that installing gptj_flax adds
-
-
-def fresh_python(code: str, cwd) -> list[str]:
-    """Run ``code`` in a new interpreter of this environment (site-packages' .pth files run), away from
-    the source checkout; its output lines."""
-    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.splitlines()
-
-
-def test_installed_hook_costs_nothing_at_interpreter_start(tmp_path):
-    imported = fresh_python(
-        f"import sys; print(*(m in sys.modules for m in ('{HOOK}', 'gptj_flax', 'lm_eval', 'jax')))", tmp_path
-    )
-    assert imported == ["True False False False"], (
-        f"{HOOK} is not imported at start: reinstall the project (make install, pip install -e .) so that "
-        "gptj_flax_lm_eval.pth is in site-packages"
-    )
-
-
-def test_installed_hook_registers_the_model_lazily_when_lm_eval_is_imported(tmp_path):
-    assert fresh_python(
-        "import sys, lm_eval.api.registry as r; m = r.model_registry; "
-        "print('gptj_flax' in m, 'dummy' in m, 'jax' in sys.modules); print(m.get('gptj_flax'))",
-        tmp_path,
-    ) == ["True True False", "<class 'gptj_flax.evaluation.harness.GPTJFlaxLM'>"]  # lm-eval's own models too
-    # the adapter imported first registers the class itself, and the hook leaves it alone
-    assert fresh_python(
-        "import gptj_flax.evaluation.harness as h, lm_eval.api.registry as r; "
-        "print(r.get_model('gptj_flax') is h.GPTJFlaxLM, r.get_model('dummy').__name__)",
-        tmp_path,
-    ) == ["True DummyLM"]
+def console_command(name: str) -> str:
+    """The installed console script ``name``: beside this interpreter, else on PATH."""
+    found = shutil.which(name, path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    assert found, f"no {name} command: install the project (make install, or pip install -e '.[eval]')"
+    return found
 
 
 @pytest.mark.slow
-def test_lm_evals_own_lm_eval_command_runs_the_model_as_huggingface_scores(odd_run, offline, tmp_path):
-    """The literal ``lm_eval --model gptj_flax …`` of an installed gptj_flax, on an odd-shaped model
+def test_the_gptj_lm_eval_command_runs_the_model_as_huggingface_scores(odd_run, offline, tmp_path):
+    """The installed ``gptj-lm-eval --model gptj_flax …`` command, on an odd-shaped model
     converted from HuggingFace with no dtype given anywhere: per-request log-likelihoods, accuracy,
     word perplexity and bits per byte as HuggingFace PyTorch float32's on the same weights."""
     run, hf = odd_run
     tasks, out = write_tasks(tmp_path / "tasks"), tmp_path / "out"
     command = [
-        str(Path(sys.executable).parent / "lm_eval"),
+        console_command("gptj-lm-eval"),
         "--model",
         "gptj_flax",
         "--model_args",

@@ -17,9 +17,8 @@ import pytest
 # them out is the build configuration's doing.
 SOURCES = (
     "pyproject.toml",
-    "setup.py",
     "README.md",
-    "_gptj_flax_lm_eval_hook.py",
+    "LICENSE",
     "gptj_flax",
     "benchmarks",
     "tests",
@@ -34,8 +33,8 @@ NOT_A_LIBRARY_MODULE = re.compile(
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory, repo_root) -> str:
-    """A wheel of a copy of this checkout, built as ``pip wheel .`` builds it (offline)."""
+def built(tmp_path_factory, repo_root) -> tuple[str, str]:
+    """A wheel of a copy of this checkout, built as ``pip wheel .`` builds it (offline), and the build's output."""
     root = tmp_path_factory.mktemp("wheel")
     source = root / "source"
     source.mkdir()
@@ -53,7 +52,7 @@ def wheel(tmp_path_factory, repo_root) -> str:
             "--no-deps",
             "--no-build-isolation",
             "--no-index",
-            "--quiet",
+            "--verbose",  # the build backend's own output, warnings included
             "-w",
             str(root / "dist"),
             str(source),
@@ -64,7 +63,48 @@ def wheel(tmp_path_factory, repo_root) -> str:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     (path,) = (root / "dist").glob("gptj_flax-*.whl")
-    return str(path)
+    return str(path), done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(built) -> str:
+    return built[0]
+
+
+# Console commands and the modules whose main() they run (pyproject.toml's [project.scripts]).
+COMMANDS = {
+    "gptj-train": "train",
+    "gptj-sample": "sample",
+    "gptj-serve": "serve",
+    "gptj-convert": "convert",
+    "gptj-eval": "eval",
+    "gptj-lm-eval": "lm_eval",
+    "gptj-create-tfrecords": "create_tfrecords",
+    "gptj-prepare-threads": "prepare_threads",
+    "gptj-demo": "demo",
+    "gptj-aot-check": "aot_check",
+}
+
+
+def test_the_build_warns_about_nothing_and_declares_the_license_and_commands(built):
+    path, output = built
+    # An environment without byte-compiling (PYTHONDONTWRITEBYTECODE) makes setuptools say so; that
+    # is the machine's setting, not the project's metadata.
+    warnings = [
+        line for line in output.splitlines() if re.search(r"(?i)warn|deprecat", line) and "byte-compiling" not in line
+    ]
+    assert warnings == []
+    with zipfile.ZipFile(path) as archive:
+        names = archive.namelist()
+        info = next(name.split("/")[0] for name in names if name.endswith(".dist-info/METADATA"))
+        metadata = archive.read(f"{info}/METADATA").decode()
+        entry_points = archive.read(f"{info}/entry_points.txt").decode()
+    assert "License-Expression: Apache-2.0" in metadata.splitlines()
+    assert f"{info}/licenses/LICENSE" in names
+    assert not [name for name in names if name.endswith(".pth")]  # nothing runs at interpreter start
+    declared = dict(re.findall(r"^(gptj-[\w-]+) = (\S+)$", entry_points, re.MULTILINE))
+    assert declared == {command: f"gptj_flax.cli.{module}:main" for command, module in COMMANDS.items()}
+    assert all(f"gptj_flax/cli/{module}.py" in names for module in COMMANDS.values())
 
 
 def test_the_wheel_holds_the_library_and_no_benchmark_fixture_or_test(wheel):
@@ -77,7 +117,7 @@ def test_the_wheel_holds_the_library_and_no_benchmark_fixture_or_test(wheel):
         "gptj_flax/gpt4chan/post_html.py",
         "gptj_flax/convert/hf.py",
     } <= set(modules)
-    assert not {name.split("/")[0] for name in names if not name.startswith(("gptj_flax", "_gptj_flax"))}
+    assert not {name.split("/")[0] for name in names if not name.startswith("gptj_flax")}
     assert not [name for name in modules if NOT_A_LIBRARY_MODULE.search(name)]
     defined = [
         (name, function)

@@ -78,4 +78,3 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     return run_cli(lambda: run(parse_args(argv)), argv)
-

@@ -38,7 +38,7 @@ def _main() -> int:
 
     import gptj_flax
     from gptj_flax import partitioning
-    from gptj_flax.config import load_config
+    from gptj_flax.config import ConfigError, load_config
     from gptj_flax.data.corpus import prepare_demo_data
     from gptj_flax.training import train
 
@@ -48,6 +48,8 @@ def _main() -> int:
         f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}; "
         f"model of {config.model.param_count():,} parameters"
     )
+    if not config.train.train_set:
+        raise ConfigError(f"{args.config}: the demo needs train.train_set, the directory its corpus is written to")
     prepare_demo_data(os.path.dirname(config.train.train_set), config.model.vocab_size)
     result = train(config, mesh=mesh)
     if result.preempted:

@@ -7,7 +7,7 @@
 ``harness`` writes lm-eval's results JSON and prints its table; ``compare`` prints GPT-4chan's
 task-by-task table (both values, stderrs, z = (a − b) / mean stderr and a mark: + or - for |z| ≥ 2,
 ++ or -- for |z| ≥ 3, + meaning the first file is better) and draws it as a bar chart.
-lm-eval's own command line with this model registered: ``python -m gptj_flax.evaluation.lm_eval_cli``.
+lm-eval's own command line with this model registered: ``gptj-lm-eval``.
 """
 
 import argparse

@@ -9,6 +9,7 @@ with no missing or unexpected keys.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -202,12 +203,12 @@ class HFCheckpoint:
             if kind == "safetensors":
                 for name, info in safetensors_io.read_header(path).items():
                     shapes[name], dtypes[name], where[name] = info.shape, info.dtype.name, path
-                    readers[name] = lambda info=info: safetensors_io.read_tensor(info)
+                    readers[name] = functools.partial(safetensors_io.read_tensor, info)
             else:
                 torch_file = _TorchFile(path)
                 for name, shape in torch_file.shapes().items():
                     shapes[name], dtypes[name], where[name] = shape, torch_file.dtype(name), path
-                    readers[name] = lambda name=name, f=torch_file: f.read(name)
+                    readers[name] = functools.partial(torch_file.read, name)
         compute = None if dtype is None else dtype_name(dtype)
         stored = _stored_dtype(raw, dtypes.get("transformer.wte.weight"), config_path, compute)
         model_config = dataclasses.replace(model_config, dtype=compute or stored)

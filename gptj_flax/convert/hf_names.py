@@ -73,7 +73,7 @@ def hf_name(path: tuple[str, ...]) -> str:
 
 def hf_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
     """The shape HF gives tensor ``name`` (torch Linear weights are (out, in))."""
-    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    d, f, v = config.d_model, config.ff_dim, config.vocab_size
     suffix = name.split(".", 3)[-1] if name.startswith("transformer.h.") else name
     shapes = {
         "transformer.wte.weight": (v, d),

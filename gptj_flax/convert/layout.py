@@ -10,7 +10,9 @@ one leaf at a time, never the model.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -81,9 +83,9 @@ def streamed_params(get: Getter, config: ModelConfig, dtype=None) -> dict:
     for path, shape in param_shapes(config).items():
         parts = layer_paths(path, config.n_layers)
         if parts is None:
-            produce = lambda path=path: get(path)  # noqa: E731
+            produce = functools.partial(get, path)
         else:
-            produce = lambda shape=shape, parts=parts: _stack(get, parts, shape, dtype)  # noqa: E731
+            produce = functools.partial(_stack, get, parts, shape, dtype)
         flat[path] = StreamedArray(shape, dtype, produce, name="/".join(path))
     return traverse_util.unflatten_dict(flat)
 
@@ -102,8 +104,8 @@ def place_on_mesh(streamed: dict, target: dict, desc: str = "placing params") ->
     only its addressable shards from the host copy of one leaf, which is dropped before the next:
     host memory holds one leaf, never a second copy of the model.
     """
-    flat_streamed = dict(leaves_with_paths(streamed))
-    flat_target = dict(leaves_with_paths(target))
+    flat_streamed: dict[ParamPath, StreamedArray] = dict(leaves_with_paths(streamed))
+    flat_target: dict[ParamPath, jax.ShapeDtypeStruct] = dict(leaves_with_paths(target))
     if flat_streamed.keys() != flat_target.keys():
         raise ValueError(f"parameter trees differ: {sorted(flat_streamed.keys() ^ flat_target.keys())[:4]}")
     placed = {}
@@ -111,12 +113,12 @@ def place_on_mesh(streamed: dict, target: dict, desc: str = "placing params") ->
         for path, leaf in flat_streamed.items():
             spec = flat_target[path]
             array = leaf.materialize().astype(spec.dtype, copy=False)
-            placed[path] = jax.make_array_from_callback(spec.shape, spec.sharding, lambda index, a=array: a[index])
+            placed[path] = jax.make_array_from_callback(spec.shape, spec.sharding, array.__getitem__)
             del array
             bar.update(leaf.nbytes)
     return traverse_util.unflatten_dict(placed)
 
 
-def leaves_with_paths(tree: dict) -> list[tuple[ParamPath, object]]:
+def leaves_with_paths(tree: dict) -> list[tuple[ParamPath, Any]]:
     """(path, leaf) pairs of a nested dict, in JAX's (sorted-key) tree order."""
     return [(tuple(str(k.key) for k in keys), leaf) for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]

@@ -10,6 +10,7 @@ state is described where it is undone: :func:`legacy_params` (leaf order) and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -63,7 +64,7 @@ def legacy_params(config: ModelConfig, shards: int) -> list[LegacyParam]:
     (``arr_0, arr_1, …`` restarting in every file). Slim checkpoints store bfloat16 as numpy void
     ``V2`` (the raw upper half of a float32).
     """
-    d, f, v, s = config.d_model, config.d_ff, config.vocab_size, shards
+    d, f, v, s = config.d_model, config.ff_dim, config.vocab_size, shards
     params = [
         LegacyParam(_ROOT + "embedding_shard/~/linear", "b", (d,), SUM),
         LegacyParam(_ROOT + "embedding_shard/~/linear", "w", (v // s, d), ROWS),
@@ -103,7 +104,7 @@ _PER_LAYER = {
     ("ln_1", "scale"): "replicated_layer_norm/scale",
     ("ln_1", "bias"): "replicated_layer_norm/offset",
 }
-_TOP = {
+_TOP: dict[ParamPath, str] = {
     ("lm_head", "kernel"): "projection_shard/~/linear/w",
     ("lm_head", "bias"): "projection_shard/~/linear/b",
     ("ln_f", "scale"): "projection_shard/~/replicated_layer_norm/scale",
@@ -151,7 +152,7 @@ class LegacyCheckpoint:
         self.step_dir = Path(step_dir)
         self.config = config
         self.shards = self._count_shards(shards)
-        for name, value in (("n_heads", config.n_heads), ("d_ff", config.d_ff), ("vocab_size", config.vocab_size)):
+        for name, value in (("n_heads", config.n_heads), ("d_ff", config.ff_dim), ("vocab_size", config.vocab_size)):
             if value % self.shards:
                 raise ConversionError(
                     f"{self.step_dir}: model.{name}={value} is not divisible by its "
@@ -479,7 +480,7 @@ def load_legacy_opt_state(
         count = jnp.asarray(legacy.adam_count(), jnp.int32)
         moments = {
             which: place_on_mesh(
-                streamed_params(lambda path, w=which: legacy.moment(w, path), config.model, np.float32),
+                streamed_params(functools.partial(legacy.moment, which), config.model, np.float32),
                 target,
                 desc=f"Adam {which}",
             )

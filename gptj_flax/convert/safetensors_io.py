@@ -16,6 +16,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -161,7 +162,8 @@ class ShardedWriter:
         self._slots: dict[str, _Slot] = {}
         self._files = []
         for index, (filename, group) in enumerate(zip(self.filenames, groups)):
-            header, cursor = {"__metadata__": dict(metadata or {})}, 0
+            header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
+            cursor = 0
             for name, shape, dtype in group:
                 nbytes = math.prod(shape) * dtype.itemsize
                 header[name] = {
@@ -199,7 +201,7 @@ class ShardedWriter:
         data = np.ascontiguousarray(array, dtype=slot.dtype)
         f = self._files[slot.file_index]
         f.seek(slot.offset)
-        f.write(data.reshape(-1).view(np.uint8))
+        f.write(data.reshape(-1).view(np.uint8).data)  # as bytes: buffers refuse ml_dtypes' bfloat16
         self._written.add(name)
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ training upcasts to float32 master params; samplers may load it in the stored ha
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def slim(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "bfloa
     source = OrbaxParams.open(ckpt)
     params = traverse_util.unflatten_dict(
         {
-            path: StreamedArray(shape, SLIM_DTYPES[dtype], lambda path=path: source.read(path), name="/".join(path))
+            path: StreamedArray(shape, SLIM_DTYPES[dtype], functools.partial(source.read, path), name="/".join(path))
             for path, shape in source.leaf_shapes().items()
         }
     )

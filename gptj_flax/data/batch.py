@@ -80,6 +80,7 @@ def process_share(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]
         {
             index[batch_axis].indices(rows)[:2]
             for index in sharding.addressable_devices_indices_map(global_shape).values()
+            if index is not None
         }
     )
     first, end = held[0]

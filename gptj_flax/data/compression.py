@@ -18,7 +18,7 @@ import io
 import lzma
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator
 
 import zstandard
 
@@ -148,7 +148,7 @@ def _a(compression: str) -> str:
     return f"an {compression}" if compression == "xz" else f"a {compression}"
 
 
-def _blocks(raw, compression: str | None) -> Iterator[bytes]:
+def _blocks(raw, compression: str | None) -> Generator[bytes, None, None]:
     """The file's content, decompressed, in blocks; a stream that stops early raises ``EOFError``."""
     if compression is None:
         yield from iter(lambda: raw.read(DECOMPRESSED_BLOCK_BYTES), b"")

@@ -23,6 +23,7 @@ import os
 import time
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -187,7 +188,8 @@ class _RotatingWriter:
 
     def __init__(self, paths: Sequence[str], counts: Sequence[int]):
         self._paths, self._counts = list(paths), list(counts)
-        self._file, self._written, self._writer = -1, 0, None
+        self._file, self._written = -1, 0
+        self._writer: Any = None  # tf.io.TFRecordWriter
 
     def write(self, record: bytes) -> None:
         if self._writer is None or self._written == self._counts[self._file]:

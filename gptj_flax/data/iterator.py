@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 
 import numpy as np
 
@@ -51,13 +51,13 @@ _ORDER_FIELDS = ("seed", "num_sequences", "seq_len", "batch_size", "grad_accum",
 class EpochOrder:
     """The positions of one epoch: the shards in a given order, concatenated."""
 
-    def __init__(self, shards: Sequence[Shard], permutation: Sequence[int]):
+    def __init__(self, shards: Sequence[Shard], permutation: Sequence[int] | np.ndarray):
         self.shards = [shards[i] for i in permutation]
         counts = np.array([shard.num_sequences for shard in self.shards], dtype=np.int64)
         self.starts = np.cumsum(counts) - counts
         self.total = int(counts.sum())
 
-    def read(self, position: int, count: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def read(self, position: int, count: int) -> Generator[tuple[np.ndarray, np.ndarray], None, None]:
         """``count`` sequences from ``position`` on, wrapping past the end."""
         position %= self.total
         while count > 0:

@@ -50,8 +50,11 @@ VOCAB_PROBE_SEQUENCES = 64
 class Shard(Protocol):
     """A run of sequences readable from any offset."""
 
-    name: str
-    num_sequences: int
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def num_sequences(self) -> int: ...
 
     def read(self, start: int, count: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Sequences ``[start, start + count)`` as chunks ``(tokens [k, seq_len+1] int32, lengths [k] int32)``."""

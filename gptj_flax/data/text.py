@@ -36,7 +36,7 @@ def find_text_files(inputs: str | os.PathLike | Sequence[str | os.PathLike]) -> 
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     files: list[str] = []
-    for item in map(os.fspath, inputs):
+    for item in (os.fspath(i) for i in inputs):
         if os.path.isdir(item):
             found = sorted(
                 os.path.join(root, name) for root, _, names in os.walk(item) for name in names if is_text_file(name)

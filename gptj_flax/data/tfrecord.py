@@ -42,6 +42,8 @@ METADATA_FORMAT = "gptj_flax.tfrecords"
 # Tokens per tf.data read batch: big enough to amortise per-call overhead, small enough to bound memory.
 READ_BATCH_TOKENS = 1 << 20
 READ_BUFFER_BYTES = 1 << 20
+# The device files of NVIDIA's driver (/dev/dxg: under WSL2).
+NVIDIA_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")
 
 
 @functools.cache
@@ -50,13 +52,18 @@ def tensorflow():
 
     JAX owns the GPUs/TPUs; TF here only reads files, on the CPU.
     """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # Fatal messages only: TF's own errors reach us as exceptions, and at level 2 it logs a failed
+    # CUDA initialisation on machines whose CUDA libraries find no GPU.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
 
-    try:
-        tf.config.set_visible_devices([], "GPU")
-    except RuntimeError:  # TF's devices were already initialised by the caller; leave them as they are
-        pass
+    # Only where there is a GPU to keep: hiding them makes TF initialise CUDA, which on a machine
+    # without one logs a cuInit error.
+    if any(os.path.exists(device) for device in NVIDIA_DEVICE_FILES):
+        try:
+            tf.config.set_visible_devices([], "GPU")
+        except RuntimeError:  # TF's devices were already initialised by the caller; leave them as they are
+            pass
     return tf
 
 

@@ -90,10 +90,11 @@ def _metrics(task_results: Mapping[str, Any]) -> dict[str, tuple[float, float | 
     out = {}
     for key, value in task_results.items():
         metric, comma, filter_name = key.partition(",")
-        if not comma or metric.endswith("_stderr") or _number(value) is None:
+        number = _number(value)
+        if not comma or metric.endswith("_stderr") or number is None:
             continue
         name = metric if filter_name == "none" else f"{metric}[{filter_name}]"
-        out[name] = (_number(value), _number(task_results.get(f"{metric}_stderr,{filter_name}")))
+        out[name] = (number, _number(task_results.get(f"{metric}_stderr,{filter_name}")))
     return out
 
 

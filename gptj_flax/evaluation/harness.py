@@ -1,13 +1,11 @@
 """lm-evaluation-harness backed by gptj_flax: the ``gptj_flax`` model of ``lm_eval``.
 
-Once gptj_flax is installed, lm-eval's own command knows the model::
+Importing this module registers the model with lm-eval, which is what the ``gptj-lm-eval`` command
+(lm-eval's command line) and ``gptj-eval harness`` do::
 
-    lm_eval --model gptj_flax --model_args checkpoint=runs/demo --tasks lambada_openai piqa
+    gptj-lm-eval --model gptj_flax --model_args checkpoint=runs/demo --tasks lambada_openai piqa
 
-(lm-eval 0.4 has no plugin discovery: the installed ``_gptj_flax_lm_eval_hook`` registers the name
-whenever lm-eval's registry is imported). Importing this module registers it too, so a source
-checkout can run ``python -m gptj_flax.evaluation.lm_eval_cli`` with the same arguments, or
-``scripts/eval.py harness``.
+(lm-eval 0.4 discovers no models from other packages, so its own ``lm_eval`` command cannot.)
 
 GPT-J's convention, from the original evaluation: every sequence starts with the EOS token, the
 model's only "start of text". A (context, continuation) pair is scored as

@@ -29,7 +29,7 @@ class PerplexityResult:
     tokens: int  # predicted tokens counted
     batches: int
     checkpoint: str
-    step: int
+    step: int | None  # None for a HuggingFace directory
     source: str
     seq_len: int
     param_dtype: str  # how the parameters were held

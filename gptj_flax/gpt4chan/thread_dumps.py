@@ -48,6 +48,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, cast
 
 import numpy as np
 import zstandard
@@ -220,7 +221,7 @@ def _read_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
             data = b"".join(buffered)
             cut = data.rfind(b"\n") + 1 if block else len(data)
             if cut:
-                yield _Chunk(path, line, data[:cut], stream.raw.compressed_position)
+                yield _Chunk(path, line, data[:cut], cast(compression.DecompressedFile, stream.raw).compressed_position)
                 line += data.count(b"\n", 0, cut)
             if not block:
                 return
@@ -228,9 +229,7 @@ def _read_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
             size = len(data) - cut
 
 
-def _ordered_map(
-    function: Callable, items: Iterable[tuple[object, object]], workers: int
-) -> Iterator[tuple[object, object]]:
+def _ordered_map(function: Callable, items: Iterable[tuple[Any, Any]], workers: int) -> Iterator[tuple[Any, Any]]:
     """``(meta, function(payload))`` for each ``(meta, payload)``, in input order, ``workers`` processes.
 
     Unlike ``Pool.imap`` (whose feeder thread reads its whole input ahead), submission stops at
@@ -271,6 +270,7 @@ class _TextSink:
         self.partial = self.path + ".partial"
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         suffix = os.path.splitext(self.path)[1].lower()
+        self.file: Any  # a gzip, zstandard or plain binary writer
         if suffix == ".gz":
             self.file = gzip.open(self.partial, "wb", compresslevel=6)
         elif suffix in (".zst", ".zstd"):
@@ -307,7 +307,7 @@ class _RecordSink:
         self.carry = np.zeros(0, np.int32)
         self.files: list[str] = []
         self.counts: list[int] = []
-        self.writer = None
+        self.writer: Any = None  # tf.io.TFRecordWriter
         self.partial = ""
         self.in_file = 0
         self.documents = self.tokens = self.sequences = 0

@@ -9,6 +9,10 @@ expresses every layout: pure data parallel is mesh (N, 1, 1), FSDP (1, N, 1), te
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+
+import flax.linen as nn
+from jax.sharding import PartitionSpec
 
 from gptj_flax.config import MeshConfig
 
@@ -39,3 +43,10 @@ LAYOUTS: dict[str, tuple[int, int, int]] = {
     "fsdp_tp8": (1, -1, 8),  # FSDP across hosts, 8-way tensor parallel within a TPU host
     "dp_tp8": (-1, 1, 8),  # the original mesh-transformer-jax layout with cores_per_replica=8
 }
+
+
+def mesh_axes(logical: Sequence[str | None] | PartitionSpec, rules: Rules = DEFAULT_RULES) -> PartitionSpec:
+    """The mesh axes of a tensor whose dims are named ``logical``, as ``rules`` place them."""
+    spec = nn.logical_to_mesh_axes(tuple(logical), rules)
+    assert spec is not None  # Linen answers None only when given None
+    return spec

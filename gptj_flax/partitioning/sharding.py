@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gptj_flax.config import ConfigError
-from gptj_flax.partitioning.rules import DEFAULT_RULES, MESH_AXES, Rules
+from gptj_flax.partitioning.rules import DEFAULT_RULES, MESH_AXES, Rules, mesh_axes
 
 
 @contextlib.contextmanager
@@ -31,7 +31,7 @@ def logical_to_sharding(logical: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) 
 
 def named_sharding(mesh: Mesh, axes: Sequence[str | None], rules: Rules = DEFAULT_RULES) -> NamedSharding:
     """The NamedSharding of one array whose dims have logical names ``axes``."""
-    return NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(axes), rules))
+    return NamedSharding(mesh, mesh_axes(axes, rules))
 
 
 def _flat(abstract: Any) -> list[tuple[str, Any, PartitionSpec]]:
@@ -53,7 +53,7 @@ def check_divisible(
     """
     desc = "(" + ", ".join(f"{a}={mesh.shape[a]}" for a in MESH_AXES) + ")"
     for name, leaf, spec in _flat(abstract):
-        mesh_spec = nn.logical_to_mesh_axes(tuple(spec), rules)
+        mesh_spec = mesh_axes(spec, rules)
         for size, logical, placed in zip(leaf.shape, spec, mesh_spec):
             if placed is None:
                 continue

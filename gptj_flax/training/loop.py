@@ -152,7 +152,7 @@ def _restore_or_init(
     if not fresh_opt:
         opt_state = convert.load_init_opt_state(init_from, config, mesh, targets.opt_state)
         if opt_state is not None:
-            state = state.replace(opt_state=optimizer.restart_schedule(opt_state))
+            state = dataclasses.replace(state, opt_state=optimizer.restart_schedule(opt_state))
     log.info("initialised from %s (%s optimiser state)", init_from, "fresh" if fresh_opt else "carried")
     return state, {}
 
@@ -262,7 +262,7 @@ class MetricsLog:
         self.writer, self.ckpt, self.run_dir, self.bar = writer, ckpt, run_dir, bar
         self.tokens_per_step, self.flops_per_step, self.peak_flops = tokens_per_step, flops_per_step, peak_flops
         self.losses: dict[int, float] = {}
-        self._pending = None  # (step, metrics, start time) of the step whose metrics are not fetched yet
+        self._pending: tuple[int, Any, float] | None = None  # (step, metrics, start time) not fetched yet
 
     def step_started(self, step: int, metrics, started: float) -> None:
         """Step ``step`` was dispatched at ``started``: the previous step's metrics are ready now."""
@@ -479,7 +479,7 @@ def train(
         else HarnessAction(tc.val_every, harness, writer, {"model_config": mc, "mesh": mesh, "tokenizer": tokenizer})
     )
     saving = Checkpointing(tc.ckpt_every, ckpt, config, train_batches)
-    baseline = [a for a in (validation if val_sets else None, hook) if a is not None]
+    baseline: list[PeriodicAction] = [a for a in (validation if val_sets else None, hook) if a is not None]
     actions = [*baseline, saving]
 
     preempted = False

@@ -13,6 +13,7 @@ import math
 import os
 import time
 from collections.abc import Mapping
+from typing import IO, Any
 
 import jax
 
@@ -92,7 +93,9 @@ class MetricsWriter:
         self.enabled = jax.process_index() == 0
         self.run_dir = run_dir
         self.history: list[dict] = []
-        self._jsonl = self._tb = self._wandb = None
+        self._jsonl: IO[str] | None = None
+        self._tb: Any = None  # tensorboardX.SummaryWriter
+        self._wandb: Any = None
         if not self.enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -121,7 +124,7 @@ class MetricsWriter:
             self._wandb = wandb.init(project=wandb_project, name=run_name or None, config=config, resume="allow")
 
     def write(self, step: int, values: Mapping[str, float]) -> None:
-        if not self.enabled:
+        if self._jsonl is None:  # not process 0
             return
         row = {"step": int(step), "time": time.time(), **{k: float(v) for k, v in values.items()}}
         self.history.append(row)
@@ -134,11 +137,11 @@ class MetricsWriter:
             self._wandb.log(dict(values), step=int(step))
 
     def flush(self) -> None:
-        if self.enabled:
+        if self._tb is not None:
             self._tb.flush()
 
     def close(self) -> None:
-        if not self.enabled:
+        if self._jsonl is None:
             return
         self._jsonl.close()
         self._tb.close()
