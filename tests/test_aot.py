@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+from gptj_flax import partitioning
+from gptj_flax.training.aot import topology_devices
+
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed: the TPU path runs")
 def test_aot_check_without_libtpu_says_how_to_get_it(repo_root):
@@ -61,3 +64,14 @@ def test_aot_check_compiles_splash_for_a_tpu_slice_by_default_and_reports_its_co
         2 * 3.5 * 2 * 256 * 256 * 128 * 2 * 4 / 8, rel=1e-3
     )  # printed to 4 digits
     assert re.search(r"roofline on TPU v5 lite \(197 TFLOP/s, 819 GB/s\): [\d.]+ ms per step, MFU at most \d+%", out)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the tpu extra)")
+def test_a_v4_slice_is_described_one_device_per_chip_as_jax_meshes_need():
+    devices = topology_devices("v4:2x2x1")  # 4 chips of 2 cores each
+    assert len(devices) == 4 and devices[0].device_kind == "TPU v4"
+    assert partitioning.mesh_shape(partitioning.make_mesh((1, -1, 1), devices=devices)) == {
+        "data": 1,
+        "fsdp": 4,
+        "model": 1,
+    }

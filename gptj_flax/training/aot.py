@@ -125,8 +125,10 @@ def topology_devices(topology: str):
     # libtpu takes a machine-wide lock by default, which guards real chips; a compile for a
     # described slice uses none, so several may run side by side.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # v4 and v5p chips have two cores that JAX runs as one device ("megacore"), as on a real slice.
+    kwargs = {"chip_config_name": "megacore"} if topology.startswith(("v4", "v5p")) else {}
     try:
-        return topologies.get_topology_desc(topology, "tpu").devices
+        return topologies.get_topology_desc(topology, "tpu", **kwargs).devices
     except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown name: say which
         raise TopologyError(
             f"cannot describe TPU topology {topology!r} ({e}); install the extra: pip install "
