@@ -38,6 +38,10 @@ KERNEL_AXES = ("batch", "heads", "length", "kv")
 # what the TPU kernel's authors run with head_dim 256, and 128 is the smallest its layout allows.
 SPLASH_BLOCKS = (512, 256, 128)
 
+# Chips Mosaic (the Pallas TPU compiler) cannot compile Splash for: its matmuls are refused there
+# (E2001 CompileTimeMosaicUnsupportedRhsType on a v3).
+MOSAIC_UNSUPPORTED = ("TPU v2", "TPU v3")
+
 # cuDNN's flash attention takes head_dim up to 256 from compute capability 9.0 (Hopper) on, up to
 # 128 before (jax/_src/cudnn/fused_attention_stablehlo.py), and only half-precision inputs.
 CUDNN_DTYPES = ("bfloat16", "float16")
@@ -90,7 +94,8 @@ def choose(config: ModelConfig, seq_len: int, device=None) -> Backend:
     requested = config.attention
     if requested == "xla":
         return Backend("xla", "model.attention=xla")
-    platform = (device or current_device()).platform
+    device = device or current_device()
+    platform = device.platform
     if requested == "auto":
         if platform not in ("tpu", "gpu"):
             return Backend("xla", f"model.attention=auto on {platform}")
@@ -101,6 +106,9 @@ def choose(config: ModelConfig, seq_len: int, device=None) -> Backend:
     if requested == "splash":
         if platform == "gpu":
             return _fallback(f"{origin}: Splash attention is a TPU kernel and this is a GPU")
+        kind = getattr(device, "device_kind", "")
+        if kind.startswith(MOSAIC_UNSUPPORTED):
+            return _fallback(f"{origin}: Mosaic cannot compile the Splash kernel for {kind} (TPU v4 or later needed)")
         if seq_len < SPLASH_BLOCKS[-1]:  # e.g. the one-token trace of parameter init: no notice
             return Backend("xla", f"{origin}: {seq_len} tokens are fewer than one Splash block")
         block = next((b for b in SPLASH_BLOCKS if seq_len % b == 0), None)

@@ -135,7 +135,8 @@ def test_splash_kernel_under_shard_map_sees_per_device_shapes():
 
 
 GPU = SimpleNamespace(platform="gpu")
-TPU = SimpleNamespace(platform="tpu")
+TPU = SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
+TPU_V3 = SimpleNamespace(platform="tpu", device_kind="TPU v3")
 
 
 def test_auto_is_xla_on_cpu_without_a_notice(caplog):
@@ -165,6 +166,7 @@ def test_auto_picks_splash_on_tpu_and_cudnn_on_gpu(monkeypatch):
         ({"attention": "cudnn"}, LENGTH, None, None, "needs an NVIDIA GPU and this is cpu"),
         ({"attention": "splash"}, 200, None, None, "sequence length (200) to be a multiple of 128"),
         ({"attention": "splash"}, LENGTH, GPU, None, "Splash attention is a TPU kernel"),
+        ({}, 2048, TPU_V3, None, "Mosaic cannot compile the Splash kernel for TPU v3 (TPU v4 or later needed)"),
         ({"dtype": "float32"}, LENGTH, GPU, (9, 0), "takes bfloat16 or float16, model.dtype is float32"),
         (
             {"dtype": "bfloat16", "d_model": 1024},
