@@ -29,6 +29,8 @@ import numpy as np
 from gptj_flax.errors import GptjFlaxError
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# auto: Splash on TPU, cuDNN's fused attention on GPU, XLA elsewhere (see gptj_flax.attention).
+ATTENTION_BACKENDS = ("auto", "xla", "splash", "cudnn")
 
 # Canonical dtype name → the dtype, and every spelling the user may write for each.
 _DTYPE_BY_NAME = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -140,6 +142,7 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of the parameters
     scan_layers: bool = True  # nn.scan over the blocks: compile time independent of depth
     remat_policy: str = "none"  # one of REMAT_POLICIES
+    attention: str = "auto"  # one of ATTENTION_BACKENDS
 
     def __post_init__(self):
         if self.d_ff is None:
@@ -180,6 +183,7 @@ class ModelConfig:
         if not (_is_finite_number(self.layer_norm_eps) and self.layer_norm_eps > 0):
             raise ConfigError(f"model.layer_norm_eps must be a finite positive number, got {self.layer_norm_eps!r}")
         _check_choice("model.remat_policy", self.remat_policy, REMAT_POLICIES)
+        _check_choice("model.attention", self.attention, ATTENTION_BACKENDS)
         if not isinstance(self.scan_layers, bool):
             raise ConfigError(f"model.scan_layers must be true or false, got {self.scan_layers!r}")
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gptj_flax import attention
 from gptj_flax.config import ModelConfig
 
 Array = jax.Array
@@ -228,10 +229,11 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: Array, sin: Array, cos: Array, mask: Array, kv: LayerKV | None = None
+        self, x: Array, sin: Array, cos: Array, mask: Array | attention.SegmentMask, kv: LayerKV | None = None
     ) -> tuple[Array, LayerKV | None]:
-        """Self-attention of ``x``; with ``kv`` the new keys/values are cached and the queries
-        attend to every cached slot ``mask`` allows. Returns (output, updated ``kv``)."""
+        """Self-attention of ``x``: ``mask`` is a boolean mask (the XLA path) or the segment ids a
+        fused kernel takes; with ``kv`` the new keys/values are cached and the queries attend to
+        every cached slot ``mask`` allows. Returns (output, updated ``kv``)."""
         cfg = self.config
 
         # Kernels stay 3-D ([embed, heads, kv] and [heads, kv, embed]) so each dim has its own name.
@@ -248,8 +250,15 @@ class Attention(nn.Module):
         # keys and values in the cache's layouts
         k = nn.with_logical_constraint(apply_rotary(k, sin, cos).transpose(0, 2, 3, 1), KEY_AXES)
         v = nn.with_logical_constraint(v.transpose(0, 2, 1, 3), VALUE_AXES)
+        # Cached calls (the prefill and each decode step) always take the XLA path: a decode step's
+        # scores are only [B, heads, 1, S], nothing a fused kernel saves, and a prefill writes into
+        # the cache at a slot known only at run time, which the kernels' static masks cannot express.
         if kv is not None and x.shape[1] == 1:
             out, kv = _decode_attention(cfg, q, k, v, mask, kv)
+        elif isinstance(mask, attention.SegmentMask):
+            out = attention.kernel_attention(
+                mask.backend, q.transpose(0, 2, 1, 3), k.transpose(0, 1, 3, 2), v, mask.segment_ids
+            ).transpose(0, 2, 1, 3)
         else:
             if kv is not None:
                 kv = write_layer_kv(kv, k, v)
@@ -310,7 +319,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(
-        self, h: Array, sin: Array, cos: Array, mask: Array, kv: LayerKV | None = None
+        self, h: Array, sin: Array, cos: Array, mask: Array | attention.SegmentMask, kv: LayerKV | None = None
     ) -> tuple[Array, LayerKV | None]:
         h = nn.with_logical_constraint(h, RESIDUAL_AXES)
         x = layer_norm(self.config, "ln_1")(h)
@@ -399,7 +408,11 @@ class GPTJ(nn.Module):
         """The final LayerNorm's output [B, T, d_model], before the LM head."""
         positions, segment_ids = self._defaults(tokens, positions, segment_ids)
         sin, cos = rotary_tables(positions, self.config.rotary_dim)
-        mask = attention_mask(segment_ids)
+        backend = attention.choose(self.config, tokens.shape[1])
+        if backend.name == "xla":
+            mask = attention_mask(segment_ids)
+        else:
+            mask = attention.SegmentMask(segment_ids.astype(jnp.int32), backend)
         h = self._embed(tokens)
         if self.config.scan_layers:
             h, _ = self.layers(h, sin, cos, mask)

@@ -1,10 +1,15 @@
 """scripts/aot_check.py without a TPU library: a clear message, not a traceback from deep inside JAX."""
 
 import importlib.util
+import json
+import re
 import subprocess
 import sys
 
 import pytest
+
+from gptj_flax import partitioning
+from gptj_flax.training.aot import topology_devices
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed: the TPU path runs")
@@ -18,3 +23,55 @@ def test_aot_check_without_libtpu_says_how_to_get_it(repo_root):
     )
     assert result.returncode != 0
     assert "cannot describe TPU topology 'v3:2x2'" in result.stderr and "pip install -e '.[tpu]'" in result.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the tpu extra)")
+def test_aot_check_compiles_splash_for_a_tpu_slice_by_default_and_reports_its_cost(repo_root, tmp_path):
+    config = tmp_path / "small.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model": {
+                    "n_layers": 2,
+                    "d_model": 256,
+                    "n_heads": 2,
+                    "rotary_dim": 32,
+                    "vocab_size": 512,
+                    "scan_layers": False,
+                },
+                "mesh": {"data": 1, "fsdp": -1, "model": 2},
+                "train": {"batch_size": 4, "seq_len": 256},
+            }
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, "scripts/aot_check.py", "--config", str(config), "--topology", "v5e:2x4"],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    out = result.stdout
+    assert "attention: splash, block 256: model.attention=auto on tpu" in out, out
+    assert "FITS (XLA compiled it for this chip)" in out
+    cost = re.search(r"XLA cost analysis per device per step: ([\d.e+]+) FLOPs, ([\d.e+]+) bytes accessed", out)
+    kernel = re.search(r"fused attention kernel \(counted analytically; .*\): ([\d.e+]+) FLOPs, ([\d.e+]+) bytes", out)
+    assert cost and kernel, out
+    assert all(float(x) > 0 for x in (*cost.groups(), *kernel.groups()))
+    # 2 layers x (forward + 2.5x backward) x causal half of q.k and p.v, 4 rows over 8 devices
+    assert float(kernel.group(1)) == pytest.approx(
+        2 * 3.5 * 2 * 256 * 256 * 128 * 2 * 4 / 8, rel=1e-3
+    )  # printed to 4 digits
+    assert re.search(r"roofline on TPU v5 lite \(197 TFLOP/s, 819 GB/s\): [\d.]+ ms per step, MFU at most \d+%", out)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the tpu extra)")
+def test_a_v4_slice_is_described_one_device_per_chip_as_jax_meshes_need():
+    devices = topology_devices("v4:2x2x1")  # 4 chips of 2 cores each
+    assert len(devices) == 4 and devices[0].device_kind == "TPU v4"
+    assert partitioning.mesh_shape(partitioning.make_mesh((1, -1, 1), devices=devices)) == {
+        "data": 1,
+        "fsdp": 4,
+        "model": 1,
+    }

@@ -134,3 +134,26 @@ def test_pretokenised_pipeline_is_fast(tmp_path):
     """The target: well over 1M tokens/s from pre-tokenised records, at GPT-J's sequence length."""
     results = benchmark_pipeline(seq_len=2048, batch_size=16, n_batches=256, text_bytes=1 << 20, workdir=str(tmp_path))
     assert results["tfrecord_tokens_per_s"] > 1e6, results
+
+
+@pytest.mark.slow
+def test_device_benchmark_on_cpu(repo_root, tmp_path):
+    out = bench(
+        repo_root,
+        tmp_path,
+        "device",
+        "--steps",
+        "1",
+        "--backends",
+        "xla",
+        "--decode-batches",
+        "1,2",
+        "--new-tokens",
+        "2",
+    )
+    assert "device: 1 x cpu (cpu); peak unknown: no MFU" in out
+    assert "train batch 2 x 128 tokens" in out and "2 heads of 128" in out
+    assert figure(rf"attention xla\s+({NUMBER}) tokens/s\s+{NUMBER} GFLOP/s\s+MFU n/a", out) > 0
+    assert [int(b) for b in re.findall(rf"^\s+batch\s+(\d+)\s+{NUMBER} tokens/s$", out, re.MULTILINE)] == [1, 2], out
+    assert all(figure(rf"batch\s+{b}\s+({NUMBER}) tokens/s", out) > 0 for b in (1, 2))
+    assert out.index(".. compiling and timing the train step") < out.index("attention xla")  # progress first

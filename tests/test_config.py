@@ -100,6 +100,7 @@ def _model(**changes):
         ({"n_layers": 0}, "model.n_layers must be a positive integer", "got 0"),
         ({"dtype": "fp8"}, "model.dtype='fp8'", "bfloat16"),
         ({"remat_policy": "sometimes"}, "model.remat_policy='sometimes'", "dots"),
+        ({"attention": "flash"}, "model.attention='flash'", "splash"),
         ({"n_layer": 3}, "unknown key model.'n_layer'", "did you mean 'n_layers'"),
     ],
 )

@@ -1,6 +1,7 @@
 """The training loop end to end: learning, exact resume, preemption, interrupted saves, multi-host."""
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -52,8 +53,10 @@ def test_loss_falls_and_resume_is_exact(corpus, tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
-def test_restore_on_other_meshes_is_bit_identical(corpus, tmp_path):
-    train(make_config(corpus, tmp_path / "run", total_steps=3), progress=False)
+def test_restore_on_other_meshes_is_bit_identical(corpus, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="gptj_flax.training.loop"):
+        train(make_config(corpus, tmp_path / "run", total_steps=3), progress=False)
+    assert "attention: xla: model.attention=auto on cpu" in caplog.text  # the log names the backend compiled
     _, ref = params_of(tmp_path / "run", (2, 2, 2))
     for shape in [(1, 1, 8), (8, 1, 1), (1, 4, 2), (1, 1, 1)]:
         step, other = params_of(tmp_path / "run", shape)

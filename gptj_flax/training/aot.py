@@ -8,31 +8,20 @@ With ``libtpu`` installed (the ``tpu`` extra), ``jax.experimental.topologies`` d
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 
-from gptj_flax import checkpoint, partitioning
+from gptj_flax import attention, checkpoint, partitioning
 from gptj_flax.config import Config
 from gptj_flax.data import Batch
 from gptj_flax.errors import GptjFlaxError
 from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
+from gptj_flax.training.metrics import ChipPeak, chip_peak
 
 GiB = 2**30
-# Nominal HBM per JAX device (a v2/v3 device is one core with its own HBM). XLA keeps a little for
-# itself (e.g. 15.48 GiB usable of a v3 core's 16) and is the judge: it refuses to compile a step
-# that would not fit.
-HBM_BYTES = {
-    "TPU v2": 8 * GiB,
-    "TPU v3": 16 * GiB,
-    "TPU v4": 32 * GiB,
-    "TPU v5 lite": 16 * GiB,
-    "TPU v5e": 16 * GiB,
-    "TPU v5p": 95 * GiB,
-    "TPU v6 lite": 32 * GiB,
-    "TPU v6e": 32 * GiB,
-}
 
 
 @dataclasses.dataclass
@@ -42,15 +31,23 @@ class AotReport:
     n_devices: int
     mesh: dict
     global_batch_tokens: int
+    attention: str  # the backend compiled, and why
     argument_bytes: int
     output_bytes: int
     alias_bytes: int
     temp_bytes: int
-    hbm_bytes: int | None
+    peak: ChipPeak | None
     compile_error: str | None  # XLA refused: e.g. "temporaries (16.22G) exceed available HBM (15.48G)"
     compiled_flops: float  # per device, one step (XLA's cost analysis)
+    bytes_accessed: float  # per device, one step (XLA's cost analysis)
+    kernel_flops: float  # per device, one step: the fused attention's, counted analytically
+    kernel_bytes: float
     scanned: bool  # nn.scan over layers: the cost analysis sees one layer
     model_flops: float  # 6·N·tokens + attention, per device, one step
+
+    @property
+    def hbm_bytes(self) -> int | None:
+        return self.peak.hbm_bytes if self.peak else None
 
     @property
     def peak_bytes(self) -> int:
@@ -62,27 +59,60 @@ class AotReport:
         """XLA's verdict: the TPU compiler refuses (RESOURCE_EXHAUSTED) a program that cannot fit."""
         return not self.compile_error
 
+    @property
+    def roofline_seconds(self) -> float | None:
+        """The step's lower bound on this chip: its FLOPs at peak or its bytes at full bandwidth
+        (None for a scanned stack, whose layers the cost analysis counts once)."""
+        if not self.peak or self.scanned:
+            return None
+        flops, moved = self.compiled_flops + self.kernel_flops, self.bytes_accessed + self.kernel_bytes
+        return max(flops / self.peak.flops, moved / self.peak.hbm_bandwidth)
+
+    @property
+    def mfu_bound(self) -> float | None:
+        """Model FLOPs over what the chip could do in :attr:`roofline_seconds`."""
+        seconds = self.roofline_seconds
+        return self.model_flops / (seconds * self.peak.flops) if seconds else None
+
     def format(self) -> str:
         hbm = f"{self.hbm_bytes / GiB:.1f} GiB" if self.hbm_bytes else "unknown"
         verdict = "FITS (XLA compiled it for this chip)" if self.fits else "DOES NOT FIT"
         head = [
             f"topology {self.topology}: {self.n_devices} x {self.device_kind}, mesh {self.mesh}",
             f"global batch {self.global_batch_tokens:,} tokens per optimiser step",
+            f"attention: {self.attention}",
         ]
         if self.compile_error:
             return "\n".join([*head, f"XLA: {self.compile_error} -> {verdict}"])
-        return "\n".join(
-            [
-                *head,
-                f"per device: arguments {self.argument_bytes / GiB:.2f} GiB + outputs {self.output_bytes / GiB:.2f} GiB"
-                f" - aliased {self.alias_bytes / GiB:.2f} GiB + temporaries {self.temp_bytes / GiB:.2f} GiB"
-                f" = {self.peak_bytes / GiB:.2f} GiB (at most) of {hbm} HBM -> {verdict}",
-                f"FLOPs per device per step: compiled {self.compiled_flops:.3e}, model (6N + attention) "
-                f"{self.model_flops:.3e} (ratio {self.compiled_flops / self.model_flops:.2f}"
-                + ("; XLA counts a scanned layer's body once" if self.scanned else "")
-                + ")",
-            ]
+        scanned = "; XLA counts a scanned layer's body once" if self.scanned else ""
+        lines = [
+            *head,
+            f"per device: arguments {self.argument_bytes / GiB:.2f} GiB + outputs {self.output_bytes / GiB:.2f} GiB"
+            f" - aliased {self.alias_bytes / GiB:.2f} GiB + temporaries {self.temp_bytes / GiB:.2f} GiB"
+            f" = {self.peak_bytes / GiB:.2f} GiB (at most) of {hbm} HBM -> {verdict}",
+            f"XLA cost analysis per device per step: {self.compiled_flops:.3e} FLOPs, "
+            f"{self.bytes_accessed:.3e} bytes accessed{scanned}",
+        ]
+        if self.kernel_flops:
+            lines.append(
+                f"  + fused attention kernel (counted analytically; the cost analysis cannot see inside it): "
+                f"{self.kernel_flops:.3e} FLOPs, {self.kernel_bytes:.3e} bytes"
+                + (" in the one layer counted" if self.scanned else "")
+            )
+        total = self.compiled_flops + self.kernel_flops
+        lines.append(
+            f"model FLOPs (6N + attention) per device per step: {self.model_flops:.3e} "
+            f"(compiled / model {total / self.model_flops:.2f})"
         )
+        if self.peak and self.scanned:
+            lines.append("roofline: not computed for a scanned stack; --set model.scan_layers=false gives it")
+        elif self.peak:
+            lines.append(
+                f"roofline on {self.device_kind} ({self.peak.flops / 1e12:.0f} TFLOP/s, "
+                f"{self.peak.hbm_bandwidth / 1e9:.0f} GB/s): {1e3 * self.roofline_seconds:.1f} ms per step, "
+                f"MFU at most {100 * self.mfu_bound:.0f}%"
+            )
+        return "\n".join(lines)
 
 
 class TopologyError(GptjFlaxError, RuntimeError):
@@ -92,8 +122,13 @@ class TopologyError(GptjFlaxError, RuntimeError):
 def topology_devices(topology: str):
     from jax.experimental import topologies
 
+    # libtpu takes a machine-wide lock by default, which guards real chips; a compile for a
+    # described slice uses none, so several may run side by side.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # v4 and v5p chips have two cores that JAX runs as one device ("megacore"), as on a real slice.
+    kwargs = {"chip_config_name": "megacore"} if topology.startswith(("v4", "v5p")) else {}
     try:
-        return topologies.get_topology_desc(topology, "tpu").devices
+        return topologies.get_topology_desc(topology, "tpu", **kwargs).devices
     except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown name: say which
         raise TopologyError(
             f"cannot describe TPU topology {topology!r} ({e}); install the extra: pip install "
@@ -121,19 +156,32 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
     step = steps.compile_train_step(model, tx, mesh, shardings, optimizer.schedule(tc), tc.z_loss, accumulated=True)
     kind = devices[0].device_kind
     n_tokens = tc.grad_accum_steps * batch * seq_len
+    backend = attention.choose(config.model, seq_len, devices[0])
+    kernel_flops, kernel_bytes = (
+        # a scanned stack's body is one layer to the cost analysis: count the kernel in it once too
+        attention.kernel_cost(
+            config.model, tc.grad_accum_steps * batch, seq_len, layers=1 if config.model.scan_layers else None
+        )
+        if backend.name != "xla"
+        else (0, 0)
+    )
     report = AotReport(
         topology=topology,
         device_kind=kind,
         n_devices=len(devices),
         mesh=shape,
         global_batch_tokens=n_tokens,
+        attention=backend.describe(),
         argument_bytes=0,
         output_bytes=0,
         alias_bytes=0,
         temp_bytes=0,
-        hbm_bytes=next((v for k, v in HBM_BYTES.items() if kind.startswith(k)), None),
+        peak=chip_peak(kind),
         compile_error=None,
         compiled_flops=0.0,
+        bytes_accessed=0.0,
+        kernel_flops=kernel_flops / len(devices),
+        kernel_bytes=kernel_bytes / len(devices),
         scanned=config.model.scan_layers,
         model_flops=config.model.flops_per_token(seq_len) * n_tokens / len(devices),
     )
@@ -157,4 +205,5 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
         alias_bytes=memory.alias_size_in_bytes,
         temp_bytes=memory.temp_size_in_bytes,
         compiled_flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
     )

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from gptj_flax import checkpoint, convert, data, partitioning
+from gptj_flax import attention, checkpoint, convert, data, partitioning
 from gptj_flax import model as model_lib
 from gptj_flax.config import Config, ConfigError
 from gptj_flax.errors import GptjFlaxError
@@ -401,6 +401,7 @@ def train(
         )
 
     model = GPTJ(mc)
+    log.info("attention: %s", attention.choose(mc, seq_len, mesh.devices.flat[0]).describe())
     tx = optimizer.make_optimizer(tc, nn.meta.unbox(model_lib.abstract_params(mc)), tc.freeze)
     targets, shardings = steps.state_targets(model, tx, mesh)
     ckpt = checkpoint.Checkpointer(tc.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every)

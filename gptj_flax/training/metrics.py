@@ -7,6 +7,7 @@ drops what was recorded after the checkpoint it resumes from (those steps run ag
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -19,32 +20,49 @@ import jax
 
 log = logging.getLogger(__name__)
 
-# Peak dense bf16 FLOP/s per device as JAX counts devices (a TPU v2/v3 device is one core).
-PEAK_FLOPS = {
-    "TPU v2": 22.5e12,
-    "TPU v3": 61.5e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-    "NVIDIA A100-SXM4-40GB": 312e12,
-    "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA H100 80GB HBM3": 989e12,
-    "NVIDIA H200": 989e12,
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipPeak:
+    """Nominal figures of one JAX device (a TPU v2/v3 device is one core, later TPUs one chip)."""
+
+    hbm_bytes: int
+    flops: float  # dense bfloat16 FLOP/s
+    hbm_bandwidth: float  # bytes/s
+
+
+# Device kind prefix -> its figures; the longest matching prefix wins. XLA keeps a little HBM for
+# itself (e.g. 15.48 GiB usable of a v3 core's 16).
+CHIP_PEAKS = {
+    "TPU v2": ChipPeak(8 * GiB, 22.5e12, 350e9),
+    "TPU v3": ChipPeak(16 * GiB, 61.5e12, 450e9),
+    "TPU v4": ChipPeak(32 * GiB, 275e12, 1.2e12),
+    "TPU v5 lite": ChipPeak(16 * GiB, 197e12, 819e9),
+    "TPU v5e": ChipPeak(16 * GiB, 197e12, 819e9),
+    "TPU v5p": ChipPeak(95 * GiB, 459e12, 2.765e12),
+    "TPU v5": ChipPeak(95 * GiB, 459e12, 2.765e12),
+    "TPU v6 lite": ChipPeak(32 * GiB, 918e12, 1.64e12),
+    "TPU v6e": ChipPeak(32 * GiB, 918e12, 1.64e12),
+    "NVIDIA A100-SXM4-40GB": ChipPeak(40 * GiB, 312e12, 1.555e12),
+    "NVIDIA A100": ChipPeak(80 * GiB, 312e12, 2.039e12),
+    "NVIDIA H100": ChipPeak(80 * GiB, 989e12, 3.35e12),
+    "NVIDIA H200": ChipPeak(141 * 10**9, 989e12, 4.8e12),
 }
+
+
+def chip_peak(device_kind: str) -> ChipPeak | None:
+    """The figures of the longest prefix of ``device_kind`` in :data:`CHIP_PEAKS` (None: unknown chip)."""
+    matches = [name for name in CHIP_PEAKS if device_kind.startswith(name)]
+    return CHIP_PEAKS[max(matches, key=len)] if matches else None
 
 
 def peak_flops_per_device(override: float | None = None) -> float | None:
     """The device's peak FLOP/s: ``override`` if given, else from the table, else None (unknown)."""
     if override:
         return override
-    kind = jax.devices()[0].device_kind
-    for name, flops in PEAK_FLOPS.items():
-        if kind.startswith(name):
-            return flops
-    return None
+    peak = chip_peak(jax.devices()[0].device_kind)
+    return peak.flops if peak else None
 
 
 def drop_records_from(path: str, first_dropped: int) -> int:
