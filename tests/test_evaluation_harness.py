@@ -19,7 +19,7 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from gptj_flax import convert
+from gptj_flax import convert, partitioning
 from gptj_flax.config import ModelConfig
 from gptj_flax.data import load_tokenizer
 from gptj_flax.evaluation.during_training import HarnessDuringTraining
@@ -404,3 +404,17 @@ def test_training_hook_scores_new_parameters_without_recompiling(run, lm, offlin
     saved = json.loads((tmp_path / "harness" / "harness_20.json").read_text())
     assert flat_metrics(saved) == second and saved["config"]["step"] == 20
     assert hook._adapter.params is None  # no reference to the run's weights between evaluations
+
+
+def test_generation_sampler_builds_inside_a_training_runs_sharding_scope(run, lm):
+    # The training loop calls the harness hook inside partitioning.sharding_scope(mesh); building
+    # the sampler there used to fail with a TypeError from the logical sharding constraints.
+    model = GPTJFlaxLM.from_checkpoint(run[0], mesh="2x1x4", batch_size=3)
+    model.set_params(model.params, 0)  # drops the sampler that loading built, as a training run has none
+    with partitioning.sharding_scope(model.mesh):
+        got = model.generate_until(
+            requests("generate_until", [("The cat sat on the", {"until": ["."], "max_gen_toks": 8})])
+        )
+    assert got == lm.generate_until(
+        requests("generate_until", [("The cat sat on the", {"until": ["."], "max_gen_toks": 8})])
+    )

@@ -100,10 +100,10 @@ def parse_args() -> argparse.Namespace:
 
 def run_harness(args: argparse.Namespace) -> None:
     import jax
-    from lm_eval.utils import handle_non_serializable, make_table
+    from lm_eval.utils import make_table
 
     from gptj_flax import partitioning
-    from gptj_flax.evaluation.harness import GPTJFlaxLM, run_tasks, task_manager
+    from gptj_flax.evaluation.harness import GPTJFlaxLM, run_tasks, task_manager, write_results
 
     partitioning.initialize_distributed()  # on a TPU pod every host runs this command; elsewhere nothing
     tasks = [name for entry in args.tasks for name in entry.split(",") if name]
@@ -133,8 +133,7 @@ def run_harness(args: argparse.Namespace) -> None:
         seed=args.seed,
     )
     if jax.process_index() == 0:
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
+        write_results(results, args.output)
         print(make_table(results))
         print(f"results written to {args.output}")
 

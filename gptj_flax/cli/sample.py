@@ -5,16 +5,25 @@
 
 In the loop, each line typed is a prompt (an empty line or end of input quits); completions are
 printed as they are generated, then the time taken.
+
+On a multi-host slice (a TPU pod, or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+JAX_PROCESS_ID set) every host runs this command with the same arguments: process 0 reads the
+prompts (the file, the terminal) and hands them to the others, every process generates, and
+process 0 prints.
 """
 
 import argparse
 import sys
 import time
 
+import jax
+
 import gptj_flax
+from gptj_flax import partitioning
 from gptj_flax.config import cli_dtype, cli_path, join_negative_values
 from gptj_flax.errors import add_debug_flag, run_cli
 from gptj_flax.sampling import SamplingError
+from gptj_flax.sampling.multihost import read_on_process_0
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,23 +67,43 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def show(*values, **kwargs) -> None:
+    """``print`` on process 0 only: every process of a slice computes the same text."""
+    if jax.process_index() == 0:
+        print(*values, **kwargs)
+
+
 def complete(lm, prompt: str, args: argparse.Namespace, settings: dict) -> None:
     """Print the completion(s) of ``prompt``: streamed for one sample, one block per sample otherwise."""
     if args.num_samples == 1:
         for piece in lm.stream(prompt, **settings):
-            print(piece, end="", flush=True)
-        print()
+            show(piece, end="", flush=True)
+        show()
         return
     seeds = [args.seed + i for i in range(args.num_samples)]
     for i, completion in enumerate(lm.generate([prompt] * args.num_samples, **{**settings, "seed": seeds})):
-        print(f"===== sample {i} ({completion.finish_reason}, {completion.completion_tokens} tokens) =====")
-        print(completion.text)
+        show(f"===== sample {i} ({completion.finish_reason}, {completion.completion_tokens} tokens) =====")
+        show(completion.text)
+
+
+def read_file(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def read_line() -> str | None:
+    """A line typed at the prompt; ``None`` at the end of input."""
+    try:
+        return input("prompt> ")
+    except EOFError:
+        return None
 
 
 def _main() -> None:
     args = parse_args()
+    partitioning.initialize_distributed()  # on a TPU pod every host runs this command; elsewhere nothing
     lm = gptj_flax.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, step=args.step)
-    print(lm, file=sys.stderr)  # states the parameter and compute dtypes in effect
+    show(lm, file=sys.stderr)  # states the parameter and compute dtypes in effect
     settings = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -89,27 +118,20 @@ def _main() -> None:
         original_order=args.original_order,
     )
     if not args.interactive:
-        if args.prompt is not None:
-            prompt = args.prompt
-        else:
-            with open(args.prompt_file) as f:
-                prompt = f.read()
+        prompt = args.prompt if args.prompt is not None else read_on_process_0(lambda: read_file(args.prompt_file))
         complete(lm, prompt, args, settings)
         return
     while True:
-        try:
-            prompt = input("prompt> ")
-        except EOFError:
-            break
+        prompt = read_on_process_0(read_line)
         if not prompt:
             break
         start = time.perf_counter()
         try:
             complete(lm, prompt, args, settings)
         except SamplingError as e:  # a bad prompt (e.g. too long) ends that request, not the session
-            print(f"error: {e}", file=sys.stderr)
+            show(f"error: {e}", file=sys.stderr)
             continue
-        print(f"[completion done in {time.perf_counter() - start:.2f} s]", file=sys.stderr)
+        show(f"[completion done in {time.perf_counter() - start:.2f} s]", file=sys.stderr)
 
 
 def main() -> int:

@@ -12,21 +12,29 @@ The adapter, its compiled scoring programs and lm-eval's task index are built at
 and reused: later calls only hand over the new parameters, so scoring tasks (all the original ran)
 cost no recompilation and no copy of the weights. Generation tasks build a sampler per call,
 which compiles and lays out a copy of the weights, released when the call returns.
+
+On a multi-host slice every process calls the hook (the training loop does) and runs every
+request; process 0 writes the results.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
-from lm_eval.utils import handle_non_serializable
 
 from gptj_flax.config import ModelConfig
-from gptj_flax.evaluation.harness import DEFAULT_BATCH_SIZE, GPTJFlaxLM, flat_metrics, run_tasks, task_manager
+from gptj_flax.evaluation.harness import (
+    DEFAULT_BATCH_SIZE,
+    GPTJFlaxLM,
+    flat_metrics,
+    run_tasks,
+    task_manager,
+    write_results,
+)
 
 
 class HarnessDuringTraining:
@@ -98,6 +106,5 @@ class HarnessDuringTraining:
             adapter.set_params(None, None)  # keep no reference (nor the sampler's copy) between evaluations
         if self.results_dir is not None and jax.process_index() == 0:
             os.makedirs(self.results_dir, exist_ok=True)
-            with open(os.path.join(self.results_dir, f"harness_{step}.json"), "w") as f:
-                json.dump(results, f, indent=2, default=handle_non_serializable)
+            write_results(results, os.path.join(self.results_dir, f"harness_{step}.json"))
         return flat_metrics(results)

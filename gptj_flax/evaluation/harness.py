@@ -14,23 +14,33 @@ result is the summed log-probability of the continuation tokens, plus whether gr
 would have produced them. Generation is greedy unless the task asks for sampling, from
 ``[EOS] + context``, and stops at the EOS, at the task's ``until`` strings or after
 ``max_gen_toks`` tokens.
+
+On a multi-host slice every process builds the model and runs every request (the mesh spans all
+processes, and each compiled call runs on all of them in lockstep); only process 0 writes results.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import flax.linen as nn
 import jax
 import lm_eval.models  # noqa: F401  (lm-eval imports its own models only while its registry is empty: before ours)
 from jax.sharding import Mesh
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
+from lm_eval.utils import (
+    get_rolling_token_windows,
+    handle_non_serializable,
+    make_disjoint_window,
+    simple_parse_args_string,
+)
 from tqdm.auto import tqdm
 
 from gptj_flax import partitioning
@@ -227,12 +237,26 @@ class GPTJFlaxLM(TemplateLM):
         """The generation model, built at first use and kept (with its compiled programs) until
         :meth:`set_params`. It lays the weights out its own way: a second copy of them."""
         if self._sampler is None:
-            self._sampler = LanguageModel(
-                self.config, self.params, tokenizer=self.tokenizer, mesh=self.mesh, step=self.step
-            )
+            # A training run calls the harness inside its sharding scope, whose logical rules would
+            # make building the parameters' abstract shapes constrain concrete values (a TypeError);
+            # the sampler places everything itself from its own mesh and rules.
+            with nn.logical_axis_rules(()):
+                self._sampler = LanguageModel(
+                    self.config, self.params, tokenizer=self.tokenizer, mesh=self.mesh, step=self.step
+                )
         return self._sampler
 
     # -- what lm-eval asks of a model -------------------------------------------------------
+    # lm-eval gives each rank of a torch data-parallel job a share of the requests. Processes of a
+    # slice are not such ranks: every one runs every request, the mesh spanning them all.
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
     @property
     def param_dtype(self) -> str:
         """The dtype the parameters are held in (``config.dtype`` is the compute dtype)."""
@@ -431,6 +455,17 @@ def run_tasks(
         )
     results["config"]["model"] = MODEL_NAME
     return results
+
+
+def write_results(results: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """lm-eval's results as JSON at ``path``, replaced whole (a crash never leaves half a file).
+
+    On a multi-host slice every process holds the same results; call this on process 0 only.
+    """
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
+    os.replace(tmp, path)
 
 
 def flat_metrics(results: Mapping[str, Any], prefix: str = "harness") -> dict[str, float]:

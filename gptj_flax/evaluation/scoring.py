@@ -8,9 +8,9 @@ is right-padded to a power-of-two length: the compiled program is reused for eve
 same length bucket, whatever the lengths inside it. Right padding leaves the scores untouched
 (attention is causal and never looks at padding).
 
-Inputs reach the devices with ``jax.make_array_from_callback`` and the per-row results come back
-replicated, so the same code runs on one device, a sharded mesh or several hosts (every process
-passes the same requests and gets every score).
+Inputs reach the devices as global arrays and the per-row results come back replicated, so the same
+code runs on one device, a sharded mesh or several hosts (every process passes the same requests,
+checked before anything runs, and gets every score).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig
 from gptj_flax.model import GPTJ, greedy_matches, token_log_probs
 from gptj_flax.sampling.decoding import bucket
+from gptj_flax.sampling.multihost import check_same_call, to_device
 
 Request = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
 
@@ -86,9 +87,6 @@ class TokenScorer:
         # log-probabilities would lose the last digits)
         return jnp.where(counted, target_log_probs, 0.0), jnp.all(greedy | ~counted, axis=-1)
 
-    def _global(self, array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
-
     def score(
         self, params: Any, requests: Sequence[Request], *, progress: bool = False, desc: str = "scoring"
     ) -> list[tuple[float, bool]]:
@@ -98,6 +96,7 @@ class TokenScorer:
         (``max_len`` inputs, so ``max_len + 1`` tokens); scored tokens cut off with it no longer
         count. The context needs at least one token (GPT-J has no start token: pass the EOS).
         """
+        check_same_call("score", [(list(context), list(continuation)) for context, continuation in requests])
         max_len = self.config.max_len
         sequences, counts = [], []
         for i, (context, continuation) in enumerate(requests):
@@ -125,9 +124,9 @@ class TokenScorer:
                     lengths[row], scored[row] = sequences[i].size, counts[i]
                 log_probs, greedy = self._score(
                     params,
-                    self._global(tokens, self._table_sharding),
-                    self._global(lengths, self._row_sharding),
-                    self._global(scored, self._row_sharding),
+                    to_device(tokens, self._table_sharding),
+                    to_device(lengths, self._row_sharding),
+                    to_device(scored, self._row_sharding),
                 )
                 log_probs, greedy = np.asarray(log_probs), np.asarray(greedy)
                 for row, i in enumerate(batch):

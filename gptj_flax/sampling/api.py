@@ -10,6 +10,11 @@
 A prompt is text or a list of token ids; a *list* of prompts is a batch and gives a list back.
 Every setting takes one value for the whole batch or a list with one value per prompt, so a server
 can put requests with different settings in one batch.
+
+On a multi-host slice every process loads the model and makes each call with the same arguments;
+every process gets the whole result (``stream`` yields the same pieces everywhere), so a script
+typically prints on process 0 only. Processes called with different arguments raise
+:class:`SamplingError` before anything runs.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from jax.sharding import Mesh
 from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig, dtype_name
 from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING, Decoder, DecodeRun
+from gptj_flax.sampling.multihost import check_same_call
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, per_example
 from gptj_flax.sampling.stopping import TextTracker, decode
 
@@ -261,6 +267,7 @@ class LanguageModel:
     # -- generation ------------------------------------------------------------------------
     def _start(
         self,
+        method,
         prompts,
         max_new_tokens,
         temperature,
@@ -274,6 +281,8 @@ class LanguageModel:
         ignore_eos,
         original_order,
     ) -> tuple[_Generation, bool]:
+        settings = (max_new_tokens, temperature, top_k, top_p, typical_p, min_p, repetition_penalty, stop, seed)
+        check_same_call(method, (prompts, settings, ignore_eos, original_order, self.eos_token_id))
         batch, single = _as_batch(prompts)
         n = len(batch)
         max_new = per_example("max_new_tokens", max_new_tokens, n, int, lambda x: x >= 1, "an integer >= 1")
@@ -347,6 +356,7 @@ class LanguageModel:
         value for all prompts or a list with one per prompt.
         """
         job, single = self._start(
+            "generate",
             prompts,
             max_new_tokens,
             temperature,
@@ -393,6 +403,7 @@ class LanguageModel:
         if self.tokenizer is None:
             raise SamplingError("stream yields text and this model has no tokenizer; use generate with token ids")
         job, single = self._start(
+            "stream",
             prompts,
             max_new_tokens,
             temperature,
@@ -413,6 +424,7 @@ class LanguageModel:
 
         A single text (or id list) gives a :class:`Scored`, a list gives a list.
         """
+        check_same_call("score", texts_or_token_ids)
         batch, single = _as_batch(texts_or_token_ids)
         sequences = [self.encode(x) for x in batch]
         out = [Scored(tokens=seq, logprobs=lp) for seq, lp in zip(sequences, self.decoder.score(sequences))]

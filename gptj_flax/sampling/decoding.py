@@ -5,6 +5,9 @@ Prompt length, generation length and batch are padded to powers of two (see
 decode loop runs on the device until every row has finished or the host's step budget for the
 call is spent; between calls the host checks stop strings or streams text, while the cache stays
 on the device, updated in place.
+
+On several processes (a multi-host slice) every process calls with the same prompts: inputs are
+placed as global arrays, and what the host reads back is gathered whole on every process.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import ModelConfig
 from gptj_flax.model import GPTJ, KVCache, token_log_probs, unstack_layers
+from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, next_tokens
 
 Array = jax.Array
@@ -131,6 +135,7 @@ class Decoder:
         state = partitioning.logical_to_sharding(DecodeState.logical_axes(config), mesh, rules)
         rows, table = sharding("batch"), sharding("batch", "length")
         sampling = partitioning.logical_to_sharding(SamplingParams.logical_axes(), mesh, rules)
+        self._rows, self._table, self._sampling, self._scalar = rows, table, sampling, sharding()
         self._prefill = jax.jit(
             self._prefill_fn,
             static_argnums=(7, 8),
@@ -298,12 +303,12 @@ class Decoder:
         with partitioning.sharding_scope(self.mesh, self.rules):
             state = self._prefill(
                 self.params,
-                tokens,
-                lengths,
-                pad(max_new_tokens, np.int32),
-                pad(eos_id, np.int32),
-                pad(seeds, np.uint32),
-                sampling.pad_to(batch),
+                to_device(tokens, self._table),
+                to_device(lengths, self._rows),
+                to_device(pad(max_new_tokens, np.int32), self._rows),
+                to_device(pad(eos_id, np.int32), self._rows),
+                to_device(pad(seeds, np.uint32), self._rows),
+                jax.tree.map(to_device, sampling.pad_to(batch), self._sampling),
                 new_tokens,
                 original_order,
             )
@@ -331,7 +336,7 @@ class Decoder:
             tokens[row, : len(seq)] = seq
             segments[row, : len(seq)] = 1
         with partitioning.sharding_scope(self.mesh, self.rules):
-            out = np.asarray(self._score(self.params, tokens, segments))
+            out = to_host(self._score(self.params, to_device(tokens, self._table), to_device(segments, self._table)))
         return [out[row, : len(seq) - 1] for row, seq in enumerate(sequences)]
 
     def compilations(self) -> int:
@@ -350,9 +355,7 @@ class DecodeRun:
 
     def _fetch(self) -> Progress:
         s, n = self._state, self._rows
-        tokens, logprobs, num, finish, self._step = jax.device_get(
-            (s.tokens, s.logprobs, s.num_generated, s.finish, s.step)
-        )
+        tokens, logprobs, num, finish, self._step = to_host((s.tokens, s.logprobs, s.num_generated, s.finish, s.step))
         return Progress(tokens[:n], logprobs[:n], num[:n], finish[:n])
 
     def advance(self, steps: int, stop_rows: Sequence[int] = ()) -> Progress:
@@ -363,8 +366,13 @@ class DecodeRun:
         stopped[list(stop_rows)] = True
         stop_at = min(int(self._step) + steps, self.capacity)
         with partitioning.sharding_scope(self._decoder.mesh, self._decoder.rules):
-            self._state = self._decoder._decode(
-                self._decoder.params, self._state, np.int32(stop_at), stopped, self._original_order
+            decoder = self._decoder
+            self._state = decoder._decode(
+                decoder.params,
+                self._state,
+                to_device(np.int32(stop_at), decoder._scalar),
+                to_device(stopped, decoder._rows),
+                self._original_order,
             )
         self.progress = self._fetch()
         return self.progress
