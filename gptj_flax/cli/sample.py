@@ -118,7 +118,10 @@ def _main() -> None:
         original_order=args.original_order,
     )
     if not args.interactive:
-        prompt = args.prompt if args.prompt is not None else read_on_process_0(lambda: read_file(args.prompt_file))
+        if args.prompt is not None:
+            prompt = args.prompt
+        else:
+            prompt = read_on_process_0(lambda: read_file(args.prompt_file)) or ""  # a file's text is never None
         complete(lm, prompt, args, settings)
         return
     while True:
