@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from typing import Literal
 
 import flax
 import flax.linen as nn
@@ -153,12 +154,15 @@ def _splash_per_device(backend: Backend, q: Array, k: Array, v: Array, segment_i
     return jax.vmap(kernel)(q, k, v, splash.SegmentIds(segment_ids, segment_ids))
 
 
-def dot_product_attention(q: Array, k: Array, v: Array, segment_ids: Array, implementation: str | None) -> Array:
+def dot_product_attention(
+    q: Array, k: Array, v: Array, segment_ids: Array, implementation: Literal["xla", "cudnn"] | None
+) -> Array:
     """``jax.nn.dot_product_attention`` of q, k, v [B, heads, T, head_dim], causal within each segment
     (the ``cudnn`` backend, and with ``implementation="xla"`` its reference)."""
     same_segment = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    query, key, value = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
     out = jax.nn.dot_product_attention(
-        *(x.transpose(0, 2, 1, 3) for x in (q, k, v)), mask=same_segment, is_causal=True, implementation=implementation
+        query, key, value, mask=same_segment, is_causal=True, implementation=implementation
     )
     return out.transpose(0, 2, 1, 3)
 
@@ -182,12 +186,14 @@ def kernel_attention(backend: Backend, q: Array, k: Array, v: Array, segment_ids
     Queries see only keys of their own segment, so real tokens never see padding; a padding query
     sees the padding before it (the XLA path's padding rows differ, and no loss weighs them).
     """
-    if backend.name == "splash":
-        per_device = lambda *a: _splash_per_device(backend, *a)  # noqa: E731
-    elif backend.name == "cudnn":
-        per_device = lambda *a: dot_product_attention(*a, implementation="cudnn")  # noqa: E731
-    else:
+    if backend.name not in ("splash", "cudnn"):
         raise ValueError(f"no fused kernel for attention backend {backend.name!r}")
+
+    def per_device(q: Array, k: Array, v: Array, segment_ids: Array) -> Array:
+        if backend.name == "splash":
+            return _splash_per_device(backend, q, k, v, segment_ids)
+        return dot_product_attention(q, k, v, segment_ids, implementation="cudnn")
+
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return per_device(q, k, v, segment_ids)

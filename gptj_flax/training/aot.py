@@ -72,7 +72,7 @@ class AotReport:
     def mfu_bound(self) -> float | None:
         """Model FLOPs over what the chip could do in :attr:`roofline_seconds`."""
         seconds = self.roofline_seconds
-        return self.model_flops / (seconds * self.peak.flops) if seconds else None
+        return self.model_flops / (seconds * self.peak.flops) if seconds and self.peak else None
 
     def format(self) -> str:
         hbm = f"{self.hbm_bytes / GiB:.1f} GiB" if self.hbm_bytes else "unknown"
@@ -104,13 +104,14 @@ class AotReport:
             f"model FLOPs (6N + attention) per device per step: {self.model_flops:.3e} "
             f"(compiled / model {total / self.model_flops:.2f})"
         )
+        seconds, mfu = self.roofline_seconds, self.mfu_bound
         if self.peak and self.scanned:
             lines.append("roofline: not computed for a scanned stack; --set model.scan_layers=false gives it")
-        elif self.peak:
+        elif self.peak and seconds is not None and mfu is not None:
             lines.append(
                 f"roofline on {self.device_kind} ({self.peak.flops / 1e12:.0f} TFLOP/s, "
-                f"{self.peak.hbm_bandwidth / 1e9:.0f} GB/s): {1e3 * self.roofline_seconds:.1f} ms per step, "
-                f"MFU at most {100 * self.mfu_bound:.0f}%"
+                f"{self.peak.hbm_bandwidth / 1e9:.0f} GB/s): {1e3 * seconds:.1f} ms per step, "
+                f"MFU at most {100 * mfu:.0f}%"
             )
         return "\n".join(lines)
 
