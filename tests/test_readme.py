@@ -57,9 +57,9 @@ SHORTER = {
     ],
 }
 SLOW = ("gptj-train", "gptj-serve", "curl", "gptj-aot-check")
-# Start-up noise the commands prevent: libtpu's TPU discovery on a machine without TPUs, Orbax's
-# warning about a checkpoint opened read-only, TensorFlow initialising CUDA where there is none.
-NOISE = ("TPU_WORKER_HOSTNAMES", "Failed to find host bounds", "Given directory is read only", "failed call to cuInit")
+# Start-up noise the commands prevent: libtpu's TPU discovery on a machine without TPUs, and Orbax's
+# warning about a checkpoint opened read-only.
+NOISE = ("TPU_WORKER_HOSTNAMES", "Failed to find host bounds", "Given directory is read only")
 
 
 def readme_commands(text: str) -> list[str]:

@@ -27,26 +27,31 @@ def tpu_attached() -> bool:
 
 
 # What libtpu reads to learn its slice, which on a machine without TPUs it would otherwise look up
-# in the cloud metadata server and report failing to find: here, one host alone (gptj-aot-check
-# compiles for the slice its --topology names, whatever these say).
+# in the cloud metadata server and report failing to find: one host alone. Only for loading
+# libtpu's compiler (gptj-aot-check compiles for its --topology, whatever these say): set for every
+# command, they would make a CPU machine look like a TPU pod host to multi-host start-up.
 LONE_HOST_TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1"}
 
 
-def quiet_libtpu_environment() -> dict[str, str]:
-    """The variables these commands set (where the user set none) on a machine with libtpu but no TPU.
+def libtpu_without_tpu() -> bool:
+    return importlib.util.find_spec("libtpu") is not None and not tpu_attached()
 
-    With libtpu installed (the ``tpu`` extra) JAX tries its TPU backend first, and libtpu prints
-    discovery errors (``TPU_WORKER_HOSTNAMES``, host bounds) before JAX falls back; loading libtpu's
-    compiler for ``gptj-aot-check`` prints them too. ``JAX_PLATFORMS`` naming the other platforms
-    skips the attempt, and the lone-host variables answer libtpu's questions.
+
+def default_jax_platforms() -> str | None:
+    """The ``JAX_PLATFORMS`` these commands use when the user set none, or None to leave JAX's choice.
+
+    With libtpu installed (the ``tpu`` extra) JAX tries its TPU backend first, and on a machine without
+    TPUs libtpu prints discovery errors (``TPU_WORKER_HOSTNAMES``, host bounds) before JAX falls back.
+    Naming the other platforms skips that attempt.
     """
-    if importlib.util.find_spec("libtpu") is None or tpu_attached():
-        return {}
+    if "JAX_PLATFORMS" in os.environ or not libtpu_without_tpu():
+        return None
     cuda_plugin = any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
     nvidia_gpu = any(os.path.exists(path) for path in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg"))
-    wanted = {"JAX_PLATFORMS": "cuda,cpu" if cuda_plugin and nvidia_gpu else "cpu", **LONE_HOST_TPU_ENV}
-    return {name: value for name, value in wanted.items() if name not in os.environ}
+    return "cuda,cpu" if cuda_plugin and nvidia_gpu else "cpu"
 
 
-# Read by JAX and libtpu when they start; every command module imports JAX after this package.
-os.environ.update(quiet_libtpu_environment())
+_platforms = default_jax_platforms()
+if _platforms is not None:
+    # Read by JAX when it is imported; every command module imports JAX after this package.
+    os.environ["JAX_PLATFORMS"] = _platforms

@@ -6,13 +6,18 @@ python scripts/aot_check.py --config configs/gptj_6b.json --topology v3:2x2 [--m
 """
 
 import argparse
+import os
 import sys
 
+from gptj_flax.cli import LONE_HOST_TPU_ENV, libtpu_without_tpu
 from gptj_flax.config import cli_path, join_negative_values
 from gptj_flax.errors import add_debug_flag, run_cli
 
 
 def _main() -> int:
+    if libtpu_without_tpu():  # read when libtpu's compiler loads, before the first compile
+        for name, value in LONE_HOST_TPU_ENV.items():
+            os.environ.setdefault(name, value)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, type=cli_path)
     parser.add_argument(
