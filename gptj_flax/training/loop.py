@@ -9,6 +9,7 @@ directory (``train.lock``); SIGTERM or a first Ctrl-C finishes the step, saves a
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 import logging
@@ -176,7 +177,7 @@ def evaluate(eval_step: Callable, params: Any, val_sets: dict[str, list[data.Bat
 # What the loop does between steps
 
 
-class PeriodicAction:
+class PeriodicAction(abc.ABC):
     """Work done after every ``every``-th step and after the last step of the call."""
 
     every: int
@@ -184,8 +185,8 @@ class PeriodicAction:
     def should_run(self, step: int, last: int, stopping: bool) -> bool:
         return step % self.every == 0 or step == last
 
-    def run(self, step: int, state: steps.TrainState) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def run(self, step: int, state: steps.TrainState) -> None: ...
 
 
 @dataclasses.dataclass
