@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -64,11 +63,6 @@ def test_two_processes_generate_stream_and_score_as_one_and_fail_clearly(run, tm
         assert "process(es) [1] were called with other arguments" in multi["divergent"], multi["divergent"]
 
 
-def printed(path) -> str:
-    """What a process printed, without the lines gloo (the CPU collectives) writes to stdout itself."""
-    return re.sub(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number [^\n]*\n", "", path.read_text())
-
-
 @pytest.mark.slow
 def test_sample_script_on_two_processes_reads_prompts_on_process_0_and_prints_there(run, tmp_path, repo_root):
     prompts = ["The cat sat on the", "def add(a, b):"]
@@ -108,8 +102,9 @@ def test_sample_script_on_two_processes_reads_prompts_on_process_0_and_prints_th
         assert proc.wait(timeout=900) == 0, (tmp_path / f"err_{pid}").read_text()[-4000:]
     lm = gptj_flax.load(run)
     texts = [lm.generate(p, max_new_tokens=8, temperature=0).text for p in prompts]
-    assert printed(tmp_path / "out_0") == "".join(f"prompt> {t}\n" for t in texts) + "prompt> "
-    assert printed(tmp_path / "out_1") == ""
+    # stdout carries the completions alone: gloo's connection lines (native code) go to stderr
+    assert (tmp_path / "out_0").read_text() == "".join(f"prompt> {t}\n" for t in texts) + "prompt> "
+    assert (tmp_path / "out_1").read_text() == ""
     assert "completion done" in (tmp_path / "err_0").read_text()
     assert "completion done" not in (tmp_path / "err_1").read_text()
 

@@ -6,7 +6,9 @@ Importing this package first keeps JAX off a TPU runtime that has no TPU to find
 
 import glob
 import importlib.util
+import io
 import os
+import sys
 
 # The PCI vendor of Google's TPU chips, which JAX itself checks before it starts the TPU runtime.
 _GOOGLE_PCI_VENDOR = "0x1ae0"
@@ -55,3 +57,25 @@ _platforms = default_jax_platforms()
 if _platforms is not None:
     # Read by JAX when it is imported; every command module imports JAX after this package.
     os.environ["JAX_PLATFORMS"] = _platforms
+
+
+def keep_stdout_for_results() -> None:
+    """From now on, what native code writes on file descriptor 1 goes to stderr; Python's prints keep stdout.
+
+    Gloo, JAX's collectives between CPU processes, prints a line on C++ ``std::cout`` for every group
+    it connects, which would land among the completions a multi-process ``gptj-sample`` pipes to a file.
+    Commands call it when running as several processes. A stdout that is a terminal is left alone: there
+    the noise is only cosmetic, and the prompt's line editing needs the original descriptor.
+    """
+    out = sys.stdout
+    if out is not sys.__stdout__ or not isinstance(out, io.TextIOWrapper) or out.isatty():
+        return
+    out.flush()
+    results = os.dup(out.fileno())
+    os.dup2(sys.stderr.fileno(), out.fileno())
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(results, "w"),
+        encoding=out.encoding,
+        errors=out.errors,
+        line_buffering=out.line_buffering,
+    )

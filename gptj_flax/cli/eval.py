@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+from gptj_flax.cli import keep_stdout_for_results
 from gptj_flax.config import cli_dtype, cli_path, join_negative_values
 from gptj_flax.errors import add_debug_flag, run_cli
 
@@ -106,6 +107,8 @@ def run_harness(args: argparse.Namespace) -> None:
     from gptj_flax.evaluation.harness import GPTJFlaxLM, run_tasks, task_manager, write_results
 
     partitioning.initialize_distributed()  # on a TPU pod every host runs this command; elsewhere nothing
+    if jax.process_count() > 1:
+        keep_stdout_for_results()
     tasks = [name for entry in args.tasks for name in entry.split(",") if name]
     model = GPTJFlaxLM.from_checkpoint(
         args.checkpoint,
@@ -145,6 +148,8 @@ def run_perplexity(args: argparse.Namespace) -> None:
     from gptj_flax.evaluation.perplexity import perplexity
 
     partitioning.initialize_distributed()  # on a TPU pod every host runs this command; elsewhere nothing
+    if jax.process_count() > 1:
+        keep_stdout_for_results()
     source = args.data[0] if len(args.data) == 1 else args.data
     result = perplexity(
         args.checkpoint,

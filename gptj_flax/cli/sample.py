@@ -20,6 +20,7 @@ import jax
 
 import gptj_flax
 from gptj_flax import partitioning
+from gptj_flax.cli import keep_stdout_for_results
 from gptj_flax.config import cli_dtype, cli_path, join_negative_values
 from gptj_flax.errors import add_debug_flag, run_cli
 from gptj_flax.sampling import SamplingError
@@ -102,6 +103,8 @@ def read_line() -> str | None:
 def _main() -> None:
     args = parse_args()
     partitioning.initialize_distributed()  # on a TPU pod every host runs this command; elsewhere nothing
+    if jax.process_count() > 1:
+        keep_stdout_for_results()
     lm = gptj_flax.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, step=args.step)
     show(lm, file=sys.stderr)  # states the parameter and compute dtypes in effect
     settings = dict(
