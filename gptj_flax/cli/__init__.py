@@ -73,9 +73,6 @@ def keep_stdout_for_results() -> None:
     out.flush()
     results = os.dup(out.fileno())
     os.dup2(sys.stderr.fileno(), out.fileno())
-    sys.stdout = io.TextIOWrapper(
-        io.FileIO(results, "w"),
-        encoding=out.encoding,
-        errors=out.errors,
-        line_buffering=out.line_buffering,
+    sys.stdout = os.fdopen(
+        results, "w", buffering=1 if out.line_buffering else -1, encoding=out.encoding, errors=out.errors
     )
