@@ -15,7 +15,6 @@ import json
 import os
 import sys
 
-from gptj_flax.cli import keep_stdout_for_results
 from gptj_flax.config import cli_dtype, cli_path, join_negative_values
 from gptj_flax.errors import add_debug_flag, run_cli
 
@@ -103,12 +102,10 @@ def run_harness(args: argparse.Namespace) -> None:
     import jax
     from lm_eval.utils import make_table
 
-    from gptj_flax import partitioning
+    from gptj_flax.cli.distributed import start_processes
     from gptj_flax.evaluation.harness import GPTJFlaxLM, run_tasks, task_manager, write_results
 
-    partitioning.initialize_distributed()  # on a TPU pod every host runs this command; elsewhere nothing
-    if jax.process_count() > 1:
-        keep_stdout_for_results()
+    start_processes()  # on a TPU pod every host runs this command; elsewhere nothing
     tasks = [name for entry in args.tasks for name in entry.split(",") if name]
     model = GPTJFlaxLM.from_checkpoint(
         args.checkpoint,
@@ -144,12 +141,10 @@ def run_harness(args: argparse.Namespace) -> None:
 def run_perplexity(args: argparse.Namespace) -> None:
     import jax
 
-    from gptj_flax import partitioning
+    from gptj_flax.cli.distributed import start_processes
     from gptj_flax.evaluation.perplexity import perplexity
 
-    partitioning.initialize_distributed()  # on a TPU pod every host runs this command; elsewhere nothing
-    if jax.process_count() > 1:
-        keep_stdout_for_results()
+    start_processes()  # on a TPU pod every host runs this command; elsewhere nothing
     source = args.data[0] if len(args.data) == 1 else args.data
     result = perplexity(
         args.checkpoint,

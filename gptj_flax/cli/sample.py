@@ -19,8 +19,7 @@ import time
 import jax
 
 import gptj_flax
-from gptj_flax import partitioning
-from gptj_flax.cli import keep_stdout_for_results
+from gptj_flax.cli.distributed import start_processes
 from gptj_flax.config import cli_dtype, cli_path, join_negative_values
 from gptj_flax.errors import add_debug_flag, run_cli
 from gptj_flax.sampling import SamplingError
@@ -102,9 +101,7 @@ def read_line() -> str | None:
 
 def _main() -> None:
     args = parse_args()
-    partitioning.initialize_distributed()  # on a TPU pod every host runs this command; elsewhere nothing
-    if jax.process_count() > 1:
-        keep_stdout_for_results()
+    start_processes()  # on a TPU pod every host runs this command; elsewhere nothing
     lm = gptj_flax.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, step=args.step)
     show(lm, file=sys.stderr)  # states the parameter and compute dtypes in effect
     settings = dict(
