@@ -14,13 +14,15 @@ generated token (cold: restore, compile, prefill).
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
+import os
 import tempfile
 import time
 
 import numpy as np
 
-from benchmarks import bounds
+from benchmarks import bounds, profile
 from benchmarks.common import BENCH_MODEL, hf_gptj_config, load_average, machine_summary
 
 
@@ -30,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default 128)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the best is reported")
     parser.add_argument("--torch-threads", type=int, default=2, help="PyTorch intra-op threads (default 2)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also trace one decode run per batch size with jax.profiler and print where a step's time goes",
+    )
 
 
 def _hf_model(config):
@@ -137,6 +144,18 @@ def _load_to_first_token(config, params, prompt: list[int]) -> float:
         return time.perf_counter() - start
 
 
+def _print_profiles(lm, prompt_ids, batch_sizes, ours, new_tokens: int) -> None:
+    """One traced decode run per batch size: operation time per part of a step (see benchmarks/profile.py)."""
+    threads = len(os.sched_getaffinity(0))
+    print("\nwhere a decode step's time goes (one jax.profiler trace per batch; operation ms per step):")
+    for batch, (prefill_s, full_s) in zip(batch_sizes, ours):
+        start, _ = _ours(lm, prompt_ids[:batch], new_tokens)
+        decode = start()
+        rows = profile.profile(functools.partial(decode.advance, new_tokens), decode.decode_hlo(), new_tokens - 1)
+        print(f"  batch {batch}:")
+        print(profile.format_rows(rows, (full_s - prefill_s) / (new_tokens - 1) * 1e3, threads))
+
+
 def run(args: argparse.Namespace) -> None:
     import jax
     import torch
@@ -229,6 +248,8 @@ def run(args: argparse.Namespace) -> None:
         "  a decode step at batch B reads every matmul weight, B embeddings and B K/V caches, and does"
         " 2 FLOPs per weight per row plus attention; its bound is the longer of the two at the limits above"
     )
+    if args.profile:
+        _print_profiles(lm, prompt_ids, batch_sizes, ours, args.new_tokens)
     print(f"gptj_flax load() of an Orbax checkpoint to first token (restore + compile + prefill): {cold:.2f} s")
     # Both sides share the machine's cores: other processes running at the same time skew the ratios.
     print(f"load average before / after: {load_before:.2f} / {load_average():.2f}")

@@ -8,12 +8,14 @@ plus achieved FLOP/s against a large matmul timed in the same run (the machine's
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import profile
 from benchmarks.common import BENCH_MODEL, hf_gptj_config, machine_summary
 from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig, TrainConfig
@@ -45,7 +47,10 @@ def matmul_flops(n: int = 2048, repeats: int = 5) -> tuple[float, float]:
     return 2 * n**3 / jax_s, 2 * n**3 / torch_s
 
 
-def ours(config: ModelConfig, tokens: np.ndarray, repeats: int, mesh_shape=(1, 1, 1)) -> float:
+def ours(
+    config: ModelConfig, tokens: np.ndarray, repeats: int, mesh_shape=(1, 1, 1), traced: bool = False
+) -> tuple[float, list[profile.Row] | None]:
+    """(seconds per step, and with ``traced`` where one step's operation time goes)."""
     train = TrainConfig(batch_size=tokens.shape[0], warmup_steps=0, lr=1e-4, end_lr=1e-4)
     model = GPTJ(config)
     mesh = partitioning.make_mesh(mesh_shape)
@@ -62,7 +67,11 @@ def ours(config: ModelConfig, tokens: np.ndarray, repeats: int, mesh_shape=(1, 1
         jax.block_until_ready(metrics)
 
     with partitioning.sharding_scope(mesh):
-        return _timed(run, repeats)
+        seconds = _timed(run, repeats)
+        if not traced:
+            return seconds, None
+        hlo = step.lower(holder["state"], batch).compile().as_text()
+        return seconds, profile.profile(run, hlo, calls=1)
 
 
 def huggingface(config: ModelConfig, tokens: np.ndarray, repeats: int) -> float:
@@ -90,6 +99,7 @@ def measure(
     threads: int | None = None,
     config: ModelConfig = BENCH_MODEL,
     matmul_size: int = 2048,
+    traced: bool = False,
 ) -> dict:
     import torch
 
@@ -100,7 +110,7 @@ def measure(
     n_tokens = batch_size * seq_len
     flops = config.flops_per_token(seq_len) * n_tokens
     jax_mm, torch_mm = matmul_flops(matmul_size)
-    ours_s = ours(config, tokens, repeats)
+    ours_s, rows = ours(config, tokens, repeats, traced=traced)
     hf_s = huggingface(config, tokens, repeats)
     return {
         "params": config.param_count(),
@@ -115,11 +125,20 @@ def measure(
         "jax_matmul_flops": jax_mm,
         "flops_per_token": config.flops_per_token(seq_len),
         "torch_matmul_flops": torch_mm,
+        "profile": rows,
     }
 
 
 def report(r: dict) -> str:
     g = 1e9
+    traced = []
+    if r.get("profile"):
+        threads = len(os.sched_getaffinity(0))
+        step_ms = r["batch"] * r["seq_len"] / r["ours_tokens_per_s"] * 1e3
+        traced = [
+            "where gptj_flax's step goes (one jax.profiler trace; operation ms per step):",
+            profile.format_rows(r["profile"], step_ms, threads),
+        ]
     return "\n".join(
         [
             f"train step, {r['params'] / 1e6:.1f}M-parameter GPT-J, batch {r['batch']} x {r['seq_len']} tokens, float32, AdamW",
@@ -131,6 +150,7 @@ def report(r: dict) -> str:
             f"  bound (every FLOP at jax's matmul ceiling): {r['jax_matmul_flops'] / r['flops_per_token']:,.0f} tokens/s;"
             f" gptj_flax reaches {100 * r['ours_flops'] / r['jax_matmul_flops']:.0f}%",
             f"  speed-up gptj_flax / PyTorch: {r['speedup']:.2f}x",
+            *traced,
         ]
     )
 
@@ -141,10 +161,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per side (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--matmul-size", type=int, default=2048, help="n of the n x n matmul timed as the ceiling")
+    parser.add_argument(
+        "--profile", action="store_true", help="also trace one of our steps and print where its time goes"
+    )
 
 
 def run(args) -> None:
     if min(args.batch, args.seq_len, args.repeats, args.matmul_size) < 1:
         raise SystemExit("--batch, --seq-len, --repeats and --matmul-size must be >= 1")
     print(machine_summary())
-    print(report(measure(args.batch, args.seq_len, args.repeats, args.threads, matmul_size=args.matmul_size)))
+    print(
+        report(
+            measure(
+                args.batch, args.seq_len, args.repeats, args.threads, matmul_size=args.matmul_size, traced=args.profile
+            )
+        )
+    )

@@ -53,6 +53,7 @@ def test_train_benchmark(repo_root, tmp_path):
         "1",
         "--matmul-size",
         "64",
+        "--profile",
     )
     assert "train step, 27.3M-parameter GPT-J, batch 1 x 8 tokens, float32, AdamW" in out
     assert figure(rf"matmul ceiling \(64\^3 f32\):\s+jax\s+({NUMBER}) GFLOP/s", out) > 0
@@ -60,6 +61,8 @@ def test_train_benchmark(repo_root, tmp_path):
     assert figure(rf"HF PyTorch\s+({NUMBER}) tokens/s", out) > 0
     assert figure(rf"speed-up gptj_flax / PyTorch: ({NUMBER})x", out) > 0
     assert figure(rf"bound \(every FLOP at jax's matmul ceiling\): ({NUMBER}) tokens/s; gptj_flax reaches", out) > 0
+    assert "where gptj_flax's step goes" in out
+    assert figure(rf"^\s+MLP\s+matmul\s+{NUMBER}\s+({NUMBER})\s+{NUMBER}%$", out) > 0
 
 
 @pytest.mark.slow
@@ -89,6 +92,7 @@ def test_sample_benchmark(repo_root, tmp_path):
         "1",
         "--torch-threads",
         "1",
+        "--profile",
     )
     assert "27.3M parameters, float32" in out
     rows = re.findall(
@@ -104,6 +108,9 @@ def test_sample_benchmark(repo_root, tmp_path):
     assert figure(rf"to first token \(restore \+ compile \+ prefill\): ({NUMBER}) s", out) > 0
     assert figure(rf"streaming: ({NUMBER}) GB/s \(float32 matvec over 109 MB\)", out) > 0
     assert figure(rf"matmul ceiling, float32: ({NUMBER}) GFLOP/s", out) > 0
+    profiled = out.split("where a decode step's time goes")[1]
+    assert "batch 1:" in profiled and "batch 2:" in profiled
+    assert len(re.findall(rf"^\s+\S+\s+matmul\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%$", profiled, re.MULTILINE)) >= 2
 
 
 @pytest.mark.slow

@@ -358,6 +358,17 @@ class DecodeRun:
         tokens, logprobs, num, finish, self._step = to_host((s.tokens, s.logprobs, s.num_generated, s.finish, s.step))
         return Progress(tokens[:n], logprobs[:n], num[:n], finish[:n])
 
+    def decode_hlo(self) -> str:
+        """The optimised HLO of the decode loop :meth:`advance` runs, as text (for profiles)."""
+        decoder, rows = self._decoder, self._state.finish.shape[0]
+        with partitioning.sharding_scope(decoder.mesh, decoder.rules):
+            lowered = decoder._decode.lower(
+                decoder.params, self._state, np.int32(0), np.zeros(rows, bool), self._original_order
+            )
+        text = lowered.compile().as_text()
+        assert text is not None  # None only for backends that keep no HLO, which XLA's do
+        return text
+
     def advance(self, steps: int, stop_rows: Sequence[int] = ()) -> Progress:
         """Finish ``stop_rows`` (stop string seen), then decode up to ``steps`` more tokens per row."""
         if steps < 1:
