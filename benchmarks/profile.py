@@ -59,15 +59,24 @@ def _instructions(hlo_text: str) -> dict[str, tuple[bool, str]]:
         matmul = m.group(3) == "dot" or bool(op_name and op_name.group(1).endswith("dot_general"))
         # XLA's rewrites (a matrix-vector dot, for one) can leave an instruction without its JAX
         # name; its result's shape then says what it is.
-        found[m.group(1)] = (matmul, _part(op_name.group(1)) if op_name else m.group(2).split("{")[0])
+        found[m.group(1)] = (matmul, _part(op_name.group(1), matmul) if op_name else m.group(2).split("{")[0])
     return found
 
 
-def _part(op_name: str) -> str:
+def _part(op_name: str, matmul: bool = False) -> str:
     for keyword, part in PARTS:
         if keyword in op_name:
+            if part == "attention" and matmul and not _between_activations(op_name):
+                return "attn q/k/v/out"
             return part
     return "rest"
+
+
+def _between_activations(op_name: str) -> bool:
+    """Whether an einsum's two operands both have the batch axis ``b``: scores and their weighted
+    sum, not a projection by a weight."""
+    spec = re.search(r"/([a-z.]+),([a-z.]+)->[a-z.]+/", op_name)
+    return bool(spec and "b" in spec.group(1) and "b" in spec.group(2))
 
 
 def op_events(fn: Callable[[], object]) -> tuple[collections.Counter, collections.Counter]:

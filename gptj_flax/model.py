@@ -339,7 +339,8 @@ class ScannedBlock(Block):
 
 def project_to_vocab(h: Array, kernel: Array, bias: Array) -> Array:
     """The LM head: ``h @ kernel + bias`` in h's dtype, returned as float32 logits [..., vocab]."""
-    logits = jnp.einsum("...d,dv->...v", h, kernel.astype(h.dtype)) + bias.astype(h.dtype)
+    with jax.named_scope("lm_head"):  # the chunked loss calls it outside the module: keep profiles' name
+        logits = jnp.einsum("...d,dv->...v", h, kernel.astype(h.dtype)) + bias.astype(h.dtype)
     return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 

@@ -43,6 +43,8 @@ def test_instructions_are_named_by_their_scope_or_else_by_their_shape():
             "  %dot.9 = f32[1,512]{1,0} dot(%a, %b), lhs_contracting_dims={0}, rhs_contracting_dims={0}",
             '  %ynn_fusion.2 = f32[8,8192]{1,0} fusion(%a), kind=kCustom, metadata={op_name="jit(f)/lm_head/dot_general"}',
             '  %reduce.1 = f32[8]{0} reduce(%x), metadata={op_name="jit(f)/_emit/argmax"}',
+            '  %dot.2 = f32[8,8,1,9]{3,2,1,0} dot(%q, %k), metadata={op_name="jit(f)/layer_1/attn/bqhd,bhdk->bhqk/dot_general"}',
+            '  %dot.3 = f32[8,1,512]{2,1,0} dot(%x, %w), metadata={op_name="jit(f)/transpose(jvp(f))/attn/btd,dhk->bthk/dot_general"}',
         ]
     )
     assert profile._instructions(hlo) == {
@@ -51,4 +53,6 @@ def test_instructions_are_named_by_their_scope_or_else_by_their_shape():
         "dot.9": (True, "f32[1,512]"),
         "ynn_fusion.2": (True, "LM head"),
         "reduce.1": (False, "sampling"),
+        "dot.2": (True, "attention"),
+        "dot.3": (True, "attn q/k/v/out"),
     }
