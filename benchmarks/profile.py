@@ -4,9 +4,10 @@ XLA's CPU runtime records one trace event per executed operation (a thunk) on th
 it. Each event is matched to its instruction in the optimised HLO, whose metadata names the JAX
 operation and the module scope it came from (``…/layer_3/mlp/fc_in/dot_general``); the events are
 then summed by what the operation is (a matmul or not) and where it sits (attention, MLP, LM head,
-sampling, optimiser …). An event spans one operation from start to end on the thread that launched
-it (threads an operation borrows for itself record nothing), so the sum is of operation times:
-operations that run at the same time each count, and the sum can exceed the wall time.
+sampling, optimiser, the rest of the layer stack …). An event spans one operation from start to
+end on the thread that launched it (threads an operation borrows for itself record nothing), so
+the sum is of operation times: operations that run at the same time each count, and the sum can
+exceed the wall time.
 """
 
 from __future__ import annotations
@@ -31,11 +32,10 @@ PARTS = (
     ("next_tokens", "sampling"),
     ("chunked_loss", "loss"),
     ("loss", "loss"),
-    ("adam", "optimiser"),
-    ("optax", "optimiser"),
-    ("clip", "optimiser"),
+    ("optimizer", "optimiser"),
     ("wte", "embedding"),
     ("_embed", "embedding"),
+    ("layer", "layer stack"),  # the rest of a block: residual adds, the scan's slices of weights and grads
 )
 WAITING = "SlinkyThreadPool::Await"
 

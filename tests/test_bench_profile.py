@@ -45,6 +45,8 @@ def test_instructions_are_named_by_their_scope_or_else_by_their_shape():
             '  %reduce.1 = f32[8]{0} reduce(%x), metadata={op_name="jit(f)/_emit/argmax"}',
             '  %dot.2 = f32[8,8,1,9]{3,2,1,0} dot(%q, %k), metadata={op_name="jit(f)/layer_1/attn/bqhd,bhdk->bhqk/dot_general"}',
             '  %dot.3 = f32[8,1,512]{2,1,0} dot(%x, %w), metadata={op_name="jit(f)/transpose(jvp(f))/attn/btd,dhk->bthk/dot_general"}',
+            '  %add.5 = f32[8,512]{1,0} add(%h, %a), metadata={op_name="jit(f)/while/body/layers/add"}',
+            '  %sqrt.1 = f32[512]{0} sqrt(%v), metadata={op_name="jit(train_step)/optimizer/sqrt"}',
         ]
     )
     assert profile._instructions(hlo) == {
@@ -55,4 +57,6 @@ def test_instructions_are_named_by_their_scope_or_else_by_their_shape():
         "reduce.1": (False, "sampling"),
         "dot.2": (True, "attention"),
         "dot.3": (True, "attn q/k/v/out"),
+        "add.5": (False, "layer stack"),
+        "sqrt.1": (False, "optimiser"),
     }

@@ -62,6 +62,7 @@ def test_train_benchmark(repo_root, tmp_path):
     assert figure(rf"speed-up gptj_flax / PyTorch: ({NUMBER})x", out) > 0
     assert figure(rf"bound \(every FLOP at jax's matmul ceiling\): ({NUMBER}) tokens/s; gptj_flax reaches", out) > 0
     assert "where gptj_flax's step goes" in out
+    assert figure(rf"^\s+optimiser\s+other\s+{NUMBER}\s+({NUMBER})\s+{NUMBER}%$", out) > 0
     assert figure(rf"^\s+MLP\s+matmul\s+{NUMBER}\s+({NUMBER})\s+{NUMBER}%$", out) > 0
 
 

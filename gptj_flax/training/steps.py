@@ -125,8 +125,9 @@ def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callab
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
             (grads, loss_sum, tokens), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), batch)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        with jax.named_scope("optimizer"):  # a name for profiles: optax's operations carry none
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": loss_sum / denom,
             "grad_norm": optax.tree.norm(grads),
