@@ -93,6 +93,20 @@ def flip_bytes_in_a_chunk(item_dir, n=64) -> str:
     return str(target)
 
 
+def flip_bytes_throughout(item_dir, stride=256) -> None:
+    """Flip one byte in every ``stride`` of every chunk data file under ``item_dir``.
+
+    A process's data may be flushed into several files, some holding mostly its own B-tree nodes,
+    which the merged checkpoint no longer reads: damage in one spot of one file may miss every chunk.
+    """
+    for path in item_dir.rglob("*"):
+        if path.is_file() and path.parent.name == "d":
+            data = bytearray(path.read_bytes())
+            for i in range(stride // 2, len(data), stride):
+                data[i] ^= 0xFF
+            path.write_bytes(bytes(data))
+
+
 def stored_codecs(item_dir) -> dict[str, list[str]]:
     """Each array's inner chunk codecs, read from the zarr.json entries of the item's OCDBT database."""
     store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item_dir}"}).result()
@@ -380,6 +394,6 @@ def test_a_two_process_save_is_checksummed_by_each_process_and_verified_on_one(t
         np.testing.assert_array_equal(
             np.asarray(leaf), np.random.default_rng(list(leaf.shape)).random(leaf.shape, dtype=np.float32)
         )
-    flip_bytes_in_a_chunk(params_dir / "ocdbt.process_1")  # a chunk only process 1 wrote
+    flip_bytes_throughout(params_dir / "ocdbt.process_1")  # chunks only process 1 wrote
     with pytest.raises(CheckpointCorrupted, match=r"checkpoint step 4 .* is corrupted"):
         checkpoint.load_params(tmp_path / "run", partitioning.make_mesh((1, 4, 2)))
