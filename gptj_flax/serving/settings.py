@@ -40,6 +40,16 @@ class SettingsError(ServingError, ValueError):
     """A setting is missing or out of range; the message names the flag and its variable."""
 
 
+def boolean(text: str) -> bool:
+    """A yes/no setting: 1, true, yes, on or 0, false, no, off, in any case."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a yes/no value: {text!r}")
+
+
 def _setting(default: Any, parse: Callable[[str], Any], help: str, choices: tuple[str, ...] | None = None):
     return dataclasses.field(default=default, metadata={"parse": parse, "help": help, "choices": choices})
 
@@ -91,6 +101,15 @@ class ServeSettings:
     log_max_bytes: int = _setting(100 * 2**20, int, "rotate the request log at this size (0: never)")
     log_backups: int = _setting(5, int, "rotated request logs kept")
     log_level: str = _setting("info", str, "server log level (info includes uvicorn's access log)", LOG_LEVELS)
+    cors: bool = _setting(
+        False,
+        boolean,
+        "let web pages from any origin call the server (CORS, as mesh-transformer-jax's device_serve.py "
+        "and docker API did): answer preflights, allow any origin, method and header",
+    )
+    predictions_kept: int = _setting(
+        1024, int, "finished /model/predict results kept for /model/get_prediction; beyond it the oldest go"
+    )
 
     def __post_init__(self):
         def check(ok: bool, name: str, accepted: str):
@@ -125,6 +144,7 @@ class ServeSettings:
         check(self.log_max_bytes >= 0, "log_max_bytes", ">= 0")
         check(self.log_backups >= 0, "log_backups", ">= 0")
         check(self.log_level in LOG_LEVELS, "log_level", f"one of {list(LOG_LEVELS)}")
+        check(self.predictions_kept >= 1, "predictions_kept", ">= 1")
 
     @property
     def served_model_name(self) -> str:
@@ -154,6 +174,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         meta = field.metadata
         default = "" if field.default is None else f"; default {field.default}"
         legacy = f" (or {field.name.upper()}, deprecated)" if field.name in LEGACY_ENV else ""
+        # A yes/no flag alone means yes (--cors); it also takes a value (--cors off), as its variable does.
+        switch = {"nargs": "?", "const": True} if meta["parse"] is boolean else {}
         parser.add_argument(
             flag(field.name),
             dest=field.name,
@@ -161,6 +183,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             choices=meta["choices"],
             default=None,
             help=f"{meta['help']} [env {env_name(field.name)}{legacy}{default}]",
+            **switch,
         )
 
 
