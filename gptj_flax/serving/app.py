@@ -1,7 +1,9 @@
 """The FastAPI app: GPT-4chan's ``/complete``, OpenAI-style ``/v1/completions`` and ``/v1/models``,
-``/health`` and ``/metrics``, in front of the batching worker.
+``/health`` and ``/metrics``, in front of the batching worker; and the APIs of mesh-transformer-jax's
+own servers: ``device_serve.py``'s body on ``/complete`` and the ``docker/`` API's
+``/model/predict`` and ``/model/get_prediction`` (``legacy`` has what routes them).
 
-Status codes: 400 malformed JSON, 401 missing or wrong API key, 404 unknown model, 413 a prompt
+Status codes: 400 malformed JSON, 401 missing or wrong API key, 404 unknown model or qid, 413 a prompt
 that cannot fit the context (or an over-large body), 422 a field of the wrong type or out of range
 (the error names it and the problem, never the value sent), 429 queue full (with ``Retry-After``),
 503 warming up, shutting down, or an unusable API keys file. Bad input never reaches the model, so
@@ -21,8 +23,9 @@ import numpy as np
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.middleware.cors import CORSMiddleware
 
-from gptj_flax.serving import schemas
+from gptj_flax.serving import legacy, schemas
 from gptj_flax.serving.auth import KeyStore, KeysUnavailable, bearer_token, key_id
 from gptj_flax.serving.metrics import Metrics
 from gptj_flax.serving.request_log import RequestLog
@@ -33,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/complete", "/v1/completions")
 OPEN_WHILE_DRAINING = ("/health", "/metrics")
-KNOWN_PATHS = (*GENERATION_PATHS, "/v1/models", *OPEN_WHILE_DRAINING, "/openapi.json", "/docs")
+DOCKER_API_PATHS = ("/model/predict", "/model/get_prediction")
+KNOWN_PATHS = (*GENERATION_PATHS, *DOCKER_API_PATHS, "/v1/models", *OPEN_WHILE_DRAINING, "/openapi.json", "/docs")
 OPENAI_FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}
 # The samplers take top_p / typical_p in (0, 1]; the API's 0 means "keep as few tokens as the filter
 # can" (one, and any tied with it), which the smallest positive float32 gives.
@@ -313,7 +317,10 @@ def create_app(
         description="GPT-J completions: the GPT-4chan `/complete` API and OpenAI-style `/v1/completions`.",
     )
     app.state.service = service
+    app.add_middleware(legacy.CompleteBodyDispatch)  # inside ServiceMiddleware: drained, counted as /complete
     app.add_middleware(ServiceMiddleware, service=service)
+    if settings.cors:  # outermost, so that refusals (401, 429, 503) reach the page with their headers too
+        app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
@@ -329,6 +336,8 @@ def create_app(
                     400,
                 )
         return json_response({"detail": validation_errors(exc)}, 422)
+
+    _add_original_server_routes(app, service)  # first: its /complete takes only device_serve.py bodies
 
     @app.post("/complete", response_model=schemas.CompleteResponse, responses=ERRORS)
     async def complete(body: schemas.CompleteRequest, request: Request):
@@ -544,3 +553,104 @@ def _logprobs(model, completion, prompt_chars: int) -> schemas.Logprobs:
     tokens = [model.decode([t]) for t in completion.tokens]
     offsets = (prompt_chars + np.cumsum([0] + [len(t) for t in tokens[:-1]])).tolist() if tokens else []
     return schemas.Logprobs(tokens=tokens, token_logprobs=completion.logprobs, text_offset=offsets)
+
+
+# -- the original mesh-transformer-jax servers' APIs --------------------------------------------------
+# Undocumented in /openapi.json (their clients were written against the originals, not a schema),
+# they share the engine, authentication, queue limits and request log with the routes above.
+def _add_original_server_routes(app: FastAPI, service: Service) -> None:
+    predictions = legacy.PredictionStore(service.settings.predictions_kept)
+
+    def prompt_row(text: str, length: int, temperature: float, top_p: float) -> Prompt:
+        """``text``'s last tokens that fit the context with ``length`` new ones (its start token if empty)."""
+        tokens = service.encode(text)
+        room = service.context - length
+        return Prompt(
+            tokens[max(0, len(tokens) - room) :] or [service.start_token],
+            length,
+            min(temperature, HOTTEST),
+            _fewest(top_p),
+            1.0,
+            _seed(None),
+        )
+
+    async def device_serve(body: schemas.DeviceServeRequest, request: Request):
+        """device_serve.py's `/complete`: continue `context` by 256 tokens (as many as the context
+        leaves room for beside one context token, on a model whose context is shorter)."""
+        started = time.monotonic()
+        key = service.authorize(request, body.api_key)
+        row = prompt_row(body.context, min(legacy.DEVICE_SERVE_LENGTH, service.context - 1), body.temp, body.top_p)
+        (completion,) = await service.run(request, Job([row]))
+        service.log(
+            key=key,
+            endpoint="/complete",
+            prompt=body.context,
+            pre_prompt="",
+            settings=dict(length=row.max_new_tokens, top_p=body.top_p, temp=body.temp, seed=row.seed),
+            response=completion.text,
+            started=started,
+        )
+        return {"completion": completion.text}
+
+    app.router.add_api_route(
+        "/complete",
+        device_serve,
+        methods=["POST"],
+        response_model=schemas.DeviceServeResponse,
+        include_in_schema=False,
+        route_class_override=legacy.DeviceServeRoute,
+    )
+
+    @app.post("/model/predict", response_model=schemas.PredictResponse, include_in_schema=False)
+    async def predict(body: schemas.PredictRequest, request: Request):
+        """The docker API: queue a completion of `context` and answer its qid at once."""
+        key = service.authorize(request, body.api_key)
+        if body.length + 1 > service.context:
+            raise HTTPException(
+                413,
+                f"length {body.length} with at least one context token exceeds the model's context of "
+                f"{service.context} tokens",
+            )
+        job = Job([prompt_row(body.context, body.length, body.temp, body.top_p)])
+        service.submit(job)
+        qid, prediction = predictions.add(key, body.context)
+
+        def finished(result: asyncio.Future) -> None:
+            if result.cancelled() or result.exception() is not None:  # the worker has logged the error
+                predictions.finish(qid, None)
+                return
+            (completion,) = result.result()
+            predictions.finish(qid, completion.text)
+            service.log(
+                key=key,
+                endpoint="/model/predict",
+                prompt=body.context,
+                pre_prompt="",
+                settings=dict(length=body.length, top_p=body.top_p, temp=body.temp, seed=job.rows[0].seed),
+                response=completion.text,
+                started=prediction.submitted,
+            )
+
+        job.result.add_done_callback(finished)
+        return {"qid": qid}
+
+    @app.post("/model/get_prediction", response_model=schemas.PredictionResponse, include_in_schema=False)
+    async def get_prediction(body: schemas.PredictionRequest, request: Request):
+        """The docker API: the qid's result, once it is ready (as the original, this waits for it)."""
+        key = service.authorize(request, body.api_key)
+        prediction = predictions.get(body.qid, key)
+        if prediction is None:  # another key's qid reads as unknown: a qid says nothing to its non-owner
+            raise HTTPException(404, "no prediction has this qid (or it is one of the oldest, no longer kept)")
+        if not prediction.done.is_set():
+            ready = asyncio.ensure_future(prediction.done.wait())
+            gone = asyncio.ensure_future(_client_gone(request))
+            try:
+                await asyncio.wait({ready, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ready.cancel()
+                gone.cancel()
+            if not prediction.done.is_set():  # the job goes on: its result stays for a later call
+                raise HTTPException(499, "the client closed the request")
+        if prediction.failed:
+            raise HTTPException(500, "generation failed; the server log has the details")
+        return {"context": prediction.context, "completion": prediction.completion, "time": prediction.seconds}

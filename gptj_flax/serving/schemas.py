@@ -7,9 +7,10 @@ be finite, and every text field has a length limit, which makes pydantic check i
 (it refuses a lone surrogate only in constrained strings).
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_TEXT_CHARS = 16384  # the GPT-4chan limit on prompt and pre_prompt
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 4, 256
@@ -160,3 +161,87 @@ class Health(BaseModel):
 
 class ErrorBody(BaseModel):
     detail: str
+
+
+# -- the original mesh-transformer-jax servers' bodies -----------------------------------------------
+# Fields only GPT-4chan's /complete body has: a device_serve.py body with one of them is refused, not
+# half-read. top_p and api_key are in both.
+GPT4CHAN_ONLY_FIELDS = frozenset(CompleteRequest.model_fields) - {"top_p", "api_key"}
+# The docker API numbered jobs from 1; ours are random (so one client cannot read another's by
+# counting) and below 2**53, so that JavaScript clients read them exactly.
+QID_LIMIT = 2**53
+
+
+class DeviceServeRequest(StrictModel):
+    """mesh-transformer-jax's `device_serve.py` body on `/complete`: every field required, as there."""
+
+    context: str = Field(
+        max_length=MAX_TEXT_CHARS,
+        description="text to continue; its oldest tokens are dropped when it does not fit the context",
+    )
+    top_p: float = Field(
+        ge=0, le=1, allow_inf_nan=False, description="nucleus sampling; 1 is off, 0 keeps only the most likely token"
+    )
+    temp: float = Field(ge=0, allow_inf_nan=False, description="temperature; 0 is greedy")
+    api_key: str | None = API_KEY
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_a_gpt4chan_body(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (mixed := sorted(GPT4CHAN_ONLY_FIELDS.intersection(data))):
+            raise PydanticCustomError(
+                "mixed_body",
+                "a /complete body is GPT-4chan's (with prompt) or device_serve.py's (context, top_p, temp), "
+                "not both: this one has context or temp, and GPT-4chan's {fields}",
+                {"fields": ", ".join(mixed)},
+            )
+        return data
+
+
+class DeviceServeResponse(BaseModel):
+    completion: str = Field(description="the generated text only (not the context)")
+
+
+class PredictRequest(StrictModel):
+    """The `docker/` API's `/model/predict` body: its fields and defaults."""
+
+    context: str = Field(
+        max_length=MAX_TEXT_CHARS,
+        description="text to continue; its oldest tokens are dropped when it does not fit the context with `length`",
+    )
+    temp: float = Field(1.0, ge=0, allow_inf_nan=False, description="temperature; 0 is greedy")
+    top_p: float = Field(
+        0.9,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="nucleus sampling; 1 is off, 0 keeps only the most likely token",
+    )
+    top_k: int = Field(0, description="only 0 (off): this server's batching worker takes no top-k filter")
+    length: int = Field(256, ge=1, le=2**20, description="tokens to generate (fewer if the model ends the text)")
+    api_key: str | None = API_KEY
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, value: int) -> int:
+        # Refused rather than ignored: the original applied top_k, and a client must not think it still is.
+        if value != 0:
+            raise PydanticCustomError(
+                "unsupported", "top_k is not available on this server (its sampler has no top-k filter); send 0"
+            )
+        return value
+
+
+class PredictResponse(BaseModel):
+    qid: int = Field(description="the job's id, for `/model/get_prediction`")
+
+
+class PredictionRequest(StrictModel):
+    qid: int = Field(ge=1, lt=QID_LIMIT, description="a `/model/predict` answer's qid")
+    api_key: str | None = API_KEY
+
+
+class PredictionResponse(BaseModel):
+    context: str = Field(description="the context sent to `/model/predict`")
+    completion: str = Field(description="the generated text only (not the context)")
+    time: float = Field(description="seconds from `/model/predict` until the completion was ready")

@@ -1,0 +1,146 @@
+"""What lets the original mesh-transformer-jax servers' clients talk to this server.
+
+``device_serve.py`` took ``{"context", "top_p", "temp"}`` on ``POST /complete``, the path where
+GPT-4chan's ``{"prompt", …}`` body also arrives: :class:`CompleteBodyDispatch` reads the body's field
+names before routing and marks the request, and :class:`DeviceServeRoute` takes only marked
+requests, so the GPT-4chan route sees exactly the requests it always did.
+
+The ``docker/`` API answered ``POST /model/predict`` with a ``qid`` and ``POST
+/model/get_prediction`` later with the result: :class:`PredictionStore` holds those jobs, and keeps
+finished results only up to a bound, the oldest going first, so that results nobody fetches cannot
+fill the memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import secrets
+import time
+
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.routing import APIRoute
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.routing import Match
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gptj_flax.serving.schemas import QID_LIMIT
+
+# device_serve.py always generated 256 tokens; GPT-J's context (2048) leaves room for them.
+DEVICE_SERVE_LENGTH = 256
+# The fields only a device_serve.py body has (top_p and api_key are in both kinds of body).
+DEVICE_SERVE_FIELDS = frozenset({"context", "temp"})
+BODY_KIND = "gptj_flax.complete_body"
+DEVICE_SERVE = "device_serve"
+
+
+def is_json(headers: Headers) -> bool:
+    """Whether FastAPI parses this body as JSON (its strict content-type rule)."""
+    kind = headers.get("content-type", "").split(";")[0].strip().lower()
+    subtype = kind.partition("/")[2]
+    return kind.startswith("application/") and (subtype == "json" or subtype.endswith("+json"))
+
+
+def is_device_serve_body(body: bytes) -> bool:
+    """A JSON object with ``context`` or ``temp``; anything else (not JSON at all, too) is left to
+    the GPT-4chan route, whose errors it always answered with."""
+    try:
+        fields = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(fields, dict) and not DEVICE_SERVE_FIELDS.isdisjoint(fields)
+
+
+class CompleteBodyDispatch:
+    """Marks ``POST /complete`` requests whose JSON body is device_serve.py's, for
+    :class:`DeviceServeRoute`; the body is read once here and handed on unchanged."""
+
+    def __init__(self, app: ASGIApp, path: str = "/complete"):
+        self.app, self.path = app, path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+            return await self.app(scope, receive, send)
+        if not is_json(Headers(scope=scope)):
+            return await self.app(scope, receive, send)
+        messages, body = [], bytearray()
+        try:
+            while True:
+                message = await receive()
+                messages.append(message)
+                if message["type"] != "http.request":  # the client went away; the route finds out too
+                    break
+                body += message.get("body", b"")
+                if not message.get("more_body", False):
+                    break
+        except HTTPException as e:  # the app's body size limit: answered as any route answers it
+            response = await http_exception_handler(Request(scope), e)
+            return await response(scope, receive, send)
+        pending = collections.deque(messages)
+
+        async def replay():
+            return pending.popleft() if pending else await receive()
+
+        if is_device_serve_body(bytes(body)):
+            scope = {**scope, BODY_KIND: DEVICE_SERVE}
+        await self.app(scope, replay, send)
+
+
+class DeviceServeRoute(APIRoute):
+    """A route that matches only requests :class:`CompleteBodyDispatch` marked as device_serve.py's;
+    registered before GPT-4chan's ``/complete``, which then takes every other request."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope.get(BODY_KIND) != DEVICE_SERVE:
+            return Match.NONE, {}
+        return super().matches(scope)
+
+
+@dataclasses.dataclass
+class Prediction:
+    """One ``/model/predict`` job: whose it is, its context, and (once done) its completion or error."""
+
+    key: str | None
+    context: str
+    submitted: float
+    done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    completion: str | None = None
+    seconds: float = 0.0
+    failed: bool = False
+
+
+class PredictionStore:
+    """The docker API's jobs by qid: every unfinished one, and the last ``keep`` finished ones."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._jobs: dict[int, Prediction] = {}
+        self._finished: collections.deque[int] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def add(self, key: str | None, context: str) -> tuple[int, Prediction]:
+        while (qid := secrets.randbelow(QID_LIMIT - 1) + 1) in self._jobs:
+            pass
+        prediction = self._jobs[qid] = Prediction(key, context, time.monotonic())
+        return qid, prediction
+
+    def finish(self, qid: int, completion: str | None) -> None:
+        """Record the job's completion (``None``: it failed); the oldest finished ones beyond ``keep`` go."""
+        prediction = self._jobs[qid]
+        prediction.completion, prediction.failed = completion, completion is None
+        prediction.seconds = time.monotonic() - prediction.submitted
+        prediction.done.set()
+        self._finished.append(qid)
+        while len(self._finished) > self.keep:
+            del self._jobs[self._finished.popleft()]
+
+    def get(self, qid: int, key: str | None) -> Prediction | None:
+        """The job, if it is known and was asked for with the same key (else, as if unknown)."""
+        prediction = self._jobs.get(qid)
+        return prediction if prediction is not None and prediction.key == key else None
