@@ -87,7 +87,9 @@ def top_logprobs(logits: Array, k: int, valid_vocab: int | None = None) -> tuple
     are, so a chosen token's entry equals its reported log-probability; ids at or above
     ``valid_vocab`` (a padded embedding's rows, which no tokenizer can show) are never among them.
     """
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logits = logits.astype(jnp.float32)
+    # token_log_probs's own formula, so that the chosen token's two log-probabilities are one value
+    log_probs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     candidates = log_probs if valid_vocab is None else mask_vocab(log_probs, valid_vocab)
     values, ids = lax.top_k(candidates, k)
     return ids.astype(jnp.int32), values
