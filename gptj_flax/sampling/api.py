@@ -200,17 +200,56 @@ class _Generation:
         return out
 
 
+class Piece(str):
+    """A streamed piece of text with the tokens generated since the previous piece of its row:
+    ``tokens``, their ``logprobs`` and (with ``return_top_logprobs``) ``top_logprobs``.
+
+    A token's text can come in a later piece than the token (a possible start of a stop string
+    waits), so a piece with tokens and no text yet is still a piece: it is true when it has either.
+    """
+
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None
+
+    def __new__(cls, text: str, tokens: list[int], logprobs: list[float], top_logprobs: list[dict[int, float]] | None):
+        piece = super().__new__(cls, text)
+        piece.tokens, piece.logprobs, piece.top_logprobs = tokens, logprobs, top_logprobs
+        return piece
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens) or len(self) > 0
+
+
 class TextStream(Iterator):
     """The iterator :meth:`LanguageModel.stream` returns: text pieces while generating, then
     ``completions`` — a :class:`Completion` per prompt, ``None`` until the last piece is taken (or
-    for good, if the stream is closed early)."""
+    for good, if the stream is closed early). With ``return_logprobs`` the pieces are
+    :class:`Piece` strings that also carry their tokens."""
 
-    def __init__(self, job: _Generation, single: bool):
+    def __init__(self, job: _Generation, single: bool, return_logprobs: bool = False):
         self.completions: list[Completion] | None = None
+        self._job, self._with_tokens = job, return_logprobs
+        self._sent = [0] * len(job.prompt_lengths)  # each row's tokens already in a piece
         self._pieces = self._run(job, single)
 
+    def _with_new_tokens(self, texts: list[str]) -> list[str]:
+        if not self._with_tokens:
+            return texts
+        p, job = self._job.run.progress, self._job
+        out: list[str] = []
+        for row, text in enumerate(texts):
+            tracker = None if job.trackers is None else job.trackers[row]
+            end = tracker.num_tokens if tracker is not None and tracker.stopped else int(p.num_generated[row])
+            start, self._sent[row] = self._sent[row], max(self._sent[row], end)
+            k = int(job.top_logprobs[row])
+            top = _alternatives(p.top_ids[row, start:end, :k], p.top_logprobs[row, start:end, :k]) if k > 0 else None
+            tokens = [int(t) for t in p.tokens[row, start:end]]
+            out.append(Piece(text, tokens, [float(x) for x in p.logprobs[row, start:end]], top))
+        return out
+
     def _run(self, job: _Generation, single: bool) -> Iterator:
-        new = job.pieces()
+        new = self._with_new_tokens(job.pieces())
         while True:
             if single and new[0]:
                 yield new[0]
@@ -219,7 +258,7 @@ class TextStream(Iterator):
             if job.finished:
                 self.completions = job.completions(return_tokens=False, return_logprobs=False)
                 return
-            new = job.advance(1)
+            new = self._with_new_tokens(job.advance(1))
 
     def __next__(self):
         return next(self._pieces)
@@ -438,6 +477,8 @@ class LanguageModel:
         seed=0,
         ignore_eos=False,
         original_order=False,
+        return_logprobs=False,
+        return_top_logprobs=0,
     ) -> TextStream:
         """Like :meth:`generate`, but yield text as each token is produced.
 
@@ -446,6 +487,10 @@ class LanguageModel:
         character waits for the next token. The pieces add up to ``generate``'s text for the same
         arguments. Once the iterator is exhausted, its ``completions`` attribute holds what
         ``generate`` would have returned (finish reasons, token counts), one per prompt.
+
+        With ``return_logprobs`` (and ``return_top_logprobs``, as :meth:`generate` takes it) every
+        piece is a :class:`Piece`: also the tokens generated since the row's previous piece, with
+        their log-probabilities (and alternatives); a piece may then have tokens but no text yet.
         """
         if self.tokenizer is None:
             raise SamplingError("stream yields text and this model has no tokenizer; use generate with token ids")
@@ -463,8 +508,9 @@ class LanguageModel:
             seed,
             ignore_eos,
             original_order,
+            return_top_logprobs,
         )
-        return TextStream(job, single)
+        return TextStream(job, single, bool(return_logprobs))
 
     def score(self, texts_or_token_ids, *, top_logprobs: int = 0) -> Scored | list[Scored]:
         """Per-token log-probabilities of the given texts or token-id lists under the model.
