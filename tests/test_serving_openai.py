@@ -243,6 +243,9 @@ def test_lm_eval_local_completions_scores_as_lm_evals_hf_model(server, hf_dir, t
         log_samples=True,
     )
     assert served["config"]["model"] == "local-completions"
+    metrics = httpx.get(server.url + "/metrics", timeout=60).text
+    for path in ("/tokenizer_info", "/tokenize"):  # lm-eval found the server's tokenizer and used it
+        assert f'gptj_requests_total{{endpoint="{path}",status="200"}}' in metrics, path
     for task in tasks:
         got, expected = per_request(served, task), per_request(reference, task)
         assert [len(g) for g in got] == [len(e) for e in expected]
