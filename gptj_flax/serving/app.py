@@ -437,7 +437,7 @@ def create_app(
             )
         stop = () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
         alternatives = body.logprobs or 0
-        rows = []
+        rows: list[Prompt] = []
         for i, (_, tokens) in enumerate(prompts):
             if len(tokens) + body.max_tokens > service.context:
                 raise HTTPException(
@@ -502,8 +502,11 @@ def create_app(
             if body.echo and body.logprobs is not None
             else [None] * len(prompts)
         )
-        job = Job(rows, logprobs=body.logprobs is not None)
-        results = await service.run(request, job) if body.max_tokens > 0 else [None] * len(rows)
+        results = (
+            await service.run(request, Job(rows, logprobs=body.logprobs is not None))
+            if body.max_tokens > 0
+            else [None] * len(rows)
+        )
         choices = []
         for index, completion in enumerate(results):
             text, tokens = prompts[index // body.n]
@@ -684,11 +687,11 @@ def _token_logprobs(
     """OpenAI's logprobs object for generated tokens whose text starts at character ``start``."""
     texts = [service.token_text(t) for t in tokens]
     offsets = (start + np.cumsum([0] + [len(t) for t in texts[:-1]])).tolist() if texts else []
-    tops = alternatives or [None] * len(tokens)
+    tops: list[dict[int, float]] = alternatives or [{}] * len(tokens)
     return schemas.Logprobs(
         tokens=texts,
         token_logprobs=list(logprobs),
-        top_logprobs=[_top(service, top, t, lp) for top, t, lp in zip(tops, tokens, logprobs)],
+        top_logprobs=[_top(service, top, t, lp) for top, t, lp in zip(tops, tokens, logprobs, strict=True)],
         text_offset=offsets,
     )
 
