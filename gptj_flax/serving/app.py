@@ -650,7 +650,9 @@ async def _events(service: Service, job: Job, completion_id: str, created: int, 
                 return
             break
         for index, piece in enumerate(item):
-            if piece:
+            # A piece may hold tokens and no text yet (a possible stop string waits): a chunk only
+            # for a job that reports tokens (its batch neighbours may have asked for them).
+            if len(piece) > 0 or (job.logprobs and piece):
                 texts[index] += piece
                 logprobs = None
                 if job.logprobs:
