@@ -1,12 +1,18 @@
 """``/v1/completions`` as its real clients use it: the official ``openai`` SDK and lm-eval's
 ``local-completions`` model, unmodified, against a real server on 127.0.0.1.
 
-One server for the module serves a tiny random HuggingFace GPT-J loaded from its HuggingFace
-directory in float32, so the same weights give the independent references: PyTorch's log-probs,
-lm-eval's own ``hf`` model, and ``LanguageModel.generate`` for what is sampled.
+A tiny random HuggingFace GPT-J, saved as a HuggingFace directory, is served in float32 — in this
+process for the SDK (one server for the module), and by ``scripts/serve.py --dtype float32`` for
+lm-eval — so the same weights give the independent references: PyTorch's log-probs, lm-eval's own
+``hf`` model, and ``LanguageModel.generate`` for what is sampled.
 """
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 
 import httpx
 import numpy as np
@@ -19,7 +25,11 @@ import gptj_flax
 from gptj_flax.evaluation.harness import task_manager
 from tests.evaluation_helpers import CFG, TEXT_DOCS, make_tokenizer, write_tasks
 from tests.helpers import hf_model
-from tests.test_serving_support import RunningServer, no_key_leaks  # noqa: F401 - the autouse leak scan
+from tests.test_serving_support import (
+    RunningServer,
+    no_key_leaks,  # noqa: F401 - the autouse leak scan
+    wait_until,
+)
 
 MAX_BATCH = 4
 NAME = "tiny-gptj"
@@ -219,16 +229,55 @@ def per_request(results, task) -> list[list[float]]:
     return [[float(r[0]) if isinstance(r, (list, tuple)) else float(r) for r in s["filtered_resps"]] for s in samples]
 
 
-def test_lm_eval_local_completions_scores_as_lm_evals_hf_model(server, hf_dir, tmp_path, monkeypatch):
+@pytest.fixture
+def serve_script(hf_dir, repo_root):
+    """``scripts/serve.py`` serving the HuggingFace directory in float32, as a separate process; its URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, str(repo_root / "scripts" / "serve.py"), "--checkpoint", f"hf:{hf_dir[0]}"]
+    command += ["--dtype", "float32", "--model-name", NAME, "--port", str(port), "--max-batch", str(MAX_BATCH)]
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("GPTJ_FLAX_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root), env.get("PYTHONPATH")) if p)
+    process = subprocess.Popen(
+        [*command, "--warmup-tokens", "1"],
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready():
+        assert process.poll() is None, process.stdout.read()
+        try:
+            return httpx.get(url + "/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(ready, 300, "serve.py to warm up", interval_s=0.2)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+
+
+def test_lm_eval_local_completions_scores_as_lm_evals_hf_model(serve_script, hf_dir, tmp_path, monkeypatch):
     for variable, value in {**OFFLINE, "HF_HOME": str(tmp_path / "hf-home")}.items():
         monkeypatch.setenv(variable, value)
+    url = serve_script
     tasks = ["tiny_choice", "tiny_text"]
     index = task_manager(write_tasks(tmp_path / "tasks"), include_defaults=False)
     # local-completions keeps one position for the token it asks for and rolling windows one more for
     # context: max_length 64 there windows as lm-eval's hf model does at 62, in the 64-token context.
     served = simple_evaluate(
         model="local-completions",
-        model_args=f"base_url={server.url}/v1/completions,model={NAME},max_length=64,batch_size={MAX_BATCH}",
+        model_args=f"base_url={url}/v1/completions,model={NAME},max_length=64,batch_size={MAX_BATCH}",
         tasks=tasks,
         task_manager=index,
         log_samples=True,
@@ -243,7 +292,7 @@ def test_lm_eval_local_completions_scores_as_lm_evals_hf_model(server, hf_dir, t
         log_samples=True,
     )
     assert served["config"]["model"] == "local-completions"
-    metrics = httpx.get(server.url + "/metrics", timeout=60).text
+    metrics = httpx.get(url + "/metrics", timeout=60).text
     for path in ("/tokenizer_info", "/tokenize"):  # lm-eval found the server's tokenizer and used it
         assert f'gptj_requests_total{{endpoint="{path}",status="200"}}' in metrics, path
     for task in tasks:
