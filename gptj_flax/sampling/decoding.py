@@ -206,7 +206,7 @@ class Decoder:
         sampling,
         new_tokens: int,
         original_order: bool,
-        top_k: int,
+        top_width: int,
     ) -> DecodeState:
         batch, prompt_len = prompt_tokens.shape
         slots = jnp.arange(prompt_len)[None, :]
@@ -223,8 +223,8 @@ class Decoder:
             cache=cache,
             tokens=jnp.zeros((batch, new_tokens), jnp.int32),
             logprobs=jnp.zeros((batch, new_tokens), jnp.float32),
-            top_ids=jnp.zeros((batch, new_tokens, top_k), jnp.int32),
-            top_logprobs=jnp.zeros((batch, new_tokens, top_k), jnp.float32),
+            top_ids=jnp.zeros((batch, new_tokens, top_width), jnp.int32),
+            top_logprobs=jnp.zeros((batch, new_tokens, top_width), jnp.float32),
             num_generated=jnp.zeros((batch,), jnp.int32),
             finish=jnp.where(max_new_tokens > 0, RUNNING, LENGTH).astype(jnp.int32),  # padding rows ask for 0
             step=jnp.zeros((), jnp.int32),
@@ -260,10 +260,10 @@ class Decoder:
 
         return lax.while_loop(unfinished, step, state)
 
-    def _score_fn(self, params, tokens, segment_ids, top_k: int) -> tuple[Array, Array, Array]:
+    def _score_fn(self, params, tokens, segment_ids, top_width: int) -> tuple[Array, Array, Array]:
         logits = self.model.apply({"params": params}, tokens, segment_ids=segment_ids)[:, :-1]
-        if top_k > 0:
-            ids, lps = top_logprobs(logits, top_k, self.valid_vocab)
+        if top_width > 0:
+            ids, lps = top_logprobs(logits, top_width, self.valid_vocab)
         else:
             ids = jnp.zeros((*tokens.shape[:1], tokens.shape[1] - 1, 0), jnp.int32)
             lps = jnp.zeros(ids.shape, jnp.float32)
