@@ -151,6 +151,31 @@ def test_stream_pieces_add_up_to_generate(lm):
     ]
 
 
+def test_top_logprobs_of_generate_stream_and_score_agree(lm):
+    """The alternatives of each generated token (decode loop) are those the one-pass score of the same
+    text gives, the chosen token's value is its log-prob, and streamed pieces carry the same tokens."""
+    settings = dict(temperature=0.9, seed=5, stop=[None, ["os"]])
+    prompts = ["def ", "import os"]
+    batch = lm.generate(prompts, 12, return_tokens=True, return_logprobs=True, return_top_logprobs=[3, 0], **settings)
+    assert batch[1].top_logprobs is None and len(batch[0].top_logprobs) == len(batch[0].tokens)
+    prompt = lm.encode(prompts[0])
+    scored = lm.score(prompt + batch[0].tokens, top_logprobs=3)
+    for step, (top, token, value) in enumerate(zip(batch[0].top_logprobs, batch[0].tokens, batch[0].logprobs)):
+        reference = scored.top_logprobs[len(prompt) - 1 + step]
+        assert list(top) == list(reference) and list(top.values()) == pytest.approx(list(reference.values()), abs=1e-5)
+        assert token not in top or top[token] == value
+    pieces = [[], []]
+    for step in lm.stream(prompts, 12, return_logprobs=True, return_top_logprobs=[3, 0], **settings):
+        for row, piece in enumerate(step):
+            pieces[row].append(piece)
+    for row, completion in enumerate(batch):
+        assert "".join(pieces[row]) == completion.text
+        assert [t for p in pieces[row] for t in p.tokens] == completion.tokens
+        assert [x for p in pieces[row] for x in p.logprobs] == completion.logprobs
+    assert [top for p in pieces[0] for top in p.top_logprobs] == batch[0].top_logprobs
+    assert scored.logprobs[len(prompt) - 1 :] == pytest.approx(batch[0].logprobs, abs=1e-5)
+
+
 def test_score_texts_and_token_ids(lm):
     text = "def add(a, b):\n    return a + b\n"
     scored = lm.score(text)

@@ -23,7 +23,9 @@ from gptj_flax.sampling.samplers import (
     min_p_filter,
     next_tokens,
     repetition_penalty,
+    top_bucket,
     top_k_filter,
+    top_logprobs,
     top_p_filter,
     typical_filter,
     warp,
@@ -222,3 +224,14 @@ def test_first_argmax_is_numpys_argmax():
     logits[4, -1] = np.inf
     logits[5, 0] = 50.0  # token id 0
     assert np.asarray(first_argmax(jnp.asarray(logits))).tolist() == np.argmax(logits, axis=-1).tolist()
+
+
+def test_top_logprobs_are_the_k_likeliest_valid_ids_normalised_over_the_whole_vocabulary():
+    logits = jax.random.normal(jax.random.key(3), (2, 5, 40)) * 3
+    ids, values = jax.jit(top_logprobs, static_argnums=(1, 2))(logits, 4, 30)
+    reference = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
+    expected_ids = np.argsort(-reference[..., :30], axis=-1, kind="stable")[..., :4]
+    np.testing.assert_array_equal(np.asarray(ids), expected_ids)
+    np.testing.assert_allclose(values, np.take_along_axis(reference, expected_ids, -1), atol=1e-5)
+    assert np.all(np.diff(np.asarray(values), axis=-1) <= 0)  # most likely first
+    assert [top_bucket(k) for k in (0, 1, 2, 3, 5, 8, 9, 20)] == [0, 1, 2, 4, 8, 8, 16, 32]

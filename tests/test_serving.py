@@ -214,7 +214,7 @@ BAD_FIELDS = [
     ("/complete", {"length": 5}, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": 2.5}, "temperature"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "x", "stop": ""}, "stop"),
     ("/v1/completions", {"prompt": "x", "stop": [1]}, "stop"),
@@ -222,7 +222,7 @@ BAD_FIELDS = [
     ("/v1/completions", {"prompt": ["x"] * (MAX_BATCH + 1)}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": "x", "seed": 1.5}, "seed"),
-    ("/v1/completions", {"prompt": "x", "stream": True, "logprobs": 0}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "echo": True}, "echo"),
 ]
 
 
@@ -503,7 +503,9 @@ OVERFLOW = "__1e309__"  # stands for the literal 1e309, which Python's json read
 POISONS = [float("nan"), float("inf"), float("-inf"), OVERFLOW, "\ud800", "text \udfff", ["\udbff"]]
 BODY_FIELDS = {
     "/complete": sorted(schemas.CompleteRequest.model_fields),
-    "/v1/completions": sorted(schemas.completion_request_model(1).model_fields),
+    "/v1/completions": sorted(schemas.completion_request_model(1, 300).model_fields),
+    "/tokenize": sorted(schemas.TokenizeRequest.model_fields),
+    "/detokenize": sorted(schemas.detokenize_request_model(300).model_fields),
 }
 
 
@@ -523,6 +525,9 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(lm, tmp_path
         assert {op.label for op in operations} == {
             "POST /complete",
             "POST /v1/completions",
+            "POST /tokenize",
+            "POST /detokenize",
+            "GET /tokenizer_info",
             "GET /v1/models",
             "GET /health",
             "GET /metrics",

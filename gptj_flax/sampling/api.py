@@ -49,14 +49,21 @@ class Completion:
     completion_tokens: int  # tokens generated, up to the EOS or the one completing a stop string
     tokens: list[int] | None = None  # with return_tokens (or without a tokenizer); the EOS included
     logprobs: list[float] | None = None  # with return_logprobs: the model's log p of each token
+    # with return_top_logprobs=k: per token, the k most likely ids at that step → their log p
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclasses.dataclass
 class Scored:
-    """``logprobs[j]`` is log p(tokens[j + 1] | tokens[:j + 1]); the first token has no score."""
+    """``logprobs[j]`` is log p(tokens[j + 1] | tokens[:j + 1]); the first token has no score.
+
+    With ``top_logprobs=k``, ``top_logprobs[j]`` maps the k most likely ids in that same position
+    to their log-probabilities (most likely first).
+    """
 
     tokens: list[int]
     logprobs: np.ndarray
+    top_logprobs: list[dict[int, float]] | None = None
 
     @property
     def total(self) -> float:
@@ -86,6 +93,11 @@ def _as_batch(prompts) -> tuple[list, bool]:
         if not (isinstance(p, str) or _is_token_ids(p) or (isinstance(p, (list, tuple)) and len(p) == 0)):
             raise SamplingError(f"prompt {i} must be a string or a list of token ids, got {p!r:.80}")
     return list(prompts), False
+
+
+def _alternatives(ids: np.ndarray, logprobs: np.ndarray) -> list[dict[int, float]]:
+    """Rows of top ids [T, k] and their log-probabilities → one {id: log p} per position."""
+    return [{int(i): float(lp) for i, lp in zip(row_ids, row_lps)} for row_ids, row_lps in zip(ids, logprobs)]
 
 
 def _flags(name: str, value, n: int) -> np.ndarray:
@@ -118,9 +130,17 @@ def _stop_lists(stop, n: int) -> list[list[str]]:
 class _Generation:
     """A batch being generated: the device run plus each row's text."""
 
-    def __init__(self, run: DecodeRun, trackers: list[TextTracker] | None, prompt_lengths: list[int], check_steps: int):
+    def __init__(
+        self,
+        run: DecodeRun,
+        trackers: list[TextTracker] | None,
+        prompt_lengths: list[int],
+        check_steps: int,
+        top_logprobs: np.ndarray,
+    ):
         self.run, self.trackers, self.prompt_lengths = run, trackers, prompt_lengths
         self.check_steps = check_steps  # decode steps per device call when not streaming
+        self.top_logprobs = top_logprobs  # alternatives asked for, per row
 
     def _row_tokens(self, row: int) -> np.ndarray:
         p = self.run.progress
@@ -170,22 +190,66 @@ class _Generation:
                     completion_tokens=n,
                     tokens=[int(t) for t in tokens] if return_tokens or tracker is None else None,
                     logprobs=[float(x) for x in p.logprobs[row, :n]] if return_logprobs else None,
+                    top_logprobs=(
+                        _alternatives(p.top_ids[row, :n, :k], p.top_logprobs[row, :n, :k])
+                        if (k := int(self.top_logprobs[row])) > 0
+                        else None
+                    ),
                 )
             )
         return out
 
 
+class Piece(str):
+    """A streamed piece of text with the tokens generated since the previous piece of its row:
+    ``tokens``, their ``logprobs`` and (with ``return_top_logprobs``) ``top_logprobs``.
+
+    A token's text can come in a later piece than the token (a possible start of a stop string
+    waits), so a piece with tokens and no text yet is still a piece: it is true when it has either.
+    """
+
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None
+
+    def __new__(cls, text: str, tokens: list[int], logprobs: list[float], top_logprobs: list[dict[int, float]] | None):
+        piece = super().__new__(cls, text)
+        piece.tokens, piece.logprobs, piece.top_logprobs = tokens, logprobs, top_logprobs
+        return piece
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens) or len(self) > 0
+
+
 class TextStream(Iterator):
     """The iterator :meth:`LanguageModel.stream` returns: text pieces while generating, then
     ``completions`` — a :class:`Completion` per prompt, ``None`` until the last piece is taken (or
-    for good, if the stream is closed early)."""
+    for good, if the stream is closed early). With ``return_logprobs`` the pieces are
+    :class:`Piece` strings that also carry their tokens."""
 
-    def __init__(self, job: _Generation, single: bool):
+    def __init__(self, job: _Generation, single: bool, return_logprobs: bool = False):
         self.completions: list[Completion] | None = None
+        self._job, self._with_tokens = job, return_logprobs
+        self._sent = [0] * len(job.prompt_lengths)  # each row's tokens already in a piece
         self._pieces = self._run(job, single)
 
+    def _with_new_tokens(self, texts: list[str]) -> list[str]:
+        if not self._with_tokens:
+            return texts
+        p, job = self._job.run.progress, self._job
+        out: list[str] = []
+        for row, text in enumerate(texts):
+            tracker = None if job.trackers is None else job.trackers[row]
+            end = tracker.num_tokens if tracker is not None and tracker.stopped else int(p.num_generated[row])
+            start, self._sent[row] = self._sent[row], max(self._sent[row], end)
+            k = int(job.top_logprobs[row])
+            top = _alternatives(p.top_ids[row, start:end, :k], p.top_logprobs[row, start:end, :k]) if k > 0 else None
+            tokens = [int(t) for t in p.tokens[row, start:end]]
+            out.append(Piece(text, tokens, [float(x) for x in p.logprobs[row, start:end]], top))
+        return out
+
     def _run(self, job: _Generation, single: bool) -> Iterator:
-        new = job.pieces()
+        new = self._with_new_tokens(job.pieces())
         while True:
             if single and new[0]:
                 yield new[0]
@@ -194,7 +258,7 @@ class TextStream(Iterator):
             if job.finished:
                 self.completions = job.completions(return_tokens=False, return_logprobs=False)
                 return
-            new = job.advance(1)
+            new = self._with_new_tokens(job.advance(1))
 
     def __next__(self):
         return next(self._pieces)
@@ -280,13 +344,29 @@ class LanguageModel:
         seed,
         ignore_eos,
         original_order,
+        top_logprobs=0,
     ) -> tuple[_Generation, bool]:
-        settings = (max_new_tokens, temperature, top_k, top_p, typical_p, min_p, repetition_penalty, stop, seed)
+        settings = (
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            typical_p,
+            min_p,
+            repetition_penalty,
+            stop,
+            seed,
+            top_logprobs,
+        )
         check_same_call(method, (prompts, settings, ignore_eos, original_order, self.eos_token_id))
         batch, single = _as_batch(prompts)
         n = len(batch)
         max_new = per_example("max_new_tokens", max_new_tokens, n, int, lambda x: x >= 1, "an integer >= 1")
         seeds = per_example("seed", seed, n, int, lambda x: 0 <= x < 2**32, "an integer in [0, 2**32)", np.int64)
+        vocab = self.decoder.valid_vocab
+        alternatives = per_example(
+            "return_top_logprobs", top_logprobs, n, int, lambda x: 0 <= x <= vocab, f"an integer in [0, {vocab}]"
+        )
         if isinstance(seed, (int, np.integer)):
             seeds = (seeds.astype(np.int64) + np.arange(n)) % 2**32  # distinct draws for repeated prompts
         sampling = SamplingParams.build(
@@ -311,10 +391,11 @@ class LanguageModel:
             seeds=seeds,
             eos_id=eos_ids,
             original_order=bool(original_order),
+            top_logprobs=int(np.max(alternatives)),
         )
         trackers = None if self.tokenizer is None else [TextTracker(self.tokenizer, s) for s in stops]
         check_steps = STOP_CHECK_STEPS if any(stops) else run.capacity
-        return _Generation(run, trackers, [len(p) for p in token_prompts], check_steps), single
+        return _Generation(run, trackers, [len(p) for p in token_prompts], check_steps, alternatives), single
 
     def generate(
         self,
@@ -333,6 +414,7 @@ class LanguageModel:
         original_order=False,
         return_tokens=False,
         return_logprobs=False,
+        return_top_logprobs=0,
     ) -> Completion | list[Completion]:
         """Continue each prompt; a single prompt gives a :class:`Completion`, a list gives a list.
 
@@ -351,6 +433,9 @@ class LanguageModel:
           ignore_eos: keep going past the EOS token (one value or one per prompt).
           return_tokens, return_logprobs: also return the generated ids and their log-probabilities
             under the model (before any sampling filter).
+          return_top_logprobs: k > 0 also returns, for every generated token, the k most likely ids
+            at that step and their log-probabilities (``Completion.top_logprobs``); one value or
+            one per prompt.
 
         Every setting except ``original_order``, ``return_tokens`` and ``return_logprobs`` takes one
         value for all prompts or a list with one per prompt.
@@ -369,6 +454,7 @@ class LanguageModel:
             seed,
             ignore_eos,
             original_order,
+            return_top_logprobs,
         )
         job.pieces()
         while not job.finished:
@@ -391,6 +477,8 @@ class LanguageModel:
         seed=0,
         ignore_eos=False,
         original_order=False,
+        return_logprobs=False,
+        return_top_logprobs=0,
     ) -> TextStream:
         """Like :meth:`generate`, but yield text as each token is produced.
 
@@ -399,6 +487,10 @@ class LanguageModel:
         character waits for the next token. The pieces add up to ``generate``'s text for the same
         arguments. Once the iterator is exhausted, its ``completions`` attribute holds what
         ``generate`` would have returned (finish reasons, token counts), one per prompt.
+
+        With ``return_logprobs`` (and ``return_top_logprobs``, as :meth:`generate` takes it) every
+        piece is a :class:`Piece`: also the tokens generated since the row's previous piece, with
+        their log-probabilities (and alternatives); a piece may then have tokens but no text yet.
         """
         if self.tokenizer is None:
             raise SamplingError("stream yields text and this model has no tokenizer; use generate with token ids")
@@ -416,16 +508,25 @@ class LanguageModel:
             seed,
             ignore_eos,
             original_order,
+            return_top_logprobs,
         )
-        return TextStream(job, single)
+        return TextStream(job, single, bool(return_logprobs))
 
-    def score(self, texts_or_token_ids) -> Scored | list[Scored]:
+    def score(self, texts_or_token_ids, *, top_logprobs: int = 0) -> Scored | list[Scored]:
         """Per-token log-probabilities of the given texts or token-id lists under the model.
 
-        A single text (or id list) gives a :class:`Scored`, a list gives a list.
+        A single text (or id list) gives a :class:`Scored`, a list gives a list. ``top_logprobs`` > 0
+        also gives each position's most likely ids (``Scored.top_logprobs``), from the same pass.
         """
-        check_same_call("score", texts_or_token_ids)
+        check_same_call("score", (texts_or_token_ids, top_logprobs))
+        vocab = self.decoder.valid_vocab
+        (k,) = per_example(
+            "top_logprobs", top_logprobs, 1, int, lambda x: 0 <= x <= vocab, f"an integer in [0, {vocab}]"
+        )
         batch, single = _as_batch(texts_or_token_ids)
         sequences = [self.encode(x) for x in batch]
-        out = [Scored(tokens=seq, logprobs=lp) for seq, lp in zip(sequences, self.decoder.score(sequences))]
+        out = [
+            Scored(tokens=seq, logprobs=lp, top_logprobs=_alternatives(ids, lps) if k > 0 else None)
+            for seq, (lp, ids, lps) in zip(sequences, self.decoder.score_with_alternatives(sequences, int(k)))
+        ]
         return out[0] if single else out

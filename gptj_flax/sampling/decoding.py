@@ -27,7 +27,7 @@ from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import ModelConfig
 from gptj_flax.model import GPTJ, KVCache, token_log_probs, unstack_layers
 from gptj_flax.sampling.multihost import to_device, to_host
-from gptj_flax.sampling.samplers import SamplingError, SamplingParams, next_tokens
+from gptj_flax.sampling.samplers import SamplingError, SamplingParams, next_tokens, top_bucket, top_logprobs
 
 Array = jax.Array
 
@@ -50,6 +50,10 @@ class DecodeState:
     cache: KVCache
     tokens: Array  # int32 [B, N]: generated ids (0 where nothing was generated)
     logprobs: Array  # float32 [B, N]: the model's log-probability of each generated id
+    # int32 / float32 [B, N, K]: at each step the K most likely ids and their log-probabilities
+    # (K, static, is 0 unless some row asked for alternatives: then nothing is computed)
+    top_ids: Array
+    top_logprobs: Array
     num_generated: Array  # int32 [B]
     finish: Array  # int32 [B]: RUNNING, EOS, LENGTH or STOPPED
     step: Array  # int32 scalar: loop steps taken; the next token is fed from tokens[:, step - 1]
@@ -62,11 +66,13 @@ class DecodeState:
 
     @classmethod
     def logical_axes(cls, config: ModelConfig) -> DecodeState:
-        rows, table = PartitionSpec("batch"), PartitionSpec("batch", None)
+        rows, table, cube = PartitionSpec("batch"), PartitionSpec("batch", None), PartitionSpec("batch", None, None)
         return cls(
             cache=KVCache.logical_axes(config),
             tokens=table,
             logprobs=table,
+            top_ids=cube,
+            top_logprobs=cube,
             num_generated=rows,
             finish=rows,
             step=PartitionSpec(),
@@ -85,6 +91,8 @@ class Progress:
 
     tokens: np.ndarray  # int32 [rows, N]
     logprobs: np.ndarray  # float32 [rows, N]
+    top_ids: np.ndarray  # int32 [rows, N, K]
+    top_logprobs: np.ndarray  # float32 [rows, N, K]
     num_generated: np.ndarray  # int32 [rows]
     finish: np.ndarray  # int32 [rows]
 
@@ -136,9 +144,10 @@ class Decoder:
         rows, table = sharding("batch"), sharding("batch", "length")
         sampling = partitioning.logical_to_sharding(SamplingParams.logical_axes(), mesh, rules)
         self._rows, self._table, self._sampling, self._scalar = rows, table, sampling, sharding()
+        cube = sharding("batch", "length", None)
         self._prefill = jax.jit(
             self._prefill_fn,
-            static_argnums=(7, 8),
+            static_argnums=(7, 8, 9),
             in_shardings=(param_shardings, table, rows, rows, rows, rows, sampling),
             out_shardings=state,
         )
@@ -149,7 +158,12 @@ class Decoder:
             in_shardings=(param_shardings, state, sharding(), rows),
             out_shardings=state,
         )
-        self._score = jax.jit(self._score_fn, in_shardings=(param_shardings, table, table), out_shardings=table)
+        self._score = jax.jit(
+            self._score_fn,
+            static_argnums=(3,),
+            in_shardings=(param_shardings, table, table),
+            out_shardings=(table, cube, cube),
+        )
 
     # -- device programs ---------------------------------------------------------------------
     def _emit(self, state: DecodeState, logits: Array, original_order: bool) -> DecodeState:
@@ -163,8 +177,15 @@ class Decoder:
         finish = jnp.where(running & (token == state.eos_id), EOS, state.finish)
         finish = jnp.where((finish == RUNNING) & (num_generated >= state.max_new_tokens), LENGTH, finish)
         rows = jnp.arange(token.shape[0])
+        top_ids, top_lps = state.top_ids, state.top_logprobs
+        if top_ids.shape[-1] > 0:
+            ids, lps = top_logprobs(logits, top_ids.shape[-1], self.valid_vocab)
+            top_ids = lax.dynamic_update_slice_in_dim(top_ids, ids[:, None], state.step, axis=1)
+            top_lps = lax.dynamic_update_slice_in_dim(top_lps, lps[:, None], state.step, axis=1)
         return state.replace(
             tokens=lax.dynamic_update_slice_in_dim(state.tokens, token[:, None], state.step, axis=1),
+            top_ids=top_ids,
+            top_logprobs=top_lps,
             logprobs=lax.dynamic_update_slice_in_dim(
                 state.logprobs, jnp.where(running, logprob, 0.0)[:, None], state.step, axis=1
             ),
@@ -185,6 +206,7 @@ class Decoder:
         sampling,
         new_tokens: int,
         original_order: bool,
+        top_width: int,
     ) -> DecodeState:
         batch, prompt_len = prompt_tokens.shape
         slots = jnp.arange(prompt_len)[None, :]
@@ -201,6 +223,8 @@ class Decoder:
             cache=cache,
             tokens=jnp.zeros((batch, new_tokens), jnp.int32),
             logprobs=jnp.zeros((batch, new_tokens), jnp.float32),
+            top_ids=jnp.zeros((batch, new_tokens, top_width), jnp.int32),
+            top_logprobs=jnp.zeros((batch, new_tokens, top_width), jnp.float32),
             num_generated=jnp.zeros((batch,), jnp.int32),
             finish=jnp.where(max_new_tokens > 0, RUNNING, LENGTH).astype(jnp.int32),  # padding rows ask for 0
             step=jnp.zeros((), jnp.int32),
@@ -236,9 +260,14 @@ class Decoder:
 
         return lax.while_loop(unfinished, step, state)
 
-    def _score_fn(self, params, tokens, segment_ids) -> Array:
-        logits = self.model.apply({"params": params}, tokens, segment_ids=segment_ids)
-        return token_log_probs(logits[:, :-1], tokens[:, 1:])
+    def _score_fn(self, params, tokens, segment_ids, top_width: int) -> tuple[Array, Array, Array]:
+        logits = self.model.apply({"params": params}, tokens, segment_ids=segment_ids)[:, :-1]
+        if top_width > 0:
+            ids, lps = top_logprobs(logits, top_width, self.valid_vocab)
+        else:
+            ids = jnp.zeros((*tokens.shape[:1], tokens.shape[1] - 1, 0), jnp.int32)
+            lps = jnp.zeros(ids.shape, jnp.float32)
+        return token_log_probs(logits, tokens[:, 1:]), ids, lps
 
     # -- host side ---------------------------------------------------------------------------
     def padded_batch(self, n: int) -> int:
@@ -272,6 +301,7 @@ class Decoder:
         seeds: np.ndarray,
         eos_id: np.ndarray,
         original_order: bool = False,
+        top_logprobs: int = 0,
     ) -> DecodeRun:
         """Prefill ``prompts`` (token ids) and choose each row's first token.
 
@@ -282,7 +312,10 @@ class Decoder:
         data-parallel size) with rows finished from the start.
 
         ``max_new_tokens``, ``seeds``, ``eos_id`` and ``sampling`` hold one value per prompt
-        (``eos_id`` -1: never stop at EOS). Returns the run, to be advanced with ``DecodeRun.advance``.
+        (``eos_id`` -1: never stop at EOS). ``top_logprobs`` > 0 also records, at every step, at
+        least that many most likely ids and their log-probabilities (``Progress.top_ids``; the width
+        is rounded up to a power of two so that nearby counts share a program). Returns the run, to
+        be advanced with ``DecodeRun.advance``.
         """
         self._check_lengths(prompts, [int(m) for m in max_new_tokens])
         n = len(prompts)
@@ -311,6 +344,7 @@ class Decoder:
                 jax.tree.map(to_device, sampling.pad_to(batch), self._sampling),
                 new_tokens,
                 original_order,
+                top_bucket(top_logprobs),
             )
         return DecodeRun(self, state, n, original_order)
 
@@ -319,6 +353,14 @@ class Decoder:
 
         Each sequence needs at least two tokens (the first has no context to be scored in).
         """
+        return [logprobs for logprobs, _, _ in self.score_with_alternatives(sequences, 0)]
+
+    def score_with_alternatives(
+        self, sequences: Sequence[Sequence[int]], top_logprobs: int
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """:meth:`score` in the same forward pass, with each position's ``top_logprobs`` most likely
+        ids and their log-probabilities: per sequence ``(logprobs [L-1], top_ids [L-1, k],
+        top_logprobs [L-1, k])``, where row j is the distribution that predicts ``seq[j+1]``."""
         if not sequences:
             raise SamplingError("no sequences given to score: pass at least one")
         for i, seq in enumerate(sequences):
@@ -335,9 +377,15 @@ class Decoder:
         for row, seq in enumerate(sequences):  # right-padded: causal attention never sees the padding
             tokens[row, : len(seq)] = seq
             segments[row, : len(seq)] = 1
+        width = top_bucket(top_logprobs)
         with partitioning.sharding_scope(self.mesh, self.rules):
-            out = to_host(self._score(self.params, to_device(tokens, self._table), to_device(segments, self._table)))
-        return [out[row, : len(seq) - 1] for row, seq in enumerate(sequences)]
+            out, ids, lps = to_host(
+                self._score(self.params, to_device(tokens, self._table), to_device(segments, self._table), width)
+            )
+        return [
+            (out[row, : len(seq) - 1], ids[row, : len(seq) - 1, :top_logprobs], lps[row, : len(seq) - 1, :top_logprobs])
+            for row, seq in enumerate(sequences)
+        ]
 
     def compilations(self) -> int:
         """Programs compiled so far (prefill + decode + score), for checking that nothing recompiles."""
@@ -355,8 +403,10 @@ class DecodeRun:
 
     def _fetch(self) -> Progress:
         s, n = self._state, self._rows
-        tokens, logprobs, num, finish, self._step = to_host((s.tokens, s.logprobs, s.num_generated, s.finish, s.step))
-        return Progress(tokens[:n], logprobs[:n], num[:n], finish[:n])
+        tokens, logprobs, top_ids, top_lps, num, finish, self._step = to_host(
+            (s.tokens, s.logprobs, s.top_ids, s.top_logprobs, s.num_generated, s.finish, s.step)
+        )
+        return Progress(tokens[:n], logprobs[:n], top_ids[:n], top_lps[:n], num[:n], finish[:n])
 
     def decode_hlo(self) -> str:
         """The optimised HLO of the decode loop :meth:`advance` runs, as text (for profiles)."""

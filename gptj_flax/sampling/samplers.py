@@ -79,6 +79,28 @@ class SamplingParams:
         return jax.tree.map(lambda x, n: np.concatenate([x, np.repeat(n, batch - len(x))]), self, neutral)
 
 
+def top_logprobs(logits: Array, k: int, valid_vocab: int | None = None) -> tuple[Array, Array]:
+    """The ``k`` most likely ids of every row of ``logits`` [..., V] and their log-probabilities, each
+    [..., k] (``k`` static), most likely first.
+
+    The log-probabilities are normalised over the whole vocabulary, as :func:`token_log_probs`'s
+    are, so a chosen token's entry equals its reported log-probability; ids at or above
+    ``valid_vocab`` (a padded embedding's rows, which no tokenizer can show) are never among them.
+    """
+    logits = logits.astype(jnp.float32)
+    # token_log_probs's own formula, so that the chosen token's two log-probabilities are one value
+    log_probs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    candidates = log_probs if valid_vocab is None else mask_vocab(log_probs, valid_vocab)
+    values, ids = lax.top_k(candidates, k)
+    return ids.astype(jnp.int32), values
+
+
+def top_bucket(k: int) -> int:
+    """The static width a request for ``k`` alternatives compiles with: 0, or a power of two ≥ ``k``,
+    so that asking for 3 or 4 (or 5 to 8) alternatives shares one program."""
+    return 0 if k <= 0 else 1 << (k - 1).bit_length()
+
+
 def per_example(name: str, value, batch: int, kind: type, valid, accepted: str, dtype=None) -> np.ndarray:
     """``value`` (a scalar, or a sequence of ``batch`` values) → validated numpy array [batch] of
     ``dtype`` (default int32 or float32 by ``kind``); a value the dtype cannot hold is refused."""

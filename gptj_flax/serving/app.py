@@ -1,7 +1,8 @@
 """The FastAPI app: GPT-4chan's ``/complete``, OpenAI-style ``/v1/completions`` and ``/v1/models``,
-``/health`` and ``/metrics``, in front of the batching worker; and the APIs of mesh-transformer-jax's
-own servers: ``device_serve.py``'s body on ``/complete`` and the ``docker/`` API's
-``/model/predict`` and ``/model/get_prediction`` (``legacy`` has what routes them).
+vLLM-style ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``, ``/health`` and ``/metrics``, in
+front of the batching worker (and, for echoed prompts' log-probabilities, the prompt scorer); and the
+APIs of mesh-transformer-jax's own servers: ``device_serve.py``'s body on ``/complete`` and the
+``docker/`` API's ``/model/predict`` and ``/model/get_prediction`` (``legacy`` has what routes them).
 
 Status codes: 400 malformed JSON, 401 missing or wrong API key, 404 unknown model or qid, 413 a prompt
 that cannot fit the context (or an over-large body), 422 a field of the wrong type or out of range
@@ -29,15 +30,25 @@ from gptj_flax.serving import legacy, schemas
 from gptj_flax.serving.auth import KeyStore, KeysUnavailable, bearer_token, key_id
 from gptj_flax.serving.metrics import Metrics
 from gptj_flax.serving.request_log import RequestLog
+from gptj_flax.serving.scoring import PromptScorer
 from gptj_flax.serving.settings import ServeSettings, ServingError
 from gptj_flax.serving.worker import READY, WARMING_UP, BatchWorker, Job, NotAccepting, Prompt, QueueFull, StreamEnd
 
 logger = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/complete", "/v1/completions")
+TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 OPEN_WHILE_DRAINING = ("/health", "/metrics")
 DOCKER_API_PATHS = ("/model/predict", "/model/get_prediction")
-KNOWN_PATHS = (*GENERATION_PATHS, *DOCKER_API_PATHS, "/v1/models", *OPEN_WHILE_DRAINING, "/openapi.json", "/docs")
+KNOWN_PATHS = (
+    *GENERATION_PATHS,
+    *TOKENIZER_PATHS,
+    *DOCKER_API_PATHS,
+    "/v1/models",
+    *OPEN_WHILE_DRAINING,
+    "/openapi.json",
+    "/docs",
+)
 OPENAI_FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}
 # The samplers take top_p / typical_p in (0, 1]; the API's 0 means "keep as few tokens as the filter
 # can" (one, and any tied with it), which the smallest positive float32 gives.
@@ -84,6 +95,8 @@ class Service:
         self.name = settings.served_model_name
         self.context = int(model.config.max_len)
         self.start_token = int(model.eos_token_id) if model.eos_token_id is not None else 0
+        self.vocab = int(model.decoder.valid_vocab)  # the ids a prompt may hold: the tokenizer's
+        self._token_texts: dict[int, str] = {}
         self.metrics = Metrics()
         self.keys = keys if keys is not None else open_keys(settings)
         self.request_log = request_log if request_log is not None else open_request_log(settings)
@@ -95,6 +108,7 @@ class Service:
             warmup_tokens=settings.warmup_tokens,
             metrics=self.metrics,
         )
+        self.scorer = PromptScorer(model, max_rows=settings.queue_size)
         # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest.
         self.max_body_bytes = 2**16 + 2 * settings.max_batch * schemas.MAX_TEXT_CHARS * 6
         self.created = int(time.time())
@@ -130,8 +144,28 @@ class Service:
             )
         return key_id(key)
 
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.name:
+            raise HTTPException(404, f"model {name!r} is not served here; this server has {self.name!r}")
+
     def encode(self, text: str) -> list[int]:
         return self.model.encode(text) if text else []
+
+    def token_text(self, token: int) -> str:
+        """One token's text, as the logprobs object shows it (remembered: lm-eval asks for many)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.model.decode([token])
+        return text
+
+    async def score(self, prompts: list[list[int]], top_logprobs: int) -> list:
+        try:
+            return await self.scorer.score(prompts, top_logprobs)
+        except QueueFull as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": str(e.retry_after)}) from None
+        except Exception:  # the prompts were checked: what fails here is the device, not the request
+            logger.exception("scoring %d prompt(s) failed", len(prompts))
+            raise HTTPException(500, "scoring the prompt failed; the server log has the details") from None
 
     def submit(self, job: Job) -> None:
         try:
@@ -182,6 +216,7 @@ class Service:
             )
 
     def close(self) -> None:
+        self.scorer.close()
         if self.request_log is not None:
             self.request_log.close()
 
@@ -233,6 +268,11 @@ def _seed(seed: int | None, offset: int = 0) -> int:
 
 def _fewest(p: float) -> float:
     return p if p > 0 else FEWEST_TOKENS
+
+
+def _invalid(field: str, message: str) -> RequestValidationError:
+    """A 422 naming ``field``, in the shape pydantic's own errors have."""
+    return RequestValidationError([{"type": "value_error", "loc": ("body", field), "msg": message, "input": None}])
 
 
 class ServiceMiddleware:
@@ -300,7 +340,8 @@ def create_app(
     opening them again.
     """
     service = Service(model, settings, keys, request_log)
-    CompletionRequest = schemas.completion_request_model(settings.max_batch)
+    CompletionRequest = schemas.completion_request_model(settings.max_batch, service.vocab)
+    DetokenizeRequest = schemas.detokenize_request_model(service.vocab)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -395,42 +436,60 @@ def create_app(
         },
     )
     async def completions(body: CompletionRequest, request: Request):
-        """OpenAI-style completions of one prompt or a list; `stream` sends server-sent events."""
+        """OpenAI-style completions of one prompt or a list (texts or token ids), `n` each; `stream`
+        sends server-sent events; `echo` with `logprobs` scores the prompt too (`max_tokens` 0: only that)."""
         started = time.monotonic()
         key = service.authorize(request, body.api_key)
-        if body.model is not None and body.model != service.name:
-            raise HTTPException(404, f"model {body.model!r} is not served here; this server has {service.name!r}")
-        if body.stream and body.logprobs is not None:  # the streaming API yields text only
-            raise RequestValidationError(
-                [
-                    {
-                        "type": "value_error",
-                        "loc": ("body", "logprobs"),
-                        "input": body.logprobs,
-                        "msg": "logprobs is not available with stream",
-                    }
-                ]
+        service.check_model(body.model)
+        if body.echo and body.stream:
+            raise _invalid("echo", "echo is not available with stream")
+        if body.max_tokens == 0 and not body.echo:
+            raise _invalid("max_tokens", "max_tokens 0 generates nothing: it is only for scoring the prompt with echo")
+        prompts = _prompts(service, body.prompt)
+        if len(prompts) * body.n > settings.max_batch:
+            raise _invalid(
+                "n",
+                f"n={body.n} completions of {len(prompts)} prompt(s) exceed the {settings.max_batch} "
+                "a request may ask for",
             )
-        texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         stop = () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
-        rows = []
-        for i, text in enumerate(texts):
-            tokens = service.encode(text) or [service.start_token]
+        alternatives = body.logprobs or 0
+        rows: list[Prompt] = []
+        for i, (_, tokens) in enumerate(prompts):
             if len(tokens) + body.max_tokens > service.context:
                 raise HTTPException(
                     413,
                     f"prompt {i} has {len(tokens)} tokens; with max_tokens={body.max_tokens} "
                     f"that exceeds the model's context of {service.context} tokens",
                 )
-            rows.append(
-                Prompt(tokens, body.max_tokens, body.temperature, _fewest(body.top_p), 1.0, _seed(body.seed, i), stop)
+            rows.extend(
+                Prompt(
+                    tokens,
+                    body.max_tokens,
+                    body.temperature,
+                    _fewest(body.top_p),
+                    1.0,
+                    _seed(body.seed, i * body.n + j),  # choice i·n + j, as OpenAI numbers them
+                    stop,
+                    top_k=max(body.top_k, 0),
+                    min_p=body.min_p,
+                    repetition_penalty=body.repetition_penalty,
+                    top_logprobs=alternatives,
+                )
+                for j in range(body.n)
             )
         settings_logged = dict(
             max_tokens=body.max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
             stop=list(stop),
             seed=body.seed,
+            n=body.n,
+            echo=body.echo,
+            logprobs=body.logprobs,
             stream=body.stream,
         )
         completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -439,34 +498,57 @@ def create_app(
             service.log(
                 key=key,
                 endpoint="/v1/completions",
-                prompt=body.prompt,
+                prompt=body.prompt if isinstance(body.prompt, str) else [text for text, _ in prompts],
                 pre_prompt="",
                 settings=settings_logged,
-                response=responses[0] if isinstance(body.prompt, str) else responses,
+                response=responses[0] if len(responses) == 1 else responses,
                 started=started,
             )
 
         if body.stream:
-            job = Job(rows, stream=True)
+            job = Job(rows, stream=True, logprobs=body.logprobs is not None)
             service.submit(job)
+            prompt_chars = [len(prompts[i // body.n][0]) for i in range(len(rows))]
             return JobStream(
-                _events(job, completion_id, created, service.name, log), on_close=lambda: service.worker.cancel(job)
+                _events(service, job, completion_id, created, prompt_chars, log),
+                on_close=lambda: service.worker.cancel(job),
             )
 
-        job = Job(rows, logprobs=body.logprobs is not None)
-        results = await service.run(request, job)
-        choices = [
-            schemas.Choice(
-                text=c.text,
-                index=i,
-                finish_reason=OPENAI_FINISH_REASON[c.finish_reason],
-                logprobs=_logprobs(service.model, c, len(texts[i])) if job.logprobs else None,
+        scored = (
+            await service.score([tokens for _, tokens in prompts], alternatives)
+            if body.echo and body.logprobs is not None
+            else [None] * len(prompts)
+        )
+        results = (
+            await service.run(request, Job(rows, logprobs=body.logprobs is not None))
+            if body.max_tokens > 0
+            else [None] * len(rows)
+        )
+        choices = []
+        for index, completion in enumerate(results):
+            text, tokens = prompts[index // body.n]
+            choices.append(
+                schemas.Choice(
+                    text=(text if body.echo else "") + ("" if completion is None else completion.text),
+                    index=index,
+                    # scoring only, as vLLM answers it: the choice ended at its (zero) length
+                    finish_reason="length" if completion is None else OPENAI_FINISH_REASON[completion.finish_reason],
+                    logprobs=(
+                        None
+                        if body.logprobs is None
+                        else _logprobs(
+                            service,
+                            text,
+                            tokens if body.echo else None,
+                            scored[index // body.n],
+                            completion,
+                        )
+                    ),
+                )
             )
-            for i, c in enumerate(results)
-        ]
-        prompt_tokens = sum(c.prompt_tokens for c in results)
-        completion_tokens = sum(c.completion_tokens for c in results)
-        log([c.text for c in results])
+        prompt_tokens = sum(len(tokens) for _, tokens in prompts)
+        completion_tokens = sum(c.completion_tokens for c in results if c is not None)
+        log([c.text for c in choices])
         return schemas.CompletionResponse(
             id=completion_id,
             created=created,
@@ -477,6 +559,43 @@ def create_app(
                 completion_tokens=completion_tokens,
                 total_tokens=prompt_tokens + completion_tokens,
             ),
+        )
+
+    @app.post("/tokenize", response_model=schemas.TokenizeResponse, responses={**ERRORS, 404: _error("unknown model")})
+    async def tokenize(body: schemas.TokenizeRequest, request: Request):
+        """vLLM's `/tokenize` of a text: its token ids, their count and the model's context."""
+        service.authorize(request, None)
+        service.check_model(body.model)
+        tokens = service.model.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return schemas.TokenizeResponse(
+            count=len(tokens),
+            max_model_len=service.context,
+            tokens=tokens,
+            token_strs=service.model.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None,
+        )
+
+    @app.post(
+        "/detokenize", response_model=schemas.DetokenizeResponse, responses={**ERRORS, 404: _error("unknown model")}
+    )
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        """vLLM's `/detokenize`: the text of token ids (special tokens kept, as generation writes them)."""
+        service.authorize(request, None)
+        service.check_model(body.model)
+        return schemas.DetokenizeResponse(prompt=service.model.decode(body.tokens))
+
+    @app.get("/tokenizer_info", response_model=schemas.TokenizerInfo, responses={401: ERRORS[401]})
+    async def tokenizer_info(request: Request):
+        """The tokenizer's special tokens, as vLLM's `/tokenizer_info` (lm-eval's remote tokenizer reads them)."""
+        service.authorize(request, None)
+        tokenizer = service.model.tokenizer
+        return schemas.TokenizerInfo(
+            tokenizer_class=type(tokenizer).__name__,
+            eos_token=tokenizer.eos_token,
+            bos_token=tokenizer.bos_token,
+            pad_token=tokenizer.pad_token,
+            unk_token=tokenizer.unk_token,
+            model_max_length=service.context,
+            vocab_size=service.vocab,
         )
 
     @app.get("/v1/models", response_model=schemas.ModelList)
@@ -507,9 +626,37 @@ def create_app(
     return app
 
 
-async def _events(job: Job, completion_id: str, created: int, model_name: str, log):
-    """The job's text as OpenAI completion chunks, then ``data: [DONE]``."""
+def _prompts(service: Service, prompt) -> list[tuple[str, list[int]]]:
+    """Each prompt's text and tokens: a text is encoded (an empty one is the start token alone), token
+    ids are decoded for the echo."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append((p, service.encode(p) or [service.start_token]))
+        else:
+            out.append((service.model.decode(p), list(p)))
+    return out
+
+
+async def _events(service: Service, job: Job, completion_id: str, created: int, prompt_chars: list[int], log):
+    """The job's text as OpenAI completion chunks (with the logprobs of each chunk's tokens, if the job
+    asks), then ``data: [DONE]``."""
     texts = [""] * len(job.rows)
+    offsets = list(prompt_chars)  # each row's next token's text_offset
+
+    def chunk(index: int, text: str, logprobs, finish_reason) -> str:
+        return _sse(
+            {
+                "id": completion_id,
+                "object": "text_completion",
+                "created": created,
+                "model": service.name,
+                "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}],
+            }
+        )
+
     while True:
         item = await job.pieces.get()
         if isinstance(item, StreamEnd):
@@ -520,39 +667,91 @@ async def _events(job: Job, completion_id: str, created: int, model_name: str, l
                 return
             break
         for index, piece in enumerate(item):
-            if piece:
+            # A piece may hold tokens and no text yet (a possible stop string waits): a chunk only
+            # for a job that reports tokens (its batch neighbours may have asked for them).
+            if len(piece) > 0 or (job.logprobs and piece):
                 texts[index] += piece
-                yield _sse(
-                    {
-                        "id": completion_id,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": model_name,
-                        "choices": [{"text": piece, "index": index, "logprobs": None, "finish_reason": None}],
-                    }
-                )
+                logprobs = None
+                if job.logprobs:
+                    logprobs = _token_logprobs(
+                        service, piece.tokens, piece.logprobs, piece.top_logprobs, offsets[index]
+                    ).model_dump()
+                    offsets[index] += sum(len(t) for t in logprobs["tokens"])
+                yield chunk(index, str(piece), logprobs, None)
     for index, reason in enumerate(item.finish_reasons):  # as OpenAI: a last chunk per choice says why it ended
         if reason is not None:
-            yield _sse(
-                {
-                    "id": completion_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model_name,
-                    "choices": [
-                        {"text": "", "index": index, "logprobs": None, "finish_reason": OPENAI_FINISH_REASON[reason]}
-                    ],
-                }
-            )
+            yield chunk(index, "", None, OPENAI_FINISH_REASON[reason])
     log(texts)
     yield _sse("[DONE]")
 
 
-def _logprobs(model, completion, prompt_chars: int) -> schemas.Logprobs:
-    """OpenAI's logprobs object for the chosen tokens; offsets count characters from the prompt's start."""
-    tokens = [model.decode([t]) for t in completion.tokens]
-    offsets = (prompt_chars + np.cumsum([0] + [len(t) for t in tokens[:-1]])).tolist() if tokens else []
-    return schemas.Logprobs(tokens=tokens, token_logprobs=completion.logprobs, text_offset=offsets)
+def _top(service: Service, alternatives: dict[int, float] | None, token: int, logprob: float) -> dict[str, float]:
+    """One position's alternatives by text, most likely first, the chosen token always among them (as
+    vLLM reports it: up to ``logprobs`` + 1 entries). Where two ids share a text the likelier one is kept."""
+    top: dict[str, float] = {}
+    for other, value in (alternatives or {}).items():
+        top.setdefault(service.token_text(other), value)
+    if token in (alternatives or {}) or service.token_text(token) not in top:
+        top[service.token_text(token)] = logprob  # the chosen token's value, exactly as token_logprobs has it
+    return top
+
+
+def _token_logprobs(
+    service: Service,
+    tokens: list[int],
+    logprobs: list[float],
+    alternatives: list[dict[int, float]] | None,
+    start: int,
+) -> schemas.Logprobs:
+    """OpenAI's logprobs object for generated tokens whose text starts at character ``start``."""
+    texts = [service.token_text(t) for t in tokens]
+    offsets = (start + np.cumsum([0] + [len(t) for t in texts[:-1]])).tolist() if texts else []
+    tops: list[dict[int, float]] = alternatives or [{}] * len(tokens)
+    return schemas.Logprobs(
+        tokens=texts,
+        token_logprobs=list(logprobs),
+        top_logprobs=[_top(service, top, t, lp) for top, t, lp in zip(tops, tokens, logprobs, strict=True)],
+        text_offset=offsets,
+    )
+
+
+def _logprobs(service: Service, prompt_text: str, echoed: list[int] | None, scored, completion) -> schemas.Logprobs:
+    """OpenAI's logprobs object of one choice: with ``echoed`` (the prompt's tokens) those first, the
+    first with ``null`` for its log-probability and alternatives (nothing comes before it); then the
+    generated tokens. Offsets count characters from the start of the prompt."""
+    generated = (
+        _token_logprobs(service, [], [], None, 0)
+        if completion is None
+        else _token_logprobs(
+            service,
+            completion.tokens,
+            completion.logprobs,
+            completion.top_logprobs,
+            0 if echoed is not None else len(prompt_text),
+        )
+    )
+    if echoed is None:
+        return generated
+    if scored is None:  # a one-token prompt: nothing to score it after
+        prompt = schemas.Logprobs(
+            tokens=[service.token_text(echoed[0])], token_logprobs=[None], top_logprobs=[None], text_offset=[0]
+        )
+    else:
+        rest = _token_logprobs(service, echoed[1:], scored.logprobs.tolist(), scored.top_logprobs, 0)
+        first = service.token_text(echoed[0])
+        prompt = schemas.Logprobs(
+            tokens=[first, *rest.tokens],
+            token_logprobs=[None, *rest.token_logprobs],
+            top_logprobs=[None, *rest.top_logprobs],
+            text_offset=[0, *(o + len(first) for o in rest.text_offset)],
+        )
+    end = len("".join(prompt.tokens))
+    return schemas.Logprobs(
+        tokens=prompt.tokens + generated.tokens,
+        token_logprobs=prompt.token_logprobs + generated.token_logprobs,
+        top_logprobs=prompt.top_logprobs + generated.top_logprobs,
+        text_offset=prompt.text_offset + [end + o for o in generated.text_offset],
+    )
 
 
 # -- the original mesh-transformer-jax servers' APIs --------------------------------------------------

@@ -14,6 +14,8 @@ from pydantic_core import PydanticCustomError
 
 MAX_TEXT_CHARS = 16384  # the GPT-4chan limit on prompt and pre_prompt
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 4, 256
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
+MAX_PROMPT_TOKENS = MAX_TEXT_CHARS  # a token-id prompt's length limit (the body limit assumes it)
 SEED_LIMIT = 2**32  # LanguageModel.generate takes seeds in [0, 2**32)
 SEED = Field(
     None,
@@ -68,22 +70,42 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 PromptText = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 
 
-def completion_request_model(max_prompts: int) -> type[StrictModel]:
-    """The OpenAI-style `/v1/completions` body; a list prompt holds at most ``max_prompts`` (the batch size)."""
+ModelName = Annotated[str, Field(max_length=256, description="must be the served model's id, if given")]
+
+
+def token_ids(vocab: int) -> type:
+    """A non-empty list of token ids in [0, ``vocab``)."""
+    return Annotated[list[Annotated[int, Field(ge=0, lt=vocab)]], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+
+
+def completion_request_model(max_prompts: int, vocab: int) -> type[StrictModel]:
+    """The OpenAI-style `/v1/completions` body; a list prompt holds at most ``max_prompts`` (the batch
+    size), token ids lie in [0, ``vocab``)."""
+    TokenIds = token_ids(vocab)
 
     class CompletionRequest(StrictModel):
-        """OpenAI's legacy completions request (the fields this server implements)."""
+        """OpenAI's legacy completions request (the fields this server implements), with vLLM's
+        `top_k`, `min_p` and `repetition_penalty`."""
 
-        model: str | None = Field(None, max_length=256, description="must be the served model's id, if given")
-        prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=max_prompts)] = Field(
-            description=f"a text, or a list of up to {max_prompts} texts completed together"
+        model: ModelName | None = None
+        prompt: (
+            PromptText
+            | Annotated[list[PromptText], Field(min_length=1, max_length=max_prompts)]
+            | TokenIds
+            | Annotated[list[TokenIds], Field(min_length=1, max_length=max_prompts)]
+        ) = Field(
+            description=f"a text, a list of up to {max_prompts} texts, a list of token ids, or a list of up "
+            f"to {max_prompts} such lists; `n` × prompts must not exceed {max_prompts}"
         )
         max_tokens: int = Field(
             16,
-            ge=1,
+            ge=0,
             le=2**20,
-            description="tokens to generate per prompt; prompt and max_tokens must fit the model's context",
+            description="tokens to generate per prompt; prompt and max_tokens must fit the model's context; "
+            "0 (with `echo`) only scores the prompt",
         )
+        n: int = Field(1, ge=1, le=max_prompts, description="completions per prompt, each with its own seed")
+        echo: bool = Field(False, description="return the prompt before the completion (and its log-probs)")
         temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0 is greedy")
         top_p: float = Field(
             1.0,
@@ -91,6 +113,17 @@ def completion_request_model(max_prompts: int) -> type[StrictModel]:
             le=1,
             allow_inf_nan=False,
             description="nucleus sampling; 1 is off, 0 keeps only the most likely token",
+        )
+        top_k: int = Field(0, ge=-1, le=2**31 - 1, description="keep the k most likely tokens; 0 or -1 is off")
+        min_p: float = Field(
+            0.0, ge=0, le=1, allow_inf_nan=False, description="drop tokens below min_p × the most likely's probability"
+        )
+        repetition_penalty: float = Field(
+            1.0,
+            gt=0,
+            le=10,
+            allow_inf_nan=False,
+            description="divide (multiply, if negative) the logits of tokens already seen; 1 is off",
         )
         stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
             None, description="up to 4 strings that end the text (they are not part of it)"
@@ -100,10 +133,9 @@ def completion_request_model(max_prompts: int) -> type[StrictModel]:
         logprobs: int | None = Field(
             None,
             ge=0,
-            le=0,
-            description="0: return each generated token's "
-            "log-probability (alternatives are not available; "
-            "not with `stream`)",
+            le=MAX_LOGPROBS,
+            description=f"return each token's log-probability and the {MAX_LOGPROBS} at most most likely "
+            "alternatives at its position (the chosen token is always among them)",
         )
         api_key: str | None = API_KEY
 
@@ -111,9 +143,11 @@ def completion_request_model(max_prompts: int) -> type[StrictModel]:
 
 
 class Logprobs(BaseModel):
+    """OpenAI's logprobs object; with `echo`, the first prompt token has no log-probability (null)."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: None = None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -137,6 +171,48 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[Choice]
     usage: Usage
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's `/tokenize` body for a text."""
+
+    model: ModelName | None = None
+    prompt: PromptText
+    add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (GPT-J's has none)")
+    return_token_strs: bool = Field(False, description="also return each token as the tokenizer spells it")
+
+
+def detokenize_request_model(vocab: int) -> type[StrictModel]:
+    class DetokenizeRequest(StrictModel):
+        """vLLM's `/detokenize` body."""
+
+        model: ModelName | None = None
+        tokens: Annotated[list[Annotated[int, Field(ge=0, lt=vocab)]], Field(max_length=MAX_PROMPT_TOKENS)]
+
+    return DetokenizeRequest
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """What lm-eval's remote tokenizer reads: the special tokens (it finds their ids through `/tokenize`)."""
+
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    model_max_length: int
+    vocab_size: int
 
 
 class ModelCard(BaseModel):

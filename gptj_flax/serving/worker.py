@@ -53,6 +53,10 @@ class Prompt:
     typical_p: float
     seed: int
     stop: tuple[str, ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    top_logprobs: int = 0  # alternatives reported per generated token (with the job's logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +268,9 @@ class BatchWorker:
             typical_p=[r.typical_p for r in rows],
             seed=[r.seed for r in rows],
             stop=[list(r.stop) for r in rows],
+            top_k=[r.top_k for r in rows],
+            min_p=[r.min_p for r in rows],
+            repetition_penalty=[r.repetition_penalty for r in rows],
         )
 
     def _generate(self, jobs: list[Job], rows: list[Prompt]) -> int:
@@ -271,6 +278,7 @@ class BatchWorker:
             [r.tokens for r in rows],
             return_tokens=True,
             return_logprobs=any(job.logprobs for job in jobs),
+            return_top_logprobs=[r.top_logprobs for r in rows],
             **self._settings(rows),
         )
         offset = 0
@@ -280,7 +288,12 @@ class BatchWorker:
         return sum(c.completion_tokens for c in completions)
 
     def _stream(self, jobs: list[Job], rows: list[Prompt]) -> None:
-        pieces_iter = self.model.stream([r.tokens for r in rows], **self._settings(rows))
+        pieces_iter = self.model.stream(
+            [r.tokens for r in rows],
+            return_logprobs=any(job.logprobs for job in jobs),
+            return_top_logprobs=[r.top_logprobs for r in rows],
+            **self._settings(rows),
+        )
         try:
             for pieces in pieces_iter:
                 offset, listening = 0, False

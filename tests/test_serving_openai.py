@@ -1,0 +1,304 @@
+"""``/v1/completions`` as its real clients use it: the official ``openai`` SDK and lm-eval's
+``local-completions`` model, unmodified, against a real server on 127.0.0.1.
+
+A tiny random HuggingFace GPT-J, saved as a HuggingFace directory, is served in float32 — in this
+process for the SDK (one server for the module), and by ``scripts/serve.py --dtype float32`` for
+lm-eval — so the same weights give the independent references: PyTorch's log-probs, lm-eval's own
+``hf`` model, and ``LanguageModel.generate`` for what is sampled.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from lm_eval import simple_evaluate
+
+import gptj_flax
+from gptj_flax.evaluation.harness import task_manager
+from tests.evaluation_helpers import CFG, TEXT_DOCS, make_tokenizer, write_tasks
+from tests.helpers import hf_model
+from tests.test_serving_support import (
+    RunningServer,
+    no_key_leaks,  # noqa: F401 - the autouse leak scan
+    wait_until,
+)
+
+MAX_BATCH = 4
+NAME = "tiny-gptj"
+PROMPTS = ["The cat sat on the", "One two three", "Paris is the capital of"]
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hf")
+    model = hf_model(CFG)
+    model.save_pretrained(directory)
+    make_tokenizer().save_pretrained(directory)
+    return directory, model
+
+
+@pytest.fixture(scope="module")
+def lm(hf_dir):
+    return gptj_flax.load(hf_dir[0], dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(lm, hf_dir):
+    with RunningServer(
+        lm,
+        checkpoint=str(hf_dir[0]),
+        dtype="float32",
+        model_name=NAME,
+        max_batch=MAX_BATCH,
+        queue_size=64,
+        batch_window_ms=5,
+    ) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
+        yield sdk
+
+
+def torch_log_probs(model, tokens) -> np.ndarray:
+    """log p(· | tokens[:j+1]) for every j: float64 [len - 1, V] under the HuggingFace model."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens[:-1]])).logits[0].double()
+    return torch.log_softmax(logits, -1).numpy()
+
+
+def by_text(lm, alternatives: dict[int, float]) -> dict[str, float]:
+    """Alternatives as the API names them, by text; of ids that share a text (bytes of an incomplete
+    character all show as U+FFFD), the likelier."""
+    out: dict[str, float] = {}
+    for token, value in sorted(alternatives.items(), key=lambda item: -item[1]):
+        out.setdefault(lm.decode([token]), value)
+    return out
+
+
+# -- the openai SDK -----------------------------------------------------------------------------------
+def test_plain_and_streamed_completions_match_generate(lm, client):
+    settings = dict(temperature=0.8, seed=7)
+    extensions = dict(top_k=20, min_p=0.01, repetition_penalty=1.2)
+    out = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=10, extra_body=extensions, **settings)
+    expected = lm.generate(PROMPTS[0], 10, **settings, **extensions)
+    assert out.choices[0].text == expected.text and out.object == "text_completion"
+    assert out.usage.prompt_tokens == expected.prompt_tokens
+    assert out.usage.completion_tokens == expected.completion_tokens
+    assert out.usage.total_tokens == expected.prompt_tokens + expected.completion_tokens
+
+    chunks = list(
+        client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=10, stream=True, logprobs=3, **settings)
+    )
+    expected = lm.generate(PROMPTS[1], 10, **settings, return_tokens=True, return_logprobs=True, return_top_logprobs=3)
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens] == [lm.decode([t]) for t in expected.tokens]
+    assert [x for lp in streamed for x in lp.token_logprobs] == pytest.approx(expected.logprobs, abs=1e-5)
+    tops = [top for lp in streamed for top in lp.top_logprobs]
+    for top, alternatives, token in zip(tops, expected.top_logprobs, expected.tokens, strict=True):
+        expected_top = by_text(lm, alternatives)
+        assert lm.decode([token]) in top and len(top) <= len(expected_top) + 1
+        assert {text: top[text] for text in expected_top} == pytest.approx(expected_top, abs=1e-5)
+    assert chunks[-1].choices[0].finish_reason == {"eos": "stop", "length": "length"}[expected.finish_reason]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_pytorch_does(lm, client, hf_dir):
+    prompt = lm.encode(PROMPTS[2])
+    out = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=3, temperature=0, echo=True, logprobs=5)
+    generated = lm.generate(PROMPTS[2], 3, temperature=0, return_tokens=True, return_logprobs=True)
+    choice = out.choices[0]
+    assert choice.text == PROMPTS[2] + generated.text
+    logprobs = choice.logprobs
+    tokens = prompt + generated.tokens
+    assert logprobs.tokens == [lm.decode([t]) for t in tokens]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # as OpenAI: nothing before it
+    reference = torch_log_probs(hf_dir[1], tokens)
+    chosen = reference[np.arange(len(tokens) - 1), tokens[1:]]
+    assert logprobs.token_logprobs[1:] == pytest.approx(chosen, abs=1e-4)
+    for j, top in enumerate(logprobs.top_logprobs[1:]):
+        ids = np.argsort(-reference[j, : lm.decoder.valid_vocab])[:5]
+        expected_top = by_text(lm, {int(i): float(reference[j, i]) for i in ids})
+        assert top[lm.decode([tokens[j + 1]])] == pytest.approx(chosen[j], abs=1e-4)
+        assert len(top) <= len(expected_top) + 1
+        assert {text: top[text] for text in expected_top} == pytest.approx(expected_top, abs=1e-4)
+    assert logprobs.text_offset == np.cumsum([0] + [len(t) for t in logprobs.tokens[:-1]]).tolist()
+
+    scored_only = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0
+    ).choices[0]
+    assert scored_only.text == PROMPTS[2] and scored_only.finish_reason == "length"
+    assert scored_only.logprobs.token_logprobs[1:] == pytest.approx(chosen[: len(prompt) - 1], abs=1e-4)
+
+
+def test_n_samples_and_token_id_prompts_match_generate(lm, client):
+    out = client.completions.create(model=NAME, prompt=PROMPTS[:2], max_tokens=8, n=2, temperature=1.0, seed=11)
+    expected = lm.generate([PROMPTS[0]] * 2 + [PROMPTS[1]] * 2, 8, temperature=1.0, seed=11)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [e.text for e in expected]
+    assert out.choices[0].text != out.choices[1].text  # each choice draws with its own seed
+    again = client.completions.create(model=NAME, prompt=PROMPTS[:2], max_tokens=8, n=2, temperature=1.0, seed=11)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+
+    ids = [lm.encode(p) for p in PROMPTS]
+    one = client.completions.create(model=NAME, prompt=ids[0], max_tokens=6, temperature=0)
+    assert one.choices[0].text == lm.generate(ids[0], 6, temperature=0).text
+    several = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0, stop=["e"])
+    assert [c.text for c in several.choices] == [c.text for c in lm.generate(ids, 6, temperature=0, stop=["e"])]
+    assert several.usage.prompt_tokens == sum(map(len, ids))
+
+
+# -- tokenizer endpoints and bad input ----------------------------------------------------------------
+def test_tokenize_detokenize_and_tokenizer_info(lm, server):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        tokens = lm.encode(PROMPTS[0])
+        out = http.post("/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True}).json()
+        assert out == {
+            "count": len(tokens),
+            "max_model_len": CFG.max_len,
+            "tokens": tokens,
+            "token_strs": lm.tokenizer.convert_ids_to_tokens(tokens),
+        }
+        assert http.post("/detokenize", json={"tokens": tokens}).json() == {"prompt": PROMPTS[0]}
+        info = http.get("/tokenizer_info").json()
+        assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == CFG.max_len
+        eos = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+        assert eos["tokens"] == [lm.eos_token_id]
+        assert http.post("/detokenize", json={"tokens": [lm.decoder.valid_vocab]}).status_code == 422
+        assert http.post("/tokenize", json={"prompt": "x", "model": "other"}).status_code == 404
+
+
+BAD = [
+    ({"prompt": "x", "echo": True, "stream": True}, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [1, 300]}, "prompt"),  # the tokenizer has 300 ids (the embedding 320)
+    ({"prompt": [[1, 2], [-1]]}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": [1, True]}, "prompt"),
+    ({"prompt": "\ud800"}, "prompt"),
+    ({"prompt": "x", "n": MAX_BATCH + 1}, "n"),
+    ({"prompt": ["x", "y"], "n": 3}, "n"),
+    ({"prompt": "x", "n": 10**30}, "n"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "top_k": 2**31}, "top_k"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "min_p": float("nan")}, "min_p"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"prompt": "x", "repetition_penalty": "__1e309__"}, "repetition_penalty"),
+    ({"prompt": "x", "seed": 2**32}, "seed"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+]
+
+
+@pytest.mark.parametrize("body,field", BAD, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD)])
+def test_bad_completion_requests_are_a_422_naming_the_field(server, body, field):
+    text = json.dumps(body).replace('"__1e309__"', "1e309")  # NaN and Infinity as Python's json writes them
+    response = httpx.post(
+        server.url + "/v1/completions", content=text, headers={"content-type": "application/json"}, timeout=60
+    )
+    assert response.status_code == 422, response.text
+    assert field in {str(part) for error in response.json()["detail"] for part in error["loc"]}
+
+
+def test_a_prompt_longer_than_the_context_is_a_413(lm, server):
+    body = {"prompt": [1] * CFG.max_len, "max_tokens": 0, "echo": True}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    response = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
+    assert response.status_code == 413 and "context of 64 tokens" in response.json()["detail"]
+
+
+# -- lm-eval --------------------------------------------------------------------------------------
+def per_request(results, task) -> list[list[float]]:
+    """Each document's log-likelihoods (one per choice, or the rolling total), in document order."""
+    samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    return [[float(r[0]) if isinstance(r, (list, tuple)) else float(r) for r in s["filtered_resps"]] for s in samples]
+
+
+@pytest.fixture
+def serve_script(hf_dir, repo_root):
+    """``scripts/serve.py`` serving the HuggingFace directory in float32, as a separate process; its URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, str(repo_root / "scripts" / "serve.py"), "--checkpoint", f"hf:{hf_dir[0]}"]
+    command += ["--dtype", "float32", "--model-name", NAME, "--port", str(port), "--max-batch", str(MAX_BATCH)]
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("GPTJ_FLAX_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root), env.get("PYTHONPATH")) if p)
+    process = subprocess.Popen(
+        [*command, "--warmup-tokens", "1"],
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready():
+        assert process.poll() is None, process.stdout.read()
+        try:
+            return httpx.get(url + "/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(ready, 300, "serve.py to warm up", interval_s=0.2)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+
+
+def test_lm_eval_local_completions_scores_as_lm_evals_hf_model(serve_script, hf_dir, tmp_path, monkeypatch):
+    for variable, value in {**OFFLINE, "HF_HOME": str(tmp_path / "hf-home")}.items():
+        monkeypatch.setenv(variable, value)
+    url = serve_script
+    tasks = ["tiny_choice", "tiny_text"]
+    index = task_manager(write_tasks(tmp_path / "tasks"), include_defaults=False)
+    # local-completions keeps one position for the token it asks for and rolling windows one more for
+    # context: max_length 64 there windows as lm-eval's hf model does at 62, in the 64-token context.
+    served = simple_evaluate(
+        model="local-completions",
+        model_args=f"base_url={url}/v1/completions,model={NAME},max_length=64,batch_size={MAX_BATCH}",
+        tasks=tasks,
+        task_manager=index,
+        log_samples=True,
+    )
+    reference = simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={hf_dir[0]},dtype=float32,max_length=62",
+        tasks=tasks,
+        task_manager=index,
+        device="cpu",
+        batch_size=MAX_BATCH,
+        log_samples=True,
+    )
+    assert served["config"]["model"] == "local-completions"
+    metrics = httpx.get(url + "/metrics", timeout=60).text
+    for path in ("/tokenizer_info", "/tokenize"):  # lm-eval found the server's tokenizer and used it
+        assert f'gptj_requests_total{{endpoint="{path}",status="200"}}' in metrics, path
+    for task in tasks:
+        got, expected = per_request(served, task), per_request(reference, task)
+        assert [len(g) for g in got] == [len(e) for e in expected]
+        worst = max(abs(a - b) for g, e in zip(got, expected) for a, b in zip(g, e))
+        print(f"{task}: {sum(map(len, got))} log-likelihoods, max |served - hf| = {worst:.2e}")
+        assert worst <= 1e-3, task
+    assert len(make_tokenizer().encode(TEXT_DOCS[0]["text"])) > 62  # the long text really spans several windows
