@@ -36,7 +36,7 @@ def lm():
 def server(lm, tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     write_keys(keys_file)
-    with RunningServer(lm, api_keys_file=str(keys_file), max_batch=2, batch_window_ms=0) as running:
+    with RunningServer(lm, api_keys_file=str(keys_file), max_batch=2) as running:
         yield running
 
 

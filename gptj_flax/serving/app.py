@@ -1,5 +1,5 @@
 """The FastAPI app: GPT-4chan's ``/complete``, OpenAI-style ``/v1/completions`` and ``/v1/models``,
-``/health`` and ``/metrics``, in front of the batching worker.
+``/health`` and ``/metrics``, in front of the serving engine (continuous batching).
 
 Status codes: 400 malformed JSON, 401 missing or wrong API key, 404 unknown model, 413 a prompt
 that cannot fit the context (or an over-large body), 422 a field of the wrong type or out of range
@@ -27,7 +27,8 @@ from gptj_flax.serving.auth import KeyStore, KeysUnavailable, bearer_token, key_
 from gptj_flax.serving.metrics import Metrics
 from gptj_flax.serving.request_log import RequestLog
 from gptj_flax.serving.settings import ServeSettings, ServingError
-from gptj_flax.serving.worker import READY, WARMING_UP, BatchWorker, Job, NotAccepting, Prompt, QueueFull, StreamEnd
+from gptj_flax.serving.engine import Engine
+from gptj_flax.serving.worker import READY, WARMING_UP, Job, NotAccepting, Prompt, QueueFull, StreamEnd
 
 logger = logging.getLogger(__name__)
 
@@ -78,17 +79,21 @@ class Service:
             )
         self.model, self.settings = model, settings
         self.name = settings.served_model_name
-        self.context = int(model.config.max_len)
+        self.context = int(model.config.max_len if settings.max_len is None else settings.max_len)
+        if not 2 <= self.context <= model.config.max_len:
+            raise ServingError(
+                f"--max-len {settings.max_len} exceeds the model's context of {model.config.max_len} tokens"
+            )
         self.start_token = int(model.eos_token_id) if model.eos_token_id is not None else 0
         self.metrics = Metrics()
         self.keys = keys if keys is not None else open_keys(settings)
         self.request_log = request_log if request_log is not None else open_request_log(settings)
-        self.worker = BatchWorker(
+        self.worker = Engine(
             model,
-            max_batch=settings.max_batch,
+            slots=settings.max_batch,
             queue_size=settings.queue_size,
-            batch_window_s=settings.batch_window_ms / 1000,
-            warmup_tokens=settings.warmup_tokens,
+            length=self.context,
+            chunk=settings.prefill_chunk,
             metrics=self.metrics,
         )
         # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest.
