@@ -49,7 +49,7 @@ NOT_RUN = {
 SHORTER = {
     "gptj-create-tfrecords": ["--seq-len", "64"],  # the stand-in model's context, as 2048 is GPT-J's
     "gptj-train --config my.json": ["--mesh", "1,-1,2"],  # the stand-in has 4 heads, not a multiple of 8
-    "gptj-serve": ["--warmup-tokens", "4", "--max-batch", "2"],
+    "gptj-serve": ["--max-len", "32", "--max-batch", "2"],
     # the 6B shapes shrunk to seconds of compiling; the topology, mesh and memory settings as written
     "gptj-aot-check": [
         *("--set", "model.n_layers=2", "--set", "model.d_model=256", "--set", "model.n_heads=8"),

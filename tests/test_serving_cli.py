@@ -146,9 +146,9 @@ def test_relative_paths_are_made_absolute_as_settings_are_read(tmp_path, monkeyp
         ),
         (["--checkpoint", "c"], {"GPTJ_FLAX_PORT": "70000"}, "--port (or GPTJ_FLAX_PORT) must be in 0..65535"),
         (
-            ["--checkpoint", "c", "--batch-window-ms", "inf"],
+            ["--checkpoint", "c", "--prefill-chunk", "100"],
             {},
-            "--batch-window-ms (or GPTJ_FLAX_BATCH_WINDOW_MS) must be a finite number >= 0, got inf",
+            "--prefill-chunk (or GPTJ_FLAX_PREFILL_CHUNK) must be a power of two >= 16, got 100",
         ),
     ],
 )
@@ -272,7 +272,7 @@ def test_serve_script_serves_then_drains_and_exits_on_sigterm(tmp_path, repo_roo
         PORT=str(generic_port),
     )
     process = subprocess.Popen(
-        [sys.executable, str(repo_root / "scripts" / "serve.py"), "--warmup-tokens", "8"],
+        [sys.executable, str(repo_root / "scripts" / "serve.py"), "--max-len", "32"],
         env=env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -323,8 +323,8 @@ def test_serve_script_serves_a_huggingface_directory(tmp_path, repo_root):
             f"hf:{hf_dir}",
             "--port",
             str(port),
-            "--warmup-tokens",
-            "8",
+            "--max-len",
+            "32",
         ],
         env=serve_env(repo_root),
         cwd=repo_root,

@@ -47,7 +47,6 @@ def server(lm, tmp_path_factory):
         api_keys_file=str(directory / "keys.txt"),
         max_batch=4,
         queue_size=64,
-        batch_window_ms=20,
         log_file=str(directory / "requests.jsonl"),
     ) as running:
         yield running
@@ -68,7 +67,7 @@ def held():
 @pytest.fixture(scope="module")
 def open_server(held):
     """No keys, CORS on, one prompt a batch, one waiting, two finished predictions kept."""
-    with RunningServer(held, cors=True, max_batch=1, queue_size=1, batch_window_ms=0, predictions_kept=2) as running:
+    with RunningServer(held, cors=True, max_batch=1, queue_size=1, predictions_kept=2) as running:
         yield running
 
 
@@ -237,8 +236,13 @@ def test_docker_defaults_are_the_originals(lm, client, server):
     qid = predict(client, PROMPTS[4], length=8)
     out = client.post("/model/get_prediction", json={"qid": qid}).json()
     settings = last_log_record(server)["settings"]
-    assert {k: settings[k] for k in ("length", "temp", "top_p")} == {"length": 8, "temp": 1.0, "top_p": 0.9}
-    expected = lm.generate(lm.encode(PROMPTS[4]), 8, temperature=1.0, top_p=0.9, seed=settings["seed"])
+    assert {k: settings[k] for k in ("length", "temp", "top_p", "top_k")} == {
+        "length": 8,
+        "temp": 1.0,
+        "top_p": 0.9,
+        "top_k": 50,
+    }
+    expected = lm.generate(lm.encode(PROMPTS[4]), 8, temperature=1.0, top_p=0.9, top_k=50, seed=settings["seed"])
     assert out["completion"] == expected.text
 
 
@@ -248,7 +252,7 @@ BAD_DOCKER = [
     ("/model/predict", {"context": "x", "length": "8"}, "length"),
     ("/model/predict", {"context": "x", "temp": None}, "temp"),
     ("/model/predict", {"context": "x", "top_p": -0.5}, "top_p"),
-    ("/model/predict", {"context": "x", "top_k": 50}, "top_k"),  # refused, not ignored: see PredictRequest
+    ("/model/predict", {"context": "x", "top_k": -1}, "top_k"),
     ("/model/predict", {"context": "x", "top_k": 4.0}, "top_k"),
     ("/model/get_prediction", {}, "qid"),
     ("/model/get_prediction", {"qid": "5"}, "qid"),
@@ -262,8 +266,6 @@ def test_a_bad_docker_field_is_a_422_naming_it(client, path, body, field):
     response = client.post(path, json=body)
     assert response.status_code == 422, response.text
     assert fields_named(response) == {field}
-    if field == "top_k" and body["top_k"] == 50:
-        assert "top_k is not available" in response.json()["detail"][0]["msg"]
 
 
 def test_an_unknown_qid_or_another_keys_is_a_404(client, server):

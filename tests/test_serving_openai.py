@@ -60,7 +60,6 @@ def server(lm, hf_dir):
         model_name=NAME,
         max_batch=MAX_BATCH,
         queue_size=64,
-        batch_window_ms=5,
     ) as running:
         yield running
 
@@ -240,7 +239,7 @@ def serve_script(hf_dir, repo_root):
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("GPTJ_FLAX_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root), env.get("PYTHONPATH")) if p)
     process = subprocess.Popen(
-        [*command, "--warmup-tokens", "1"],
+        command,
         env={**env, "JAX_PLATFORMS": "cpu"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

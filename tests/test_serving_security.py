@@ -36,7 +36,7 @@ def lm():
 def server(lm, tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     write_keys(keys_file)
-    with RunningServer(lm, api_keys_file=str(keys_file), max_batch=2, batch_window_ms=0) as running:
+    with RunningServer(lm, api_keys_file=str(keys_file), max_batch=2) as running:
         yield running
 
 
@@ -195,8 +195,8 @@ def test_a_422_names_fields_and_problems_but_echoes_no_value_and_no_key(client):
         ),
         (
             "/v1/completions",
-            {"api_key": KEYS[0], "prompt": "x", "stream": True, "logprobs": 0},
-            [(["body", "logprobs"], "logprobs is not available with stream")],
+            {"api_key": KEYS[0], "prompt": "x", "stream": True, "echo": True},
+            [(["body", "echo"], "echo is not available with stream")],
         ),
     ]
     for path, body, expected in cases:

@@ -211,18 +211,19 @@ def no_key_leaks(monkeypatch):
 
 
 class HeldModel:
-    """A LanguageModel whose ``generate`` and ``stream`` wait while ``gate`` is closed, recording the
-    prompts of every batch they run; ``piece_delay_s`` slows streaming down, ``fail_next`` fails a batch."""
+    """A LanguageModel whose decode slots wait while ``gate`` is closed before each prefill (and the
+    warm-up), recording the prompts of every prefill; ``step_delay_s`` slows each decode call down,
+    ``fail_next`` fails the next prefill, as a lost device would; ``decode_calls`` counts decode calls."""
 
     def __init__(self, model):
         self._model = model
         self.gate = threading.Event()
         self.gate.set()
-        self.batches: list[list[list[int]]] = []  # every batch's prompts, warm-up included
-        self.streams_closed_early = 0
-        self.piece_delay_s = 0.0
-        self.waiting = False  # a batch has started and is held at the gate
-        self.fail_next = False  # the next batch raises, as a lost device would
+        self.batches: list[list[list[int]]] = []  # every prefill's prompts, the warm-up's ([[0]]) included
+        self.decode_calls = 0
+        self.step_delay_s = 0.0
+        self.waiting = False  # a prefill has started and is held at the gate
+        self.fail_next = False
 
     def __getattr__(self, name):
         return getattr(self._model, name)
@@ -236,47 +237,35 @@ class HeldModel:
             self.fail_next = False
             raise RuntimeError("device lost")
 
-    def generate(self, prompts, *args, **kwargs):
-        self._enter(prompts)
-        return self._model.generate(prompts, *args, **kwargs)
-
-    def stream(self, prompts, *args, **kwargs):
-        self._enter(prompts)
-        return _SlowedStream(self, self._model.stream(prompts, *args, **kwargs))
+    def slots(self, **kwargs):
+        return _HeldSlots(self, self._model.slots(**kwargs))
 
 
-class _SlowedStream:
-    """A model's text stream, each piece delayed by the holder's ``piece_delay_s``; counts the
-    streams closed before their end; ``completions`` as the model's stream reports them."""
+class _HeldSlots:
+    """The model's decode slots, passing each prefill through the holder's gate."""
 
-    def __init__(self, holder, stream):
-        self._holder, self._stream = holder, stream
-        self._pieces = self._slowed()
+    def __init__(self, holder: HeldModel, slots):
+        self._holder, self._slots = holder, slots
 
-    def _slowed(self):
-        finished = False
-        try:
-            for piece in self._stream:
-                time.sleep(self._holder.piece_delay_s)
-                yield piece
-            finished = True
-        finally:
-            if not finished:
-                self._holder.streams_closed_early += 1
-                self._stream.close()
+    def __getattr__(self, name):
+        return getattr(self._slots, name)
 
-    def __iter__(self):
-        return self
+    def warm_up(self):
+        self._holder._enter([[0]])
+        self._slots.warm_up()
 
-    def __next__(self):
-        return next(self._pieces)
+    def admit(self, requests, slots):
+        self._holder._enter([r.tokens for r in requests])
+        return self._slots.admit(requests, slots)
 
-    def close(self):
-        self._pieces.close()
+    def start_prefill(self, request):
+        self._holder._enter([request.tokens])
+        return self._slots.start_prefill(request)
 
-    @property
-    def completions(self):
-        return self._stream.completions
+    def decode(self, release, steps, longest):
+        self._holder.decode_calls += 1
+        time.sleep(self._holder.step_delay_s)
+        return self._slots.decode(release, steps, longest)
 
 
 def wait_until(condition, timeout_s: float = 30.0, what: str = "condition", interval_s: float = 0.02) -> None:
@@ -296,7 +285,6 @@ class RunningServer:
 
     def __init__(self, model, **settings):
         settings.setdefault("checkpoint", checkpoint_dir())
-        settings.setdefault("warmup_tokens", 16)
         self.settings = ServeSettings(**settings)
         self.app = create_app(model, self.settings)
         self.service = self.app.state.service

@@ -32,6 +32,7 @@ from gptj_flax.config import ModelConfig, dtype_name
 from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING, Decoder, DecodeRun
 from gptj_flax.sampling.multihost import check_same_call
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, per_example
+from gptj_flax.sampling.slots import Slots
 from gptj_flax.sampling.stopping import TextTracker, decode
 
 # Decode steps between two looks at the text when stop strings are set: a sequence whose stop
@@ -329,6 +330,11 @@ class LanguageModel:
         return decode(self.tokenizer, tokens)
 
     # -- generation ------------------------------------------------------------------------
+    def slots(self, *, slots: int, length: int, chunk: int = 128, steps: int = 1, top_logprobs: int = 5) -> Slots:
+        """Decode slots over this model's parameters, for continuous batching (see
+        :class:`gptj_flax.sampling.slots.Slots`): ``slots`` sequences of up to ``length`` tokens each."""
+        return Slots(self.decoder, slots=slots, length=length, chunk=chunk, steps=steps, top_logprobs=top_logprobs)
+
     def _start(
         self,
         method,

@@ -1,6 +1,6 @@
 """The FastAPI app: GPT-4chan's ``/complete``, OpenAI-style ``/v1/completions`` and ``/v1/models``,
 vLLM-style ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``, ``/health`` and ``/metrics``, in
-front of the batching worker (and, for echoed prompts' log-probabilities, the prompt scorer); and the
+front of the serving engine (continuous batching; echoed prompts are scored beside it); and the
 APIs of mesh-transformer-jax's own servers: ``device_serve.py``'s body on ``/complete`` and the
 ``docker/`` API's ``/model/predict`` and ``/model/get_prediction`` (``legacy`` has what routes them).
 
@@ -28,11 +28,12 @@ from starlette.middleware.cors import CORSMiddleware
 
 from gptj_flax.serving import legacy, schemas
 from gptj_flax.serving.auth import KeyStore, KeysUnavailable, bearer_token, key_id
+from gptj_flax.serving.engine import Engine
 from gptj_flax.serving.metrics import Metrics
 from gptj_flax.serving.request_log import RequestLog
 from gptj_flax.serving.scoring import PromptScorer
 from gptj_flax.serving.settings import ServeSettings, ServingError
-from gptj_flax.serving.worker import READY, WARMING_UP, BatchWorker, Job, NotAccepting, Prompt, QueueFull, StreamEnd
+from gptj_flax.serving.worker import READY, WARMING_UP, Job, NotAccepting, Prompt, QueueFull, StreamEnd
 
 logger = logging.getLogger(__name__)
 
@@ -93,20 +94,25 @@ class Service:
             )
         self.model, self.settings = model, settings
         self.name = settings.served_model_name
-        self.context = int(model.config.max_len)
+        self.context = int(model.config.max_len if settings.max_len is None else settings.max_len)
+        if not 2 <= self.context <= model.config.max_len:
+            raise ServingError(
+                f"--max-len {settings.max_len} exceeds the model's context of {model.config.max_len} tokens"
+            )
         self.start_token = int(model.eos_token_id) if model.eos_token_id is not None else 0
         self.vocab = int(model.decoder.valid_vocab)  # the ids a prompt may hold: the tokenizer's
         self._token_texts: dict[int, str] = {}
         self.metrics = Metrics()
         self.keys = keys if keys is not None else open_keys(settings)
         self.request_log = request_log if request_log is not None else open_request_log(settings)
-        self.worker = BatchWorker(
+        self.worker = Engine(
             model,
-            max_batch=settings.max_batch,
+            slots=settings.max_batch,
             queue_size=settings.queue_size,
-            batch_window_s=settings.batch_window_ms / 1000,
-            warmup_tokens=settings.warmup_tokens,
+            length=self.context,
+            chunk=settings.prefill_chunk,
             metrics=self.metrics,
+            top_logprobs=schemas.MAX_LOGPROBS,
         )
         self.scorer = PromptScorer(model, max_rows=settings.queue_size)
         # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest.
@@ -760,7 +766,7 @@ def _logprobs(service: Service, prompt_text: str, echoed: list[int] | None, scor
 def _add_original_server_routes(app: FastAPI, service: Service) -> None:
     predictions = legacy.PredictionStore(service.settings.predictions_kept)
 
-    def prompt_row(text: str, length: int, temperature: float, top_p: float) -> Prompt:
+    def prompt_row(text: str, length: int, temperature: float, top_p: float, top_k: int = 0) -> Prompt:
         """``text``'s last tokens that fit the context with ``length`` new ones (its start token if empty)."""
         tokens = service.encode(text)
         room = service.context - length
@@ -771,6 +777,7 @@ def _add_original_server_routes(app: FastAPI, service: Service) -> None:
             _fewest(top_p),
             1.0,
             _seed(None),
+            top_k=top_k,
         )
 
     async def device_serve(body: schemas.DeviceServeRequest, request: Request):
@@ -810,7 +817,7 @@ def _add_original_server_routes(app: FastAPI, service: Service) -> None:
                 f"length {body.length} with at least one context token exceeds the model's context of "
                 f"{service.context} tokens",
             )
-        job = Job([prompt_row(body.context, body.length, body.temp, body.top_p)])
+        job = Job([prompt_row(body.context, body.length, body.temp, body.top_p, body.top_k)])
         service.submit(job)
         qid, prediction = predictions.add(key, body.context)
 
@@ -825,7 +832,9 @@ def _add_original_server_routes(app: FastAPI, service: Service) -> None:
                 endpoint="/model/predict",
                 prompt=body.context,
                 pre_prompt="",
-                settings=dict(length=body.length, top_p=body.top_p, temp=body.temp, seed=job.rows[0].seed),
+                settings=dict(
+                    length=body.length, top_p=body.top_p, top_k=body.top_k, temp=body.temp, seed=job.rows[0].seed
+                ),
                 response=completion.text,
                 started=prediction.submitted,
             )

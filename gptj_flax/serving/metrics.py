@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
 class Metrics:
@@ -25,26 +25,34 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.queue_depth = Gauge("gptj_queue_depth", "Prompts waiting for the batch worker", registry=r)
+        self.queue_depth = Gauge("gptj_queue_depth", "Prompts waiting for a decode slot", registry=r)
         self.queue_wait = Histogram(
             "gptj_queue_wait_seconds",
-            "Time a request waited before its batch started",
+            "Time a prompt waited for a decode slot",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.batch_size = Histogram(
-            "gptj_batch_size", "Prompts per batched generate call", buckets=BATCH_BUCKETS, registry=r
+        self.time_to_first_token = Histogram(
+            "gptj_time_to_first_token_seconds",
+            "Time from a prompt's arrival to its first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
-        self.batch_latency = Histogram(
-            "gptj_batch_seconds", "Duration of one batched generate call", buckets=LATENCY_BUCKETS, registry=r
+        self.inter_token_latency = Histogram(
+            "gptj_inter_token_latency_seconds",
+            "Time between a prompt's successive generated tokens",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
         )
-        # Streamed completions are not counted: LanguageModel.stream reports text, not tokens.
-        self.generated_tokens = Counter(
-            "gptj_generated_tokens", "Tokens generated for non-streamed completions", registry=r
+        self.slots = Gauge("gptj_slots", "Decode slots: the most prompts generated together", registry=r)
+        self.busy_slots = Gauge("gptj_busy_slots", "Decode slots holding a prompt now", registry=r)
+        self.decode_steps = Counter("gptj_decode_steps", "Decode steps run", registry=r)
+        # busy / all slot-steps over an interval is the mean occupancy over it
+        self.slot_steps = Counter("gptj_slot_steps", "Decode steps run, times the number of slots", registry=r)
+        self.busy_slot_steps = Counter(
+            "gptj_busy_slot_steps", "Decode steps run, times the slots that generated a token in them", registry=r
         )
-        self.tokens_per_second = Gauge(
-            "gptj_tokens_per_second", "Generated tokens per second in the last non-streamed batch", registry=r
-        )
+        self.generated_tokens = Counter("gptj_generated_tokens", "Tokens generated, streamed or not", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

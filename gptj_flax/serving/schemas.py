@@ -9,7 +9,7 @@ be finite, and every text field has a length limit, which makes pydantic check i
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_TEXT_CHARS = 16384  # the GPT-4chan limit on prompt and pre_prompt
@@ -293,19 +293,9 @@ class PredictRequest(StrictModel):
         allow_inf_nan=False,
         description="nucleus sampling; 1 is off, 0 keeps only the most likely token",
     )
-    top_k: int = Field(0, description="only 0 (off): this server's batching worker takes no top-k filter")
+    top_k: int = Field(50, ge=0, le=2**31 - 1, description="keep only the k most likely tokens; 0 is off")
     length: int = Field(256, ge=1, le=2**20, description="tokens to generate (fewer if the model ends the text)")
     api_key: str | None = API_KEY
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k_off(cls, value: int) -> int:
-        # Refused rather than ignored: the original applied top_k, and a client must not think it still is.
-        if value != 0:
-            raise PydanticCustomError(
-                "unsupported", "top_k is not available on this server (its sampler has no top-k filter); send 0"
-            )
-        return value
 
 
 class PredictResponse(BaseModel):

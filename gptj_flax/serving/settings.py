@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -77,18 +76,20 @@ class ServeSettings:
         "authentication)",
     )
     queue_size: int = _setting(1024, int, "prompts that may wait for the model; beyond it requests get 429")
-    max_batch: int = _setting(16, int, "most prompts generated together in one batch (and per request)")
-    batch_window_ms: float = _setting(
-        50.0,
-        float,
-        "how long the worker may wait for more requests to join a batch (only while fewer "
-        "wait than it expects: those queued plus the clients of the batch it just answered)",
+    max_batch: int = _setting(
+        16, int, "decode slots: the most prompts generated together (continuous batching), and per request"
     )
-    warmup_tokens: int = _setting(
+    max_len: int | None = _setting(
+        None,
+        int,
+        "the longest prompt + completion of one prompt: each decode slot's cache holds this many tokens "
+        "(default: the model's context)",
+    )
+    prefill_chunk: int = _setting(
         128,
         int,
-        "tokens generated per warm-up batch before /health reports ready (compiles that length's "
-        "programs for every batch size up to --max-batch)",
+        "prompts longer than this are prefilled in chunks of this many tokens, one chunk between two "
+        "decode steps, so a long prompt never holds the others up for longer (a power of two >= 16)",
     )
     pre_prompt_length: int = _setting(512, int, "tokens of /complete's pre_prompt that are kept (its first ones)")
     model_name: str | None = _setting(
@@ -130,10 +131,12 @@ class ServeSettings:
             "queue_size",
             f">= --max-batch ({self.max_batch}), or a request with that many prompts could never be queued",
         )
+        check(self.max_len is None or self.max_len >= 2, "max_len", ">= 2 (a prompt token and a generated one)")
         check(
-            math.isfinite(self.batch_window_ms) and self.batch_window_ms >= 0, "batch_window_ms", "a finite number >= 0"
+            self.prefill_chunk >= 16 and self.prefill_chunk & (self.prefill_chunk - 1) == 0,
+            "prefill_chunk",
+            "a power of two >= 16",
         )
-        check(self.warmup_tokens >= 1, "warmup_tokens", ">= 1")
         check(self.pre_prompt_length >= 0, "pre_prompt_length", ">= 0")
         if self.dtype is not None:
             try:

@@ -1,0 +1,464 @@
+"""Decode slots, the device side of continuous batching.
+
+One preallocated KV cache of ``slots`` rows and ``length`` columns holds up to ``slots`` independent
+sequences, one per row, each at its own position. A sequence's prompt is prefilled on its own (in
+a batch of new prompts, or chunk by chunk when long) and *inserted* into a free row between decode
+steps; each decode step then advances every running row by one token, each with its own sampling
+settings, seed, stopping rule and length. A row that finishes simply stops running, and the next
+insert reuses it. Nothing here knows about requests: :mod:`gptj_flax.serving.engine` schedules.
+
+A row's sequence occupies columns ``0 … n-1`` of its row (prompt first, no padding), so its
+position is its length and a decode step writes each row at a column of its own. Every step
+attends to a window of the first ``W`` columns only, ``W`` the power of two that holds the longest
+running sequence: short requests beside each other cost what a static batch of their lengths would,
+however long the cache is.
+
+Draws are those of :meth:`Decoder.start`: a row's ``n``-th token uses ``fold_in(key(seed), n)``,
+so a sequence comes out the same in a slot as in a batch of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from gptj_flax import partitioning
+from gptj_flax.model import GPTJ, KVCache, token_log_probs
+from gptj_flax.sampling.decoding import EOS, LENGTH, RUNNING, STOPPED, Decoder, bucket
+from gptj_flax.sampling.multihost import to_device, to_host
+from gptj_flax.sampling.samplers import SamplingParams, next_tokens, top_logprobs
+
+Array = jax.Array
+
+MAX_PREFILL_ROWS = 8  # prompts prefilled together; more would stall decoding for longer
+
+
+@flax.struct.dataclass
+class SlotState:
+    """Every slot's sequence and settings, on the device. ``cache.index[r]`` is row r's length."""
+
+    cache: KVCache
+    last: Array  # int32 [S]: the newest token, fed at the next step
+    num_generated: Array  # int32 [S]
+    max_new_tokens: Array  # int32 [S]
+    finish: Array  # int32 [S]: RUNNING, EOS, LENGTH or STOPPED (a free slot is never RUNNING)
+    eos_id: Array  # int32 [S]; -1: do not stop at EOS
+    seeds: Array  # uint32 [S]
+    seen: Array  # bool [S, V]: prompt and generated ids, for the repetition penalty
+    want_top: Array  # bool [S]: record the most likely alternatives of each token
+    sampling: SamplingParams
+
+    @classmethod
+    def logical_axes(cls, config) -> SlotState:
+        rows, table = PartitionSpec("batch"), PartitionSpec("batch", None)
+        return cls(
+            cache=dataclasses.replace(KVCache.logical_axes(config), index=rows),
+            last=rows,
+            num_generated=rows,
+            max_new_tokens=rows,
+            finish=rows,
+            eos_id=rows,
+            seeds=rows,
+            seen=table,
+            want_top=rows,
+            sampling=SamplingParams.logical_axes(),
+        )
+
+
+@flax.struct.dataclass
+class Tokens:
+    """Tokens chosen for some rows over ``steps`` steps; on the host after :func:`to_host`."""
+
+    tokens: Array  # int32 [R, K] (0 where a row was not running)
+    logprobs: Array  # float32 [R, K]
+    top_ids: Array  # int32 [R, K, T]: the T most likely ids at each step (where a row asked)
+    top_logprobs: Array  # float32 [R, K, T]
+    finish: Array  # int32 [R] after the last step
+    num_generated: Array  # int32 [R] after the last step
+
+
+@dataclasses.dataclass
+class Request:
+    """One sequence to insert: its prompt (token ids) and settings."""
+
+    tokens: list[int]
+    max_new_tokens: int
+    eos_id: int  # -1: do not stop at EOS
+    seed: int
+    sampling: SamplingParams  # host settings of one row
+    want_top: bool = False
+
+
+@dataclasses.dataclass
+class Prefill:
+    """A long prompt being prefilled chunk by chunk into a cache of its own (batch 1)."""
+
+    request: Request
+    tokens: np.ndarray  # int32 [1, P]: the prompt, left-padded to a power of two
+    next_column: int  # where the next chunk starts
+    cache: Any = None
+    logits: Any = None
+
+    @property
+    def done(self) -> bool:
+        return self.next_column >= self.tokens.shape[1]
+
+
+def _host_tokens(out: Tokens, rows: int) -> Tokens:
+    host = to_host(out)
+    return jax.tree.map(lambda x: x[:rows], host)
+
+
+class Slots:
+    """Compiled programs over one slot cache, for a :class:`Decoder`'s model and parameters.
+
+    Args:
+      decoder: gives the model, its placed parameters, the mesh and the valid vocabulary.
+      slots: rows of the cache (rounded up to a multiple of the mesh's data-parallel size).
+      length: columns per row: the longest prompt + completion one sequence may have.
+      chunk: prompts longer than this are prefilled in chunks of this many tokens (a power of two).
+      steps: the most decode steps one :meth:`decode` call runs.
+      top_logprobs: how many alternatives a row that asks for them gets for each token.
+    """
+
+    def __init__(self, decoder: Decoder, *, slots: int, length: int, chunk: int, steps: int, top_logprobs: int):
+        if chunk < 16 or chunk & (chunk - 1):
+            raise ValueError(f"the prefill chunk must be a power of two >= 16, got {chunk}")
+        if not 1 <= length <= decoder.config.max_len:
+            raise ValueError(f"the slot length must be in [1, {decoder.config.max_len}] (the context), got {length}")
+        self.decoder, self.config = decoder, decoder.config
+        multiple = decoder.batch_multiple
+        self.slots = -(-slots // multiple) * multiple
+        self.length, self.chunk, self.steps, self.top = length, chunk, steps, top_logprobs
+        self._model = GPTJ(self.config)
+        mesh, rules = decoder.mesh, decoder.rules
+        self._rows = partitioning.named_sharding(mesh, ("batch",), rules)
+        self._state_sharding = partitioning.logical_to_sharding(SlotState.logical_axes(self.config), mesh, rules)
+        self._decode = jax.jit(self._decode_fn, static_argnums=(4,), donate_argnums=(1,))
+        self._admit = jax.jit(self._admit_fn, donate_argnums=(1,))
+        self._chunk = jax.jit(self._chunk_fn, donate_argnums=(1,))
+        self._new_cache = jax.jit(self._new_cache_fn, static_argnums=(0,))
+        self._insert = jax.jit(self._insert_fn, donate_argnums=(0,))
+        self._build = jax.jit(self._empty_fn, out_shardings=self._state_sharding)
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty every slot (a fresh cache and state)."""
+        with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
+            self.state: SlotState = self._build()
+
+    # -- device programs ---------------------------------------------------------------------
+    def _empty_fn(self) -> SlotState:
+        s, cfg = self.slots, self.config
+        cache = KVCache.empty(cfg, s, self.length)
+        return SlotState(
+            cache=cache.replace(index=jnp.zeros((s,), jnp.int32)),
+            last=jnp.zeros((s,), jnp.int32),
+            num_generated=jnp.zeros((s,), jnp.int32),
+            max_new_tokens=jnp.zeros((s,), jnp.int32),
+            finish=jnp.full((s,), LENGTH, jnp.int32),
+            eos_id=jnp.full((s,), -1, jnp.int32),
+            seeds=jnp.zeros((s,), jnp.uint32),
+            seen=jnp.zeros((s, cfg.vocab_size), bool),
+            want_top=jnp.zeros((s,), bool),
+            sampling=jax.tree.map(jnp.asarray, SamplingParams.build(s, temperature=0.0)),
+        )
+
+    def _choose(self, logits, sampling, seen, seeds, n, want_top):
+        """Each row's next token, its log-probability and (where asked) the ``top`` likeliest ids."""
+        keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(seeds, n)
+        token = next_tokens(logits, sampling, seen, keys, self.decoder.valid_vocab)
+        logprob = token_log_probs(logits, token)
+        rows, top = logits.shape[0], self.top
+
+        def alternatives(logits):
+            return top_logprobs(logits, top, self.decoder.valid_vocab)
+
+        def nothing(logits):
+            return jnp.zeros((rows, top), jnp.int32), jnp.zeros((rows, top), jnp.float32)
+
+        top_ids, top_values = lax.cond(jnp.any(want_top), alternatives, nothing, logits)
+        return token, logprob, top_ids, top_values
+
+    def _decode_fn(self, params, state: SlotState, release, steps, window: int) -> tuple[SlotState, Tokens]:
+        state = state.replace(finish=jnp.where(release & (state.finish == RUNNING), STOPPED, state.finish))
+        s_, k_, t_ = self.slots, self.steps, self.top
+        out = Tokens(
+            tokens=jnp.zeros((s_, k_), jnp.int32),
+            logprobs=jnp.zeros((s_, k_), jnp.float32),
+            top_ids=jnp.zeros((s_, k_, t_), jnp.int32),
+            top_logprobs=jnp.zeros((s_, k_, t_), jnp.float32),
+            finish=state.finish,
+            num_generated=state.num_generated,
+        )
+
+        def unfinished(carry):
+            s, _, i = carry
+            return (i < steps) & jnp.any(s.finish == RUNNING)
+
+        def step(carry):
+            s, o, i = carry
+            active = s.finish == RUNNING
+            logits, cache = self._model.apply(
+                {"params": params},
+                s.last[:, None],
+                s.cache.index[:, None],
+                active,
+                s.cache,
+                window,
+                method=GPTJ.decode_slots,
+            )
+            token, logprob, top_ids, top_values = self._choose(
+                logits[:, -1], s.sampling, s.seen, s.seeds, s.num_generated, s.want_top & active
+            )
+            token = jnp.where(active, token, 0)
+            num = s.num_generated + active
+            finish = jnp.where(active & (token == s.eos_id), EOS, s.finish)
+            finish = jnp.where((finish == RUNNING) & (num >= s.max_new_tokens), LENGTH, finish)
+            s = s.replace(
+                cache=cache,
+                last=jnp.where(active, token, s.last),
+                num_generated=num,
+                finish=finish,
+                seen=s.seen.at[jnp.arange(s_), token].max(active),
+            )
+            o = o.replace(
+                tokens=o.tokens.at[:, i].set(token),
+                logprobs=o.logprobs.at[:, i].set(jnp.where(active, logprob, 0.0)),
+                top_ids=o.top_ids.at[:, i].set(top_ids),
+                top_logprobs=o.top_logprobs.at[:, i].set(top_values),
+            )
+            return s, o, i + 1
+
+        state, out, _ = lax.while_loop(unfinished, step, (state, out, jnp.zeros((), jnp.int32)))
+        return state, out.replace(finish=state.finish, num_generated=state.num_generated)
+
+    def _admit_fn(self, params, state, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top):
+        """Prefill short prompts [b, P] (left-padded) at once and insert them into rows ``slots``."""
+        columns = jnp.arange(tokens.shape[1])[None, :]
+        padding = (tokens.shape[1] - lengths)[:, None]
+        segments, positions = (columns >= padding).astype(jnp.int32), jnp.maximum(columns - padding, 0)
+        cache = KVCache.empty(self.config, *tokens.shape)
+        logits, cache = self._model.apply(
+            {"params": params}, tokens, positions, segments, cache, last_logits_only=True, method=GPTJ.decode
+        )
+        return self._insert_fn(
+            state, cache, logits[:, -1], tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top
+        )
+
+    def _new_cache_fn(self, columns: int) -> KVCache:
+        return KVCache.empty(self.config, 1, columns)
+
+    def _chunk_fn(self, params, cache: KVCache, prompt, length, start) -> tuple[KVCache, Array]:
+        """Prefill the chunk of ``prompt`` [1, P] (left-padded) that starts at column ``start``."""
+        columns = prompt.shape[1]
+        chunk = lax.dynamic_slice_in_dim(prompt, start, self.chunk, axis=1)
+        index = start + jnp.arange(self.chunk)[None, :]
+        padding = columns - length
+        segments, positions = (index >= padding).astype(jnp.int32), jnp.maximum(index - padding, 0)
+        logits, cache = self._model.apply(
+            {"params": params},
+            chunk,
+            positions,
+            segments,
+            cache.replace(index=start),
+            last_logits_only=True,
+            method=GPTJ.decode,
+        )
+        return cache, logits[:, -1]
+
+    def _insert_fn(
+        self,
+        state: SlotState,
+        cache: KVCache,
+        logits,
+        tokens,
+        lengths,
+        slots,
+        max_new,
+        eos_id,
+        seeds,
+        sampling,
+        want_top,
+    ) -> tuple[SlotState, Tokens]:
+        """Move prefilled prompts into rows ``slots`` (real tokens first) and choose their first tokens.
+
+        Rows whose slot is out of range (batch padding) change nothing.
+        """
+        b, columns = tokens.shape
+        kept = min(columns, self.length)  # a prompt never needs more columns than a row has
+        # row j's real tokens sit in its last lengths[j] columns: rotate them to the front
+        source = (jnp.arange(kept)[None, :] + (columns - lengths)[:, None]) % columns
+        k = tuple(
+            big.at[slots, :, :, :kept].set(
+                jnp.take_along_axis(new, source[:, None, None, :], axis=3).astype(big.dtype), mode="drop"
+            )
+            for big, new in zip(state.cache.k, cache.k, strict=True)
+        )
+        v = tuple(
+            big.at[slots, :, :kept, :].set(
+                jnp.take_along_axis(new, source[:, None, :, None], axis=2).astype(big.dtype), mode="drop"
+            )
+            for big, new in zip(state.cache.v, cache.v, strict=True)
+        )
+        row_segments = (jnp.arange(self.length)[None, :] < lengths[:, None]).astype(jnp.int32)
+        real = jnp.arange(columns)[None, :] >= (columns - lengths)[:, None]
+        seen = jnp.zeros((b, self.config.vocab_size), bool).at[jnp.arange(b)[:, None], tokens].max(real)
+        token, logprob, top_ids, top_values = self._choose(
+            logits, sampling, seen, seeds, jnp.zeros((b,), jnp.int32), want_top
+        )
+        seen = seen.at[jnp.arange(b), token].set(True)
+        finish = jnp.where(token == eos_id, EOS, jnp.where(max_new <= 1, LENGTH, RUNNING)).astype(jnp.int32)
+
+        def put(big, rows):
+            return big.at[slots].set(rows.astype(big.dtype), mode="drop")
+
+        state = state.replace(
+            cache=KVCache(
+                k=k,
+                v=v,
+                segment_ids=put(state.cache.segment_ids, row_segments),
+                index=put(state.cache.index, lengths),
+            ),
+            last=put(state.last, token),
+            num_generated=put(state.num_generated, jnp.ones((b,), jnp.int32)),
+            max_new_tokens=put(state.max_new_tokens, max_new),
+            finish=put(state.finish, finish),
+            eos_id=put(state.eos_id, eos_id),
+            seeds=put(state.seeds, seeds),
+            seen=put(state.seen, seen),
+            want_top=put(state.want_top, want_top),
+            sampling=jax.tree.map(put, state.sampling, sampling),
+        )
+        first = Tokens(
+            tokens=token[:, None],
+            logprobs=logprob[:, None],
+            top_ids=top_ids[:, None],
+            top_logprobs=top_values[:, None],
+            finish=finish,
+            num_generated=jnp.ones((b,), jnp.int32),
+        )
+        return state, first
+
+    # -- host side ---------------------------------------------------------------------------
+    def prompt_columns(self, n: int) -> int:
+        """Columns a prompt of ``n`` tokens is prefilled in: a power of two (at least 16)."""
+        return bucket(n)
+
+    def _settings(self, requests: list[Request], rows: int, slots: list[int]):
+        n = len(requests)
+
+        def pad(values, dtype, fill=0):
+            out = np.full(rows, fill, dtype)
+            out[:n] = values
+            return out
+
+        sampling = jax.tree.map(lambda *xs: np.concatenate(xs), *(r.sampling for r in requests))
+        return (
+            pad(slots, np.int32, self.slots),  # padding rows point past the last slot: dropped
+            pad([r.max_new_tokens for r in requests], np.int32),
+            pad([r.eos_id for r in requests], np.int32, -1),
+            pad([r.seed for r in requests], np.uint32),
+            sampling.pad_to(rows),
+            pad([r.want_top for r in requests], bool, False),
+        )
+
+    def admit(self, requests: list[Request], slots: list[int]) -> Tokens:
+        """Prefill short prompts (at most ``chunk`` columns) together and insert them into ``slots``."""
+        rows = bucket(len(requests), 1)
+        columns = max(self.prompt_columns(len(r.tokens)) for r in requests)
+        tokens = np.zeros((rows, columns), np.int32)
+        lengths = np.zeros(rows, np.int32)
+        for i, r in enumerate(requests):
+            tokens[i, columns - len(r.tokens) :] = r.tokens
+            lengths[i] = len(r.tokens)
+        with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
+            self.state, first = self._admit(
+                self.decoder.params, self.state, tokens, lengths, *self._settings(requests, rows, slots)
+            )
+        return _host_tokens(first, len(requests))
+
+    def start_prefill(self, request: Request) -> Prefill:
+        """A long prompt's prefill, to be advanced with :meth:`prefill_chunk` until done."""
+        columns = self.prompt_columns(len(request.tokens))
+        tokens = np.zeros((1, columns), np.int32)
+        tokens[0, columns - len(request.tokens) :] = request.tokens
+        first = (columns - len(request.tokens)) // self.chunk * self.chunk  # chunks of padding only are skipped
+        with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
+            cache = self._new_cache(columns)
+        return Prefill(request, tokens, first, cache)
+
+    def prefill_chunk(self, prefill: Prefill) -> None:
+        with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
+            prefill.cache, prefill.logits = self._chunk(
+                self.decoder.params,
+                prefill.cache,
+                prefill.tokens,
+                np.int32(len(prefill.request.tokens)),
+                np.int32(prefill.next_column),
+            )
+        prefill.next_column += self.chunk
+
+    def insert(self, prefill: Prefill, slot: int) -> Tokens:
+        """Insert a finished :class:`Prefill` into ``slot`` and choose its first token."""
+        request = prefill.request
+        with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
+            self.state, first = self._insert(
+                self.state,
+                prefill.cache,
+                prefill.logits,
+                prefill.tokens,
+                np.array([len(request.tokens)], np.int32),
+                *self._settings([request], 1, [slot]),
+            )
+        return _host_tokens(first, 1)
+
+    def window(self, longest: int) -> int:
+        """The attention window for running sequences of at most ``longest`` tokens."""
+        return min(self.length, bucket(longest))
+
+    def decode(self, release: list[int], steps: int, longest: int) -> Tokens:
+        """Stop the rows in ``release``, then run up to ``steps`` decode steps of every running row.
+
+        ``longest``: the longest running sequence (prompt + generated tokens) in tokens.
+        """
+        stop = np.zeros(self.slots, bool)
+        stop[release] = True
+        steps = min(steps, self.steps)
+        with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
+            self.state, out = self._decode(
+                self.decoder.params,
+                self.state,
+                to_device(stop, self._rows),
+                np.int32(steps),
+                self.window(longest + steps),
+            )
+        return _host_tokens(out, self.slots)
+
+    def warm_up(self) -> None:
+        """Compile every program a request can need: nothing compiles once requests come."""
+        dummy = Request([0], 1, -1, 0, SamplingParams.build(1, temperature=0.0))
+        nowhere = [self.slots] * MAX_PREFILL_ROWS  # past the last slot: the inserts change nothing
+        longest = self.prompt_columns(self.length)
+        for columns in (1 << i for i in range(4, longest.bit_length())):
+            request = dataclasses.replace(dummy, tokens=[0] * min(columns, self.length))
+            if columns <= self.chunk:
+                for rows in {min(1 << i, MAX_PREFILL_ROWS, self.slots) for i in range(MAX_PREFILL_ROWS.bit_length())}:
+                    self.admit([request] * rows, nowhere[:rows])
+            else:
+                prefill = self.start_prefill(request)
+                self.prefill_chunk(prefill)
+                self.insert(prefill, self.slots)
+        for window in sorted({self.window(1 << i) for i in range(4, longest.bit_length())}):
+            self.decode([], 1, window - 1)
+
+    def compilations(self) -> int:
+        """Programs compiled so far, for checking that nothing recompiles as requests come and go."""
+        return sum(f._cache_size() for f in (self._decode, self._admit, self._chunk, self._new_cache, self._insert))

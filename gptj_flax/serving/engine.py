@@ -1,0 +1,391 @@
+"""The serving engine: continuous batching over decode slots.
+
+One thread owns the model. Request handlers (on the event loop) ``submit`` a :class:`Job` — one
+request's prompts, each with its own settings — to a bounded queue and await its future (or read
+its stream). Between decode steps the engine thread
+
+- frees the slot of every row that finished, met a stop string, or whose client went away;
+- moves waiting rows into free slots: short prompts are prefilled together in one call, a long one
+  chunk by chunk (one chunk per step), so no prefill holds decoding up for longer than one chunk;
+- advances every occupied slot by one step, each row with its own sampling settings, seed and
+  length;
+- hands each job its new text (streaming) or, once all its rows are done, its completions.
+
+Every program is compiled during the warm-up, for every prompt bucket, prefill batch and attention
+window, so requests coming and going never compile anything.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import threading
+import time
+
+from gptj_flax.sampling.api import Completion, LanguageModel, Piece
+from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING
+from gptj_flax.sampling.samplers import SamplingParams
+from gptj_flax.sampling.slots import MAX_PREFILL_ROWS, Prefill, Request, Slots, Tokens
+from gptj_flax.sampling.stopping import TextTracker
+from gptj_flax.serving.metrics import Metrics
+from gptj_flax.serving.worker import FAILED, READY, STOPPED, WARMING_UP, Job, NotAccepting, Prompt, QueueFull, StreamEnd
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "FAILED", "READY", "STOPPED", "WARMING_UP"]
+
+
+@dataclasses.dataclass(eq=False)
+class _Row:
+    """One prompt of a job, from the queue to its completion."""
+
+    job: Job
+    index: int  # its place in the job's rows
+    prompt: Prompt
+    tracker: TextTracker
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top: list[dict[int, float]] = dataclasses.field(default_factory=list)  # where asked: alternatives per token
+    sent: int = 0  # tokens already streamed
+    slot: int | None = None
+    finish: str | None = None  # "eos", "length", "stop"; None while running
+    last_token_at: float | None = None
+
+    @property
+    def wants_text(self) -> bool:
+        """Whether its text is needed at every step: to stream it, or to look for stop strings."""
+        return self.job.stream or bool(self.prompt.stop)
+
+    @property
+    def wants_top(self) -> bool:
+        return self.job.logprobs and self.prompt.top_logprobs > 0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt.tokens) + len(self.tokens)
+
+
+class Engine:
+    """Owns the model: warms it up, then runs queued jobs' rows in decode slots until stopped.
+
+    Args:
+      slots: decode slots (rows generated together); also the most prompts one request may have.
+      queue_size: prompts that may wait for a slot; beyond it :meth:`submit` raises QueueFull.
+      length: the longest prompt + completion of one row (each slot's cache columns).
+      chunk: prompts longer than this many tokens are prefilled in chunks of it.
+      top_logprobs: the most alternatives a row may ask for at each token.
+    """
+
+    def __init__(
+        self,
+        model: LanguageModel,
+        *,
+        slots: int,
+        queue_size: int,
+        length: int,
+        chunk: int,
+        metrics: Metrics,
+        top_logprobs: int = 5,
+    ):
+        self.model, self.metrics = model, metrics
+        self.max_batch, self.queue_size, self.length = slots, queue_size, length
+        self._slot_args = dict(slots=slots, length=length, chunk=chunk, steps=1, top_logprobs=top_logprobs)
+        self.slots: Slots | None = None
+        self.state = WARMING_UP
+        self.error: str | None = None
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[_Row] = collections.deque()
+        self._stopping = False
+        self._occupied: dict[int, _Row] = {}  # slot → row
+        self._release: set[int] = set()  # slots to stop at the next decode call
+        self._prefill: tuple[Prefill, _Row, int] | None = None  # a long prompt and its reserved slot
+        self._step_seconds = 0.05  # running mean of one decode step, for Retry-After
+        self._thread = threading.Thread(target=self._run, name="gptj-engine", daemon=True)
+
+    # -- event-loop side -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish the rows queued and running, then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    @property
+    def queued_rows(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``'s rows; raises :class:`QueueFull` or :class:`NotAccepting` instead of queuing it."""
+        with self._cond:
+            if self._stopping or self.state != READY:
+                raise NotAccepting(self.error or f"the model is {self.state.replace('_', ' ')}")
+            if len(self._waiting) + len(job.rows) > self.queue_size:
+                mean_tokens = sum(r.prompt.max_new_tokens for r in self._waiting) / max(1, len(self._waiting))
+                rounds = (len(self._waiting) + len(job.rows)) / self.max_batch
+                raise QueueFull(max(1, math.ceil(rounds * mean_tokens * self._step_seconds)))
+            for i, prompt in enumerate(job.rows):
+                self._waiting.append(_Row(job, i, prompt, TextTracker(self.model.tokenizer, prompt.stop)))
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: its waiting rows are dropped now, its running ones at the next step."""
+        with self._cond:
+            job.cancelled = True
+            kept = [row for row in self._waiting if row.job is not job]
+            if len(kept) != len(self._waiting):
+                self._waiting = collections.deque(kept)
+                self.metrics.queue_depth.set(len(self._waiting))
+            self._cond.notify_all()
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            start = time.monotonic()
+            self.slots = self.model.slots(**self._slot_args)
+            self.slots.warm_up()
+            logger.info(
+                "warm-up: %d decode slots of %d tokens, %d programs compiled in %.1f s",
+                self.slots.slots,
+                self.length,
+                self.slots.compilations(),
+                time.monotonic() - start,
+            )
+        except Exception as e:  # a model that cannot generate cannot serve: report it on /health
+            logger.exception("warm-up failed")
+            self.error, self.state = f"warm-up failed: {e}", FAILED
+            return
+        self.metrics.slots.set(self.slots.slots)
+        self.state = READY
+        while self._wait_for_work():
+            try:
+                self._iterate()
+            except Exception as e:
+                logger.exception("generation failed")
+                self._fail_all(e)
+        self.state = STOPPED
+
+    def _wait_for_work(self) -> bool:
+        with self._cond:
+            while not (self._waiting or self._occupied or self._prefill):
+                if self._stopping:
+                    return False
+                self._cond.wait()
+            return True
+
+    def _iterate(self) -> None:
+        slots = self.slots
+        assert slots is not None
+        for slot, row in list(self._occupied.items()):  # clients that went away free their slots now
+            if row.job.cancelled:
+                self._free(slot)
+        if self._prefill is not None:
+            self._advance_prefill()
+        self._admit()
+        if any(row.finish is None for row in self._occupied.values()):
+            self._decode()
+        self.metrics.busy_slots.set(len(self._occupied))
+
+    def _free_slots(self) -> list[int]:
+        assert self.slots is not None
+        reserved = {self._prefill[2]} if self._prefill else set()
+        return [s for s in range(self.slots.slots) if s not in self._occupied and s not in reserved]
+
+    def _take(self, limit: int) -> list[_Row]:
+        """Up to ``limit`` waiting rows from the head of the queue that are short enough to admit together."""
+        assert self.slots is not None
+        taken: list[_Row] = []
+        with self._cond:
+            while self._waiting and len(taken) < limit:
+                head = self._waiting[0]
+                if head.job.cancelled:
+                    self._waiting.popleft()
+                    continue
+                if self.slots.prompt_columns(len(head.prompt.tokens)) > self.slots.chunk:
+                    # a long prompt is prefilled alone, and only once the prefill in progress is done
+                    if not taken and self._prefill is None:
+                        taken.append(self._waiting.popleft())
+                    break
+                taken.append(self._waiting.popleft())
+            self.metrics.queue_depth.set(len(self._waiting))
+        return taken
+
+    def _request(self, row: _Row) -> Request:
+        p = row.prompt
+        eos = self.model.eos_token_id
+        return Request(
+            tokens=p.tokens,
+            max_new_tokens=p.max_new_tokens,
+            eos_id=-1 if eos is None else int(eos),
+            seed=p.seed,
+            sampling=SamplingParams.build(
+                1,
+                temperature=p.temperature,
+                top_k=p.top_k,
+                top_p=p.top_p,
+                typical_p=p.typical_p,
+                min_p=p.min_p,
+                repetition_penalty=p.repetition_penalty,
+            ),
+            want_top=row.wants_top,
+        )
+
+    def _admit(self) -> None:
+        slots = self.slots
+        assert slots is not None
+        free = self._free_slots()
+        if not free or not self._waiting:
+            return
+        rows = self._take(min(len(free), MAX_PREFILL_ROWS))
+        if not rows:
+            return
+        now = time.monotonic()
+        for row in rows:
+            self.metrics.queue_wait.observe(now - row.job.submitted_at)
+        if len(rows) == 1 and slots.prompt_columns(len(rows[0].prompt.tokens)) > slots.chunk:
+            try:
+                prefill = slots.start_prefill(self._request(rows[0]))
+            except Exception as e:
+                self._answer_error([rows[0].job], e)
+                raise
+            self._prefill = (prefill, rows[0], free[0])
+            self._advance_prefill()
+            return
+        try:
+            first = slots.admit([self._request(r) for r in rows], free[: len(rows)])
+        except Exception as e:
+            self._answer_error({id(r.job): r.job for r in rows}.values(), e)
+            raise
+        for i, row in enumerate(rows):
+            self._place(row, free[i], first, i)
+
+    def _advance_prefill(self) -> None:
+        assert self.slots is not None and self._prefill is not None
+        prefill, row, slot = self._prefill
+        if row.job.cancelled:
+            self._prefill = None
+            return
+        self.slots.prefill_chunk(prefill)
+        if prefill.done:
+            self._prefill = None
+            self._place(row, slot, self.slots.insert(prefill, slot), 0)
+
+    def _place(self, row: _Row, slot: int, first: Tokens, i: int) -> None:
+        """Row's first token has been chosen in ``slot``: it is ``first``'s row ``i``."""
+        now = time.monotonic()
+        self.metrics.time_to_first_token.observe(now - row.job.submitted_at)
+        row.slot, row.last_token_at = slot, now
+        self._occupied[slot] = row
+        self._release.discard(slot)  # the slot holds a new sequence: a pending stop is for the old one
+        self._extend(row, first, i, 1)
+
+    def _decode(self) -> None:
+        slots = self.slots
+        assert slots is not None
+        running = [row for row in self._occupied.values() if row.finish is None]
+        release, self._release = sorted(self._release), set()
+        start = time.monotonic()
+        # One step per call: a row that ends, a stop string, a client that leaves or one that
+        # arrives is dealt with before the next step.
+        out = slots.decode(release, 1, max(row.length for row in running))
+        seconds = time.monotonic() - start
+        done = int(max(out.num_generated[row.slot] - len(row.tokens) for row in running))
+        self._step_seconds = 0.9 * self._step_seconds + 0.1 * seconds / max(done, 1)
+        self.metrics.decode_steps.inc(done)
+        self.metrics.slot_steps.inc(done * slots.slots)
+        for row in running:
+            slot = row.slot
+            assert slot is not None
+            n = int(out.num_generated[slot]) - len(row.tokens)
+            self.metrics.busy_slot_steps.inc(n)
+            if n:
+                self.metrics.inter_token_latency.observe((time.monotonic() - (row.last_token_at or start)) / n)
+                row.last_token_at = time.monotonic()
+            self._extend(row, out, slot, n)
+
+    def _extend(self, row: _Row, out: Tokens, i: int, n: int) -> None:
+        """Add the ``n`` tokens of ``out``'s row ``i`` to ``row``; stream its new text; finish it at
+        EOS, its length, or a stop string."""
+        row.tokens += [int(t) for t in out.tokens[i, :n]]
+        row.logprobs += [float(x) for x in out.logprobs[i, :n]]
+        if row.wants_top:
+            k = row.prompt.top_logprobs
+            row.top += [
+                {int(t): float(x) for t, x in zip(ids[:k], values[:k], strict=True)}
+                for ids, values in zip(out.top_ids[i, :n], out.top_logprobs[i, :n], strict=True)
+            ]
+        self.metrics.generated_tokens.inc(n)
+        finish = int(out.finish[i])
+        ended = finish != RUNNING
+        if row.wants_text or ended:
+            text_tokens = row.tokens[:-1] if finish == EOS else row.tokens
+            text = row.tracker.update(text_tokens, final=ended)
+            if row.job.stream and not row.job.cancelled:
+                self._stream(row, text)
+            if row.tracker.stopped:
+                row.finish = "stop"
+                self._release.add(row.slot)
+        if ended and row.finish is None:
+            row.finish = FINISH_REASON_OF_CODE[finish]
+        if row.finish is not None:
+            self._finish(row)
+
+    def _stream(self, row: _Row, text: str) -> None:
+        """Send the row's new text (and, if the job asks, the tokens since its last piece)."""
+        piece: str = text
+        if row.job.logprobs:
+            end = row.tracker.num_tokens if row.tracker.stopped else len(row.tokens)
+            start, row.sent = row.sent, max(row.sent, end)
+            top = row.top[start:end] if row.wants_top else None
+            piece = Piece(text, row.tokens[start:end], row.logprobs[start:end], top)
+        if piece:
+            pieces: list[str] = [""] * len(row.job.rows)
+            pieces[row.index] = piece
+            row.job.send(pieces)
+
+    def _finish(self, row: _Row) -> None:
+        assert row.slot is not None
+        self._occupied.pop(row.slot, None)
+        n = row.tracker.num_tokens if row.finish == "stop" else len(row.tokens)
+        job = row.job
+        job.outputs[row.index] = Completion(
+            text=row.tracker.text,
+            finish_reason=row.finish or "length",
+            prompt_tokens=len(row.prompt.tokens),
+            completion_tokens=n,
+            tokens=row.tokens[:n],
+            logprobs=row.logprobs[:n],
+            top_logprobs=row.top[:n] if row.wants_top else None,
+        )
+        if all(c is not None for c in job.outputs):
+            if job.stream:
+                job.send(StreamEnd(finish_reasons=tuple(c.finish_reason for c in job.outputs)))
+            else:
+                job.resolve(list(job.outputs))
+
+    def _free(self, slot: int) -> None:
+        self._occupied.pop(slot, None)
+        self._release.add(slot)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """A device call failed: every job in the slots or the prefill gets the error; the queue goes on."""
+        rows = list(self._occupied.values()) + ([self._prefill[1]] if self._prefill else [])
+        self._occupied.clear()
+        self._prefill = None
+        self._release = set()
+        assert self.slots is not None
+        self.slots.reset()  # the failed call may have consumed the state it was given
+        self._answer_error({id(r.job): r.job for r in rows}.values(), error)
+
+    @staticmethod
+    def _answer_error(jobs, error: BaseException) -> None:
+        for job in jobs:
+            if job.stream:
+                job.send(StreamEnd(error))
+            else:
+                job.resolve(error=error)
