@@ -1,15 +1,17 @@
-"""``bench.py serve``: requests/s, generated tokens/s and latency of a running server, by concurrency.
+"""``bench.py serve``: generated tokens/s, time to first token, inter-token latency and decode-slot
+occupancy of a running server, by concurrency.
 
-Each of N concurrent clients sends ``/v1/completions`` requests one after another for ``--seconds``
-(sampling at temperature 0.8, its own seed each time); generated tokens are counted from the
-responses' ``usage``, the mean batch size from the server's ``/metrics``. At each concurrency an
-unmeasured round of one request per client comes first.
+Each of N concurrent clients streams ``/v1/completions`` requests one after another for
+``--seconds`` (sampling at temperature 0.8, its own seed and a ``max_tokens`` drawn from
+``--new-tokens`` each time); tokens are counted and timed as they arrive, the occupancy read from
+the server's ``/metrics``. At each concurrency an unmeasured round of one request per client comes
+first.
 
 With ``--url`` it measures that server. Without it, it builds a ~25M-parameter random GPT-J and a
 byte-level BPE trained on the standard library's sources in a temporary directory, starts
-``serve()`` on it in a child process (batches of up to ``--max-batch``), measures, and stops it
-with SIGTERM. With a model this size one decode step costs far more than the HTTP around it, and
-a batch of 32 costs far less than 32 single steps: the batching worker is what the table shows.
+``serve()`` on it in a child process (``--max-batch`` decode slots), measures, and stops it with
+SIGTERM. With a model this size one decode step costs far more than the HTTP around it, and a
+step of 32 slots far less than 32 single steps: continuous batching is what the table shows.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
+import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -38,9 +42,13 @@ TOKENIZER_VOCAB = 4096
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="a running server (default: start one on a random ~25M-parameter model)")
     parser.add_argument("--api-key", help="sent as Authorization: Bearer, for a server with keys")
-    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts (default 1,8,32)")
+    parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated client counts (default 1,8,32,64)")
     parser.add_argument("--seconds", type=float, default=20, help="measured time per concurrency (default 20)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="max_tokens of each request (default 64)")
+    parser.add_argument(
+        "--new-tokens",
+        default="8,128",
+        help="max_tokens of each request: N, or MIN,MAX drawn uniformly per request (default 8,128)",
+    )
     parser.add_argument(
         "--max-batch", type=int, help="--max-batch of the server it starts (not with --url; default 32)"
     )
@@ -52,76 +60,107 @@ class Round:
     requests: int
     seconds: float
     tokens: int
-    latencies: list[float]
-    mean_batch: float
+    ttft: list[float]  # per request: time to its first token
+    itl: list[float]  # per generated token after the first: time since the previous one
+    occupancy: float  # mean busy fraction of the server's decode slots (nan: no such metrics)
 
-    def percentile(self, q: float) -> float:
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+    @staticmethod
+    def percentile(values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 def _prompt(i: int) -> str:
     return " ".join(PROMPT_WORDS[(i + k) % len(PROMPT_WORDS)] for k in range(6))
 
 
-def _batch_totals(metrics: str) -> tuple[float, float]:
-    """(sum, count) of the server's gptj_batch_size histogram."""
-    values = {}
-    for name in ("gptj_batch_size_sum", "gptj_batch_size_count"):
+def _slot_steps(metrics: str) -> tuple[float, float]:
+    """(busy, all) slot-steps the server has run, from its /metrics (0, 0 where it has none)."""
+    values = []
+    for name in ("gptj_busy_slot_steps_total", "gptj_slot_steps_total"):
         match = re.search(rf"^{name} (\S+)$", metrics, re.MULTILINE)
-        values[name] = float(match.group(1)) if match else 0.0
-    return values["gptj_batch_size_sum"], values["gptj_batch_size_count"]
+        values.append(float(match.group(1)) if match else 0.0)
+    return values[0], values[1]
 
 
-async def _round(http: httpx.AsyncClient, clients: int, seconds: float, new_tokens: int, seed: int) -> Round:
-    """Each client sends requests one after another until ``seconds`` have passed (at least one)."""
-    latencies: list[float] = []
+def _lengths(spec: str) -> tuple[int, int]:
+    parts = [int(x) for x in spec.split(",")]
+    if len(parts) not in (1, 2) or min(parts) < 1 or parts[0] > parts[-1]:
+        raise SystemExit(f"error: --new-tokens must be N or MIN,MAX with 1 <= MIN <= MAX, got {spec!r}")
+    return parts[0], parts[-1]
+
+
+async def _stream(http: httpx.AsyncClient, body: dict) -> tuple[float, list[float], int]:
+    """One streamed completion: (time to first token, gaps between tokens, tokens), timed as it arrives.
+
+    ``logprobs: 0`` makes every chunk carry its tokens, so tokens are counted and timed one by one
+    (a chunk of k tokens counts k gaps of a k-th of the wait each).
+    """
+    sent = last = time.perf_counter()
+    first, gaps, tokens = None, [], 0
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True, "logprobs": 0}) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            logprobs = json.loads(line[len("data: ") :])["choices"][0]["logprobs"]
+            n = len(logprobs["tokens"]) if logprobs else 0
+            if not n:
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now - sent
+                gaps += [(now - last) / n] * (n - 1)
+            else:
+                gaps += [(now - last) / n] * n
+            last, tokens = now, tokens + n
+    return (time.perf_counter() - sent if first is None else first), gaps, tokens
+
+
+async def _round(http: httpx.AsyncClient, clients: int, seconds: float, lengths: tuple[int, int], seed: int) -> Round:
+    """Each client streams requests one after another until ``seconds`` have passed (at least one)."""
+    ttft: list[float] = []
+    itl: list[float] = []
     tokens = 0
     deadline = time.perf_counter() + seconds
 
     async def client(c: int) -> None:
         nonlocal tokens
+        draws = random.Random(seed * 7919 + c)
         for r in itertools.count():
             body = {
                 "prompt": _prompt(c + r),
-                "max_tokens": new_tokens,
+                "max_tokens": draws.randint(*lengths),
                 "temperature": 0.8,
                 "seed": (seed + 1000 * c + r) % 2**31,
             }
-            sent = time.perf_counter()
-            response = await http.post("/v1/completions", json=body)
-            latencies.append(time.perf_counter() - sent)
-            response.raise_for_status()
-            tokens += response.json()["usage"]["completion_tokens"]
+            first, gaps, n = await _stream(http, body)
+            ttft.append(first)
+            itl.extend(gaps)
+            tokens += n
             if time.perf_counter() >= deadline:
                 return
 
-    before = _batch_totals((await http.get("/metrics")).text)
+    before = _slot_steps((await http.get("/metrics")).text)
     start = time.perf_counter()
     await asyncio.gather(*(client(c) for c in range(clients)))
     elapsed = time.perf_counter() - start
-    after = _batch_totals((await http.get("/metrics")).text)
-    batches = after[1] - before[1]
-    return Round(
-        clients,
-        len(latencies),
-        elapsed,
-        tokens,
-        latencies,
-        (after[0] - before[0]) / batches if batches else float("nan"),
-    )
+    after = _slot_steps((await http.get("/metrics")).text)
+    slot_steps = after[1] - before[1]
+    occupancy = (after[0] - before[0]) / slot_steps if slot_steps else float("nan")
+    return Round(clients, len(ttft), elapsed, tokens, ttft, itl, occupancy)
 
 
 async def _measure(
-    url: str, api_key: str | None, concurrency: list[int], seconds: float, new_tokens: int
+    url: str, api_key: str | None, concurrency: list[int], seconds: float, lengths: tuple[int, int]
 ) -> list[Round]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(concurrency))
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as http:
         rounds = []
         for i, clients in enumerate(concurrency):
-            await _round(http, clients, 0, new_tokens, seed=10**6 * (i + 1))  # unmeasured: one request each
-            rounds.append(await _round(http, clients, seconds, new_tokens, seed=i))
+            await _round(http, clients, 0, lengths, seed=10**6 * (i + 1))  # unmeasured: one request each
+            rounds.append(await _round(http, clients, seconds, lengths, seed=i))
         return rounds
 
 
@@ -157,7 +196,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_server(checkpoint: str, max_batch: int, new_tokens: int) -> tuple[subprocess.Popen, str]:
+def _start_server(checkpoint: str, max_batch: int) -> tuple[subprocess.Popen, str]:
     """``serve()`` of this checkout in a child process (no GIL shared with the clients), configured by
     environment variables as a deployment would be."""
     from gptj_flax.serving.settings import env_name
@@ -167,7 +206,6 @@ def _start_server(checkpoint: str, max_batch: int, new_tokens: int) -> tuple[sub
         "checkpoint": checkpoint,
         "port": port,
         "max_batch": max_batch,
-        "warmup_tokens": new_tokens,
         "log_level": "warning",
     }
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -195,8 +233,9 @@ def _start_server(checkpoint: str, max_batch: int, new_tokens: int) -> tuple[sub
 
 def run(args: argparse.Namespace) -> None:
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    if min(concurrency) < 1 or args.new_tokens < 1 or args.seconds < 0:
-        raise SystemExit("error: --concurrency and --new-tokens must be >= 1, --seconds >= 0")
+    lengths = _lengths(args.new_tokens)
+    if min(concurrency) < 1 or args.seconds < 0:
+        raise SystemExit("error: --concurrency must be >= 1 and --seconds >= 0")
     if args.url and args.max_batch is not None:
         raise SystemExit("error: --max-batch sets up the server the benchmark starts; with --url the server is yours")
     max_batch = 32 if args.max_batch is None else args.max_batch
@@ -205,7 +244,7 @@ def run(args: argparse.Namespace) -> None:
         machine = f"clients' {machine} (the server's may differ)"
 
     def measure(url: str, api_key: str | None) -> list[Round]:
-        return asyncio.run(_measure(url, api_key, concurrency, args.seconds, args.new_tokens))
+        return asyncio.run(_measure(url, api_key, concurrency, args.seconds, lengths))
 
     if args.url:
         target = f"server {args.url}"
@@ -214,7 +253,7 @@ def run(args: argparse.Namespace) -> None:
         with tempfile.TemporaryDirectory(prefix="bench-serve-") as directory:
             start = time.perf_counter()
             target = _write_model(directory)
-            process, url = _start_server(directory, max_batch, args.new_tokens)
+            process, url = _start_server(directory, max_batch)
             target += f"; server --max-batch {max_batch}, ready in {time.perf_counter() - start:.0f} s"
             try:
                 rounds = measure(url, None)
@@ -222,20 +261,33 @@ def run(args: argparse.Namespace) -> None:
                 process.terminate()  # SIGTERM: the server drains and exits
                 process.wait(120)
     print(machine)
+    spread = f"{lengths[0]}" if lengths[0] == lengths[1] else f"{lengths[0]} to {lengths[1]} (uniform)"
     print(
-        f"{target}\n/v1/completions: prompts of ~12 tokens, max_tokens {args.new_tokens}, temperature 0.8; each "
-        f"client sends its next request when answered, for {args.seconds:g} s per row\n"
+        f"{target}\n/v1/completions, streamed: prompts of ~12 tokens, max_tokens {spread}, temperature 0.8; each "
+        f"client sends its next request when answered, for {args.seconds:g} s per row; TTFT: time to a request's "
+        f"first token; ITL: time between its tokens; occupancy: the mean share of busy decode slots\n"
     )
-    header = ("clients", "requests", "requests/s", "gen tokens/s", "p50 latency s", "p99 latency s", "mean batch")
+    header = (
+        "clients",
+        "requests",
+        "gen tokens/s",
+        "TTFT p50 s",
+        "TTFT p99 s",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "occupancy",
+    )
+    pct = Round.percentile
     body = [
         (
             str(r.clients),
             str(r.requests),
-            f"{r.requests / r.seconds:.2f}",
             f"{r.tokens / r.seconds:,.0f}",
-            f"{r.percentile(0.5):.2f}",
-            f"{r.percentile(0.99):.2f}",
-            f"{r.mean_batch:.1f}",
+            f"{pct(r.ttft, 0.5):.3f}",
+            f"{pct(r.ttft, 0.99):.3f}",
+            f"{1000 * pct(r.itl, 0.5):.1f}",
+            f"{1000 * pct(r.itl, 0.99):.1f}",
+            f"{r.occupancy:.0%}",
         )
         for r in rounds
     ]
@@ -244,9 +296,11 @@ def run(args: argparse.Namespace) -> None:
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
     single = next((r for r in rounds if r.clients == 1), None)
     if single is not None:
+        lone_ttft = pct(single.ttft, 0.5)
         for r in rounds:
             if r.clients > 1:
                 print(
                     f"{r.clients} clients: {(r.tokens / r.seconds) / (single.tokens / single.seconds):.1f}x the "
-                    f"generated tokens/s of 1 client"
+                    f"generated tokens/s of 1 client; TTFT p99 {pct(r.ttft, 0.99) / lone_ttft:.1f}x a lone "
+                    f"request's (p50 of 1 client)"
                 )

@@ -117,7 +117,17 @@ def test_sample_benchmark(repo_root, tmp_path):
 @pytest.mark.slow
 def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
     out = bench(
-        repo_root, tmp_path, "serve", "--concurrency", "1,2", "--seconds", "0", "--new-tokens", "2", "--max-batch", "2"
+        repo_root,
+        tmp_path,
+        "serve",
+        "--concurrency",
+        "1,2",
+        "--seconds",
+        "0",
+        "--new-tokens",
+        "2,4",
+        "--max-batch",
+        "2",
     )
     assert "random GPT-J, 27.3M parameters" in out and "server --max-batch 2" in out
     rows = re.findall(rf"^\s+(\d+)\s+(\d+)\s+({NUMBER})\s+({NUMBER})\s", out, re.MULTILINE)
