@@ -174,8 +174,8 @@ def write_layer_kv(kv: LayerKV, k: Array, v: Array) -> LayerKV:
     if kv.index.ndim == 0:
         k = lax.dynamic_update_slice(kv.k, k.astype(kv.k.dtype), (0, 0, 0, kv.index))
         v = lax.dynamic_update_slice(kv.v, v.astype(kv.v.dtype), (0, 0, kv.index, 0))
-    else:  # one token per row, each at its own slot
-        rows = jnp.arange(kv.k.shape[0])
+    else:  # one token per row, each at its own slot; the new keys may be for the first rows only
+        rows = jnp.arange(k.shape[0])
         k = kv.k.at[rows, :, :, kv.index].set(k[..., 0].astype(kv.k.dtype))
         v = kv.v.at[rows, :, kv.index, :].set(v[:, :, 0].astype(kv.v.dtype))
     return kv._replace(k=nn.with_logical_constraint(k, KEY_AXES), v=nn.with_logical_constraint(v, VALUE_AXES))
@@ -207,17 +207,18 @@ def _decode_attention(
     updated cache lets XLA fuse the update into the matmul's operand as well as into the loop
     carry, which costs a copy of every layer's cache at every step.
     """
-    # ``mask`` may cover only the first W slots (decode slots attend to a window that holds every
-    # row's sequence), so the matmuls read that much of the cache and no more.
-    window = mask.shape[-1]
-    past = attention_scores(q, kv.k[..., :window], cfg.head_dim)  # [B, H, 1, W]
+    # ``mask`` may cover only the first W slots, and ``q`` only the first B rows of the cache (decode
+    # slots attend to a window that holds every busy row's sequence), so the matmuls read that much
+    # of the cache and no more.
+    rows, window = q.shape[0], mask.shape[-1]
+    past = attention_scores(q, kv.k[:rows, :, :, :window], cfg.head_dim)  # [B, H, 1, W]
     own = attention_scores(q, k, cfg.head_dim)  # [B, H, 1, 1]: the new key, not yet in the cache
     slots = jnp.arange(window)
     index = kv.index if kv.index.ndim == 0 else kv.index[:, None, None, None]
     # the token's own slot (index) holds nothing yet: its score comes from the new key instead
     allowed = jnp.concatenate([mask & (slots != index), jnp.ones((*mask.shape[:-1], 1), bool)], axis=-1)
     probs = attention_probs(jnp.concatenate([past, own], axis=-1), allowed, cfg.compute_dtype)
-    out = jnp.einsum("bhqk,bhkd->bqhd", probs[..., :-1], kv.v[:, :, :window]) + probs[..., -1:].transpose(
+    out = jnp.einsum("bhqk,bhkd->bqhd", probs[..., :-1], kv.v[:rows, :, :window]) + probs[..., -1:].transpose(
         0, 2, 1, 3
     ) * v.transpose(0, 2, 1, 3)
     # The writes must follow the matmuls that read the old cache, or XLA copies each cache buffer
@@ -474,9 +475,11 @@ class GPTJ(nn.Module):
     def decode_slots(
         self, tokens: Array, positions: Array, active: Array, cache: KVCache, window: int
     ) -> tuple[Array, KVCache]:
-        """One decode step of independent sequences, one per row (a decode slot): row ``r`` writes
-        its token [B, 1] at slot ``cache.index[r]`` and attends to the slots of its sequence, which
-        lie in the first ``window`` slots. Rows where ``active`` is False write a padding slot.
+        """One decode step of independent sequences, one per cache row (a decode slot): the first B
+        rows of ``cache`` take ``tokens`` [B, 1], row ``r`` writing its token at slot
+        ``cache.index[r]`` and attending to the slots of its sequence, which lie in the first
+        ``window`` slots. Rows where ``active`` [B] is False write a padding slot; rows past B are
+        left as they are.
 
         Returns ``(logits [B, 1, V], updated cache)``; each active row's index moves on by one.
         """
@@ -484,18 +487,22 @@ class GPTJ(nn.Module):
         if cfg.scan_layers:
             raise ValueError("decode slots run the unrolled layers: use scan_layers=False and unstack_layers(params)")
         sin, cos = rotary_tables(positions, cfg.rotary_dim)
-        rows = jnp.arange(tokens.shape[0])
-        key_segments = cache.segment_ids.at[rows, cache.index].set(active.astype(jnp.int32))
-        mask = (key_segments[:, None, None, :window] != 0) & active[:, None, None, None]
+        rows = tokens.shape[0]
+        index = cache.index[:rows]
+        key_segments = cache.segment_ids.at[jnp.arange(rows), index].set(active.astype(jnp.int32))
+        mask = (key_segments[:rows, None, None, :window] != 0) & active[:, None, None, None]
         h = self._embed(tokens)
         new_k, new_v = [], []
         for i in range(cfg.n_layers):
-            h, kv = getattr(self, f"layer_{i}")(h, sin, cos, mask, LayerKV(cache.k[i], cache.v[i], cache.index))
+            h, kv = getattr(self, f"layer_{i}")(h, sin, cos, mask, LayerKV(cache.k[i], cache.v[i], index))
             new_k.append(kv.k)
             new_v.append(kv.v)
         logits = self.lm_head(self.ln_f(h))
         return logits, KVCache(
-            k=tuple(new_k), v=tuple(new_v), segment_ids=key_segments, index=cache.index + active.astype(jnp.int32)
+            k=tuple(new_k),
+            v=tuple(new_v),
+            segment_ids=key_segments,
+            index=cache.index.at[:rows].add(active.astype(jnp.int32)),
         )
 
     def _defaults(self, tokens, positions, segment_ids):

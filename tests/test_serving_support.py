@@ -262,10 +262,10 @@ class _HeldSlots:
         self._holder._enter([request.tokens])
         return self._slots.start_prefill(request)
 
-    def decode(self, release, steps, longest):
+    def decode(self, *args, **kwargs):
         self._holder.decode_calls += 1
         time.sleep(self._holder.step_delay_s)
-        return self._slots.decode(release, steps, longest)
+        return self._slots.decode(*args, **kwargs)
 
 
 def wait_until(condition, timeout_s: float = 30.0, what: str = "condition", interval_s: float = 0.02) -> None:

@@ -141,7 +141,7 @@ class Slots:
         mesh, rules = decoder.mesh, decoder.rules
         self._rows = partitioning.named_sharding(mesh, ("batch",), rules)
         self._state_sharding = partitioning.logical_to_sharding(SlotState.logical_axes(self.config), mesh, rules)
-        self._decode = jax.jit(self._decode_fn, static_argnums=(4,), donate_argnums=(1,))
+        self._decode = jax.jit(self._decode_fn, static_argnums=(4, 5), donate_argnums=(1,))
         self._admit = jax.jit(self._admit_fn, donate_argnums=(1,))
         self._chunk = jax.jit(self._chunk_fn, donate_argnums=(1,))
         self._new_cache = jax.jit(self._new_cache_fn, static_argnums=(0,))
@@ -187,31 +187,34 @@ class Slots:
         top_ids, top_values = lax.cond(jnp.any(want_top), alternatives, nothing, logits)
         return token, logprob, top_ids, top_values
 
-    def _decode_fn(self, params, state: SlotState, release, steps, window: int) -> tuple[SlotState, Tokens]:
+    def _decode_fn(self, params, state: SlotState, release, steps, window: int, rows: int) -> tuple[SlotState, Tokens]:
+        """Up to ``steps`` steps of the first ``rows`` slots (every busy one), attending to ``window`` columns."""
         state = state.replace(finish=jnp.where(release & (state.finish == RUNNING), STOPPED, state.finish))
-        s_, k_, t_ = self.slots, self.steps, self.top
+        cache = state.cache  # its arrays stay whole: each step reads and writes the busy rows in place
+        s = jax.tree.map(lambda x: x[:rows], state.replace(cache=None))
+        k_, t_ = self.steps, self.top
         out = Tokens(
-            tokens=jnp.zeros((s_, k_), jnp.int32),
-            logprobs=jnp.zeros((s_, k_), jnp.float32),
-            top_ids=jnp.zeros((s_, k_, t_), jnp.int32),
-            top_logprobs=jnp.zeros((s_, k_, t_), jnp.float32),
-            finish=state.finish,
-            num_generated=state.num_generated,
+            tokens=jnp.zeros((rows, k_), jnp.int32),
+            logprobs=jnp.zeros((rows, k_), jnp.float32),
+            top_ids=jnp.zeros((rows, k_, t_), jnp.int32),
+            top_logprobs=jnp.zeros((rows, k_, t_), jnp.float32),
+            finish=s.finish,
+            num_generated=s.num_generated,
         )
 
         def unfinished(carry):
-            s, _, i = carry
+            s, _, _, i = carry
             return (i < steps) & jnp.any(s.finish == RUNNING)
 
         def step(carry):
-            s, o, i = carry
+            s, cache, o, i = carry
             active = s.finish == RUNNING
             logits, cache = self._model.apply(
                 {"params": params},
                 s.last[:, None],
-                s.cache.index[:, None],
+                cache.index[:rows, None],
                 active,
-                s.cache,
+                cache,
                 window,
                 method=GPTJ.decode_slots,
             )
@@ -223,11 +226,10 @@ class Slots:
             finish = jnp.where(active & (token == s.eos_id), EOS, s.finish)
             finish = jnp.where((finish == RUNNING) & (num >= s.max_new_tokens), LENGTH, finish)
             s = s.replace(
-                cache=cache,
                 last=jnp.where(active, token, s.last),
                 num_generated=num,
                 finish=finish,
-                seen=s.seen.at[jnp.arange(s_), token].max(active),
+                seen=s.seen.at[jnp.arange(rows), token].max(active),
             )
             o = o.replace(
                 tokens=o.tokens.at[:, i].set(token),
@@ -235,10 +237,15 @@ class Slots:
                 top_ids=o.top_ids.at[:, i].set(top_ids),
                 top_logprobs=o.top_logprobs.at[:, i].set(top_values),
             )
-            return s, o, i + 1
+            return s, cache, o, i + 1
 
-        state, out, _ = lax.while_loop(unfinished, step, (state, out, jnp.zeros((), jnp.int32)))
-        return state, out.replace(finish=state.finish, num_generated=state.num_generated)
+        s, cache, out, _ = lax.while_loop(unfinished, step, (s, cache, out, jnp.zeros((), jnp.int32)))
+        whole = jax.tree.map(
+            lambda full, part: lax.dynamic_update_slice_in_dim(full, part, 0, axis=0),
+            state.replace(cache=None),
+            s,
+        )
+        return whole.replace(cache=cache), out.replace(finish=s.finish, num_generated=s.num_generated)
 
     def _admit_fn(self, params, state, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top):
         """Prefill short prompts [b, P] (left-padded) at once and insert them into rows ``slots``."""
@@ -424,14 +431,23 @@ class Slots:
         """The attention window for running sequences of at most ``longest`` tokens."""
         return min(self.length, bucket(longest))
 
-    def decode(self, release: list[int], steps: int, longest: int) -> Tokens:
+    def busy_rows(self, highest: int) -> int:
+        """The rows a decode step runs when ``highest`` is the highest busy slot: a power of two (and
+        a multiple of the data-parallel size) above it, so a lone request costs one row, not all."""
+        multiple = self.decoder.batch_multiple
+        return min(self.slots, -(-bucket(highest + 1, 1) // multiple) * multiple)
+
+    def decode(self, release: list[int], steps: int, longest: int, highest: int | None = None) -> Tokens:
         """Stop the rows in ``release``, then run up to ``steps`` decode steps of every running row.
 
-        ``longest``: the longest running sequence (prompt + generated tokens) in tokens.
+        ``longest``: the longest running sequence (prompt + generated tokens) in tokens;
+        ``highest``: the highest busy slot (default: the last). Returns the first
+        :meth:`busy_rows` rows' tokens.
         """
         stop = np.zeros(self.slots, bool)
         stop[release] = True
         steps = min(steps, self.steps)
+        rows = self.busy_rows(self.slots - 1 if highest is None else highest)
         with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
             self.state, out = self._decode(
                 self.decoder.params,
@@ -439,8 +455,9 @@ class Slots:
                 to_device(stop, self._rows),
                 np.int32(steps),
                 self.window(longest + steps),
+                rows,
             )
-        return _host_tokens(out, self.slots)
+        return _host_tokens(out, rows)
 
     def warm_up(self) -> None:
         """Compile every program a request can need: nothing compiles once requests come."""
@@ -457,7 +474,8 @@ class Slots:
                 self.prefill_chunk(prefill)
                 self.insert(prefill, self.slots)
         for window in sorted({self.window(1 << i) for i in range(4, longest.bit_length())}):
-            self.decode([], 1, window - 1)
+            for highest in sorted({self.busy_rows(s) - 1 for s in range(self.slots)}):
+                self.decode([], 1, window - 1, highest)
 
     def compilations(self) -> int:
         """Programs compiled so far, for checking that nothing recompiles as requests come and go."""

@@ -292,7 +292,7 @@ class Engine:
         start = time.monotonic()
         # One step per call: a row that ends, a stop string, a client that leaves or one that
         # arrives is dealt with before the next step.
-        out = slots.decode(release, 1, max(row.length for row in running))
+        out = slots.decode(release, 1, max(row.length for row in running), max(self._occupied))
         seconds = time.monotonic() - start
         done = int(max(out.num_generated[row.slot] - len(row.tokens) for row in running))
         self._step_seconds = 0.9 * self._step_seconds + 0.1 * seconds / max(done, 1)
