@@ -44,6 +44,8 @@ NOT_RUN = {
     "gcloud ": "runs on a TPU VM slice",
     "gptj-eval harness --checkpoint CKPT --tasks lambada_openai": "downloads the tasks' datasets from the HuggingFace hub",
     "gptj-lm-eval --model gptj_flax --model_args checkpoint=CKPT --tasks piqa": "downloads piqa from the HuggingFace hub",
+    "lm_eval --model local-completions": "downloads piqa from the HuggingFace hub (tests/test_serving_openai.py runs "
+    "local-completions against the server on a local task)",
 }
 # Arguments added after a command so that it runs in seconds on the stand-ins (argparse: the last wins).
 SHORTER = {
