@@ -34,6 +34,8 @@ from gptj_flax.serving.worker import FAILED, READY, STOPPED, WARMING_UP, Job, No
 
 logger = logging.getLogger(__name__)
 
+ENGINE_STACK_BYTES = 256 * 2**20
+
 __all__ = ["Engine", "FAILED", "READY", "STOPPED", "WARMING_UP"]
 
 
@@ -106,7 +108,14 @@ class Engine:
 
     # -- event-loop side -----------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        # XLA compiles the engine's programs on this thread and its compiler can recurse deeply; a
+        # compile on a default-sized thread stack (the process's limit, often 8 MiB) once died of
+        # SIGSEGV in a full test run, so the thread gets a large one.
+        previous = threading.stack_size(ENGINE_STACK_BYTES)
+        try:
+            self._thread.start()
+        finally:
+            threading.stack_size(previous)
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish the rows queued and running, then end the thread."""
