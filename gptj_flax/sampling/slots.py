@@ -10,8 +10,9 @@ insert reuses it. Nothing here knows about requests: :mod:`gptj_flax.serving.eng
 A row's sequence occupies columns ``0 … n-1`` of its row (prompt first, no padding), so its
 position is its length and a decode step writes each row at a column of its own. Every step
 attends to a window of the first ``W`` columns only, ``W`` the power of two that holds the longest
-running sequence: short requests beside each other cost what a static batch of their lengths would,
-however long the cache is.
+running sequence, and runs the first ``R`` rows only, ``R`` the power of two past the highest busy
+slot (new sequences take the lowest free one): a lone request costs one row and short requests cost
+what a static batch of their lengths would, however many slots and columns the cache has.
 
 Draws are those of :meth:`Decoder.start`: a row's ``n``-th token uses ``fold_in(key(seed), n)``,
 so a sequence comes out the same in a slot as in a batch of its own.
