@@ -136,6 +136,7 @@ class Decoder:
         _, param_shardings = checkpoint.param_targets(config, mesh, rules)
         self.params = jax.device_put(params, param_shardings)
         self.batch_multiple = partitioning.data_parallel_size(mesh, rules)
+        self.slot_programs: dict[tuple, tuple] = {}  # decode slots' compiled programs, by shape (sampling.slots)
 
         def sharding(*axes):
             return partitioning.named_sharding(mesh, axes, rules)

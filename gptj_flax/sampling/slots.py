@@ -142,12 +142,21 @@ class Slots:
         mesh, rules = decoder.mesh, decoder.rules
         self._rows = partitioning.named_sharding(mesh, ("batch",), rules)
         self._state_sharding = partitioning.logical_to_sharding(SlotState.logical_axes(self.config), mesh, rules)
-        self._decode = jax.jit(self._decode_fn, static_argnums=(4, 5), donate_argnums=(1,))
-        self._admit = jax.jit(self._admit_fn, donate_argnums=(1,))
-        self._chunk = jax.jit(self._chunk_fn, donate_argnums=(1,))
-        self._new_cache = jax.jit(self._new_cache_fn, static_argnums=(0,))
-        self._insert = jax.jit(self._insert_fn, donate_argnums=(0,))
-        self._build = jax.jit(self._empty_fn, out_shardings=self._state_sharding)
+        # The programs depend on the shapes alone (the state is an argument), so every Slots of one
+        # decoder and shape shares them, as its Decoder's programs are shared: a new server on a
+        # loaded model compiles nothing new, and no compiled program is freed while one compiles.
+        programs = decoder.slot_programs
+        key = (self.slots, length, chunk, steps, top_logprobs)
+        if key not in programs:
+            programs[key] = (
+                jax.jit(self._decode_fn, static_argnums=(4, 5), donate_argnums=(1,)),
+                jax.jit(self._admit_fn, donate_argnums=(1,)),
+                jax.jit(self._chunk_fn, donate_argnums=(1,)),
+                jax.jit(self._new_cache_fn, static_argnums=(0,)),
+                jax.jit(self._insert_fn, donate_argnums=(0,)),
+                jax.jit(self._empty_fn, out_shardings=self._state_sharding),
+            )
+        self._decode, self._admit, self._chunk, self._new_cache, self._insert, self._build = programs[key]
         self.reset()
 
     def reset(self) -> None:
