@@ -28,6 +28,7 @@ def _main() -> int:
     add_debug_flag(parser)
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
 
+    # Imported after parsing, so that --help and argument errors answer at once, without loading JAX.
     from gptj_flax.config import load_config
     from gptj_flax.training.aot import compile_for_topology
 

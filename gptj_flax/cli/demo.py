@@ -36,6 +36,7 @@ def _main() -> int:
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
+    # Imported after parsing, so that --help and argument errors answer at once, without loading JAX.
     import gptj_flax
     from gptj_flax import partitioning
     from gptj_flax.config import ConfigError, load_config
