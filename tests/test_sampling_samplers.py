@@ -166,6 +166,17 @@ def test_draws_are_reproducible_from_the_seed():
     assert np.any(a != c)
 
 
+def test_a_draw_is_jax_random_categorical_of_the_warped_logits():
+    logits = jax.random.normal(jax.random.key(1), (64, 500)) * 3
+    logits = logits.at[3, :].set(-jnp.inf).at[3, 5].set(0.0)  # one row with a single possible token
+    params = _params(64, temperature=0.7, top_k=[0] * 32 + [20] * 32)
+    keys = jax.random.split(jax.random.key(2), 64)
+    tokens = next_tokens(logits, params, jnp.zeros(logits.shape, bool), keys, 500)
+    expected = jax.vmap(jax.random.categorical)(keys, warp(logits, params))
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected))
+    assert int(tokens[3]) == 5
+
+
 def test_padded_vocabulary_ids_are_never_chosen():
     logits = np.log(PROBS_A + [0.3]).astype(np.float32)  # id 5 would win greedy and be drawn often
     logits[5] = 10.0

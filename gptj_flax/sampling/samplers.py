@@ -234,7 +234,11 @@ def next_tokens(
     greedy = first_argmax(logits)
 
     def draw(logits):
-        sampled = jax.vmap(jax.random.categorical)(keys, warp(logits, params, original_order))
-        return jnp.where(params.temperature > 0, sampled.astype(jnp.int32), greedy)
+        warped = warp(logits, params, original_order)
+        # jax.random.categorical's own draw (the argmax of logits plus Gumbel noise), with the argmax
+        # taken by first_argmax: the variadic reduction jnp.argmax lowers to is slow on XLA's CPU backend.
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, warped.shape[1:], warped.dtype))(keys)
+        sampled = first_argmax(warped + noise)
+        return jnp.where(params.temperature > 0, sampled, greedy)
 
     return lax.cond(jnp.all(params.temperature == 0), lambda _: greedy, draw, logits)
