@@ -12,7 +12,8 @@ position is its length and a decode step writes each row at a column of its own.
 attends to a window of the first ``W`` columns only, ``W`` the power of two that holds the longest
 running sequence, and runs the first ``R`` rows only, ``R`` the power of two past the highest busy
 slot (new sequences take the lowest free one): a lone request costs one row and short requests cost
-what a static batch of their lengths would, however many slots and columns the cache has.
+what a static batch of their lengths would, however many slots and columns the cache has. (A step
+that runs every row reads all columns unless the window is much narrower: see :meth:`Slots.window`.)
 
 Draws are those of :meth:`Decoder.start`: a row's ``n``-th token uses ``fold_in(key(seed), n)``,
 so a sequence comes out the same in a slot as in a batch of its own.
@@ -39,6 +40,9 @@ from gptj_flax.sampling.samplers import SamplingParams, next_tokens, top_logprob
 Array = jax.Array
 
 MAX_PREFILL_ROWS = 8  # prompts prefilled together; more would stall decoding for longer
+# With every row busy, a step attends to a window only when it is at most 1/WHOLE_CACHE_FACTOR of
+# the columns (see Slots.window).
+WHOLE_CACHE_FACTOR = 8
 
 
 @flax.struct.dataclass
@@ -437,9 +441,18 @@ class Slots:
             )
         return _host_tokens(first, 1)
 
-    def window(self, longest: int) -> int:
-        """The attention window for running sequences of at most ``longest`` tokens."""
-        return min(self.length, bucket(longest))
+    def window(self, longest: int, rows: int) -> int:
+        """The attention window for ``rows`` running rows whose sequences have at most ``longest`` tokens.
+
+        A step that runs only some of the cache's rows or columns copies them out of the cache
+        before its matmuls read them (a matmul takes whole arrays, not a strided part of one), and
+        that copy runs far slower than the matmul's own read. With every row running, reading all
+        columns in place therefore beats a window unless the window is a small part of them.
+        """
+        window = min(self.length, bucket(longest))
+        if rows == self.slots and window * WHOLE_CACHE_FACTOR > self.length:
+            return self.length
+        return window
 
     def busy_rows(self, highest: int) -> int:
         """The rows a decode step runs when ``highest`` is the highest busy slot: a power of two (and
@@ -464,7 +477,7 @@ class Slots:
                 self.state,
                 to_device(stop, self._rows),
                 np.int32(steps),
-                self.window(longest + steps),
+                self.window(longest + steps, rows),
                 rows,
             )
         return _host_tokens(out, rows)
@@ -483,9 +496,9 @@ class Slots:
                 prefill = self.start_prefill(request)
                 self.prefill_chunk(prefill)
                 self.insert(prefill, self.slots)
-        for window in sorted({self.window(1 << i) for i in range(4, longest.bit_length())}):
-            for highest in sorted({self.busy_rows(s) - 1 for s in range(self.slots)}):
-                self.decode([], 1, window - 1, highest)
+        for rows in sorted({self.busy_rows(s) for s in range(self.slots)}):
+            for window in sorted({self.window(1 << i, rows) for i in range(4, longest.bit_length())}):
+                self.decode([], 1, window - 1, rows - 1)
 
     def compilations(self) -> int:
         """Programs compiled so far, for checking that nothing recompiles as requests come and go."""
