@@ -201,6 +201,13 @@ BAD = [
     ({"prompt": "x", "repetition_penalty": "__1e309__"}, "repetition_penalty"),
     ({"prompt": "x", "seed": 2**32}, "seed"),
     ({"prompt": "x", "echo": "yes"}, "echo"),
+    # OpenAI's fields this server does not implement, at a value that would change the output
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
+    ({"prompt": "x", "logit_bias": {"50": 10}}, "logit_bias"),
+    ({"prompt": "x", "suffix": " the end"}, "suffix"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "temprature": 0}, "temprature"),  # a misspelt field is refused, not ignored
 ]
 
 
@@ -212,6 +219,25 @@ def test_bad_completion_requests_are_a_422_naming_the_field(server, body, field)
     )
     assert response.status_code == 422, response.text
     assert field in {str(part) for error in response.json()["detail"] for part in error["loc"]}
+
+
+def test_openai_defaults_of_unimplemented_fields_are_accepted_and_best_of_only_as_n(server):
+    neutral = {
+        "prompt": "x",
+        "max_tokens": 2,
+        "temperature": 0,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+        "suffix": None,
+        "best_of": 1,
+        "stream_options": None,
+    }
+    ok = httpx.post(server.url + "/v1/completions", json=neutral, timeout=60)
+    assert ok.status_code == 200, ok.text
+    refused = httpx.post(server.url + "/v1/completions", json={**neutral, "best_of": 3}, timeout=60)
+    assert refused.status_code == 422
+    assert "best_of" in refused.text and "not implement" in refused.text
 
 
 def test_a_prompt_longer_than_the_context_is_a_413(lm, server):

@@ -9,7 +9,7 @@ be finite, and every text field has a length limit, which makes pydantic check i
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_TEXT_CHARS = 16384  # the GPT-4chan limit on prompt and pre_prompt
@@ -28,6 +28,23 @@ API_KEY = Field(None, min_length=1, max_length=128, description="API key (or sen
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _neutral_only(field: str, neutral: tuple, shown: str, instead: str = "") -> AfterValidator:
+    """Accept one of OpenAI's fields this server does not implement only at a value that changes
+    nothing (``neutral``, spelt ``shown``: clients often send the defaults), and refuse any other
+    value by name."""
+
+    def check(value):
+        if value not in neutral:
+            raise PydanticCustomError(
+                "not_implemented",
+                "this server does not implement {field}: only {shown} is accepted{instead}",
+                {"field": field, "shown": shown, "instead": instead},
+            )
+        return value
+
+    return AfterValidator(check)
 
 
 class CompleteRequest(StrictModel):
@@ -84,8 +101,13 @@ def completion_request_model(max_prompts: int, vocab: int) -> type[StrictModel]:
     TokenIds = token_ids(vocab)
 
     class CompletionRequest(StrictModel):
-        """OpenAI's legacy completions request (the fields this server implements), with vLLM's
-        `top_k`, `min_p` and `repetition_penalty`."""
+        """OpenAI's legacy completions request, with vLLM's `top_k`, `min_p` and `repetition_penalty`.
+
+        As OpenAI does, a field it does not know is refused by name. OpenAI's fields this server
+        does not implement are accepted only at their neutral values.
+        """
+
+        model_config = ConfigDict(strict=True, extra="forbid")
 
         model: ModelName | None = None
         prompt: (
@@ -138,6 +160,34 @@ def completion_request_model(max_prompts: int, vocab: int) -> type[StrictModel]:
             "alternatives at its position (the chosen token is always among them)",
         )
         api_key: str | None = API_KEY
+        presence_penalty: Annotated[
+            float, Field(allow_inf_nan=False), _neutral_only("presence_penalty", (0,), "0", "; repetition_penalty is")
+        ] = 0.0
+        frequency_penalty: Annotated[
+            float, Field(allow_inf_nan=False), _neutral_only("frequency_penalty", (0,), "0", "; repetition_penalty is")
+        ] = 0.0
+        best_of: int | None = Field(None, description="accepted only as null or equal to `n`")
+        logit_bias: Annotated[dict[str, float] | None, _neutral_only("logit_bias", (None, {}), "null or {}")] = None
+        suffix: Annotated[str | None, _neutral_only("suffix", (None, ""), 'null or ""')] = None
+        stream_options: Annotated[
+            dict[str, bool] | None,
+            _neutral_only(
+                "stream_options",
+                (None, {}, {"include_usage": False}),
+                'null or {"include_usage": false}',
+                "; a stream does not end with its usage",
+            ),
+        ] = None
+
+        @model_validator(mode="after")
+        def _best_of_is_n(self):
+            if self.best_of is not None and self.best_of != self.n:
+                raise PydanticCustomError(
+                    "not_implemented",
+                    "this server does not implement best_of: only null or best_of equal to n ({n}) is accepted",
+                    {"n": self.n},
+                )
+            return self
 
     return CompletionRequest
 
