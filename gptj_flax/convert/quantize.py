@@ -120,6 +120,18 @@ class _OneAtATime:
         return value
 
 
+def quantize_params(params: dict, config: ModelConfig) -> tuple[ModelConfig, dict]:
+    """``(int8 config, int8 params)`` of an in-memory float params tree (numpy or jax leaves), as
+    host numpy arrays."""
+    streamed = {
+        path: StreamedArray(np.shape(leaf), np.asarray(leaf).dtype, functools.partial(np.asarray, leaf), "/".join(path))
+        for path, leaf in traverse_util.flatten_dict(params).items()
+    }
+    int8_config, quantized = quantize_streamed(traverse_util.unflatten_dict(streamed), config)
+    flat = traverse_util.flatten_dict(quantized)
+    return int8_config, traverse_util.unflatten_dict({path: leaf.materialize() for path, leaf in flat.items()})
+
+
 def orbax_streamed(source: OrbaxParams) -> dict:
     """A stored checkpoint's params as StreamedArrays in their stored dtypes, read on demand."""
     dtypes = source.stored_dtypes()
