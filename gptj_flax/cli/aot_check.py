@@ -52,12 +52,13 @@ def _main() -> int:
 
     # Imported after parsing, so that --help and argument errors answer at once, without loading JAX.
     from gptj_flax.config import load_config
-    from gptj_flax.training.aot import compile_for_topology, serving_fit
+    from gptj_flax.training.aot import AotReport, ServingFit, compile_for_topology, serving_fit
 
     overrides = [*args.set, *([f"model.quantize={args.quantize}"] if args.quantize else [])]
     config = load_config(args.config, overrides)
     fits = True
     for topology in args.topology:
+        report: AotReport | ServingFit
         if args.serve:
             cache_len = args.cache_len or config.model.max_len
             report = serving_fit(

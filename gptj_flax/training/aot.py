@@ -349,7 +349,10 @@ def serving_fit(
         with partitioning.sharding_scope(mesh):
             for fn, args, donated in ((decode_step, decode_args, 4), (prefill_chunk, prefill_args, 2)):
                 compiled = jax.jit(fn, donate_argnums=donated).lower(*args).compile()
-                temporaries.append(compiled.memory_analysis().temp_size_in_bytes)
+                memory = compiled.memory_analysis()
+                if memory is None:
+                    raise TopologyError(f"XLA gave no memory analysis for {topology}'s serving programs")
+                temporaries.append(memory.temp_size_in_bytes)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
