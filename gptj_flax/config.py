@@ -344,8 +344,11 @@ class Config:
             )
 
     def to_dict(self) -> dict[str, Any]:
+        model = dataclasses.asdict(self.model)
+        if model["quantize"] is None:  # a float model's config stays readable by versions without the key
+            del model["quantize"]
         return {
-            "model": dataclasses.asdict(self.model),
+            "model": model,
             "mesh": dataclasses.asdict(self.mesh),
             "train": _jsonable(dataclasses.asdict(self.train)),
         }
