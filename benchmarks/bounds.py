@@ -66,6 +66,11 @@ def _matmul_params(config: ModelConfig) -> int:
     return config.param_count() - config.vocab_size * config.d_model  # the embedding is a lookup
 
 
+def _block_projection_params(config: ModelConfig) -> int:
+    d, f = config.d_model, config.ff_dim
+    return config.n_layers * (4 * d * d + 2 * d * f)
+
+
 def decode_bound(
     config: ModelConfig, batch: int, context: float, bandwidth: float, flops: float, itemsize: int = 4
 ) -> Bound:
@@ -74,9 +79,13 @@ def decode_bound(
     A step reads every matmul weight once, each row's embedding and its K/V cache, and does 2 FLOPs
     per weight per row plus the attention's 4·d_model per cached token per layer; at best the step
     takes the longer of its reads at ``bandwidth`` and its arithmetic at ``flops`` (a roofline).
+    With ``config.quantize == "int8"`` the block projections are read at one byte per weight.
     """
     kv_bytes = 2 * config.n_layers * batch * context * config.d_model * itemsize
-    step_bytes = (_matmul_params(config) + batch * config.d_model) * itemsize + kv_bytes
+    weight_bytes = _matmul_params(config) * itemsize
+    if config.quantize == "int8":
+        weight_bytes -= _block_projection_params(config) * (itemsize - 1)
+    step_bytes = weight_bytes + batch * config.d_model * itemsize + kv_bytes
     step_flops = batch * (2.0 * _matmul_params(config) + 4.0 * config.n_layers * config.d_model * context)
     memory_s, compute_s = step_bytes / bandwidth, step_flops / flops
     return Bound(

@@ -8,7 +8,9 @@ compilation), best of ``--repeats`` runs, PyTorch in a process of its own:
 * decode tokens/s: the remaining ``new_tokens - 1`` tokens of every row, per second;
 
 at each batch size, plus the time from ``gptj_flax.load()`` of an Orbax checkpoint to the first
-generated token (cold: restore, compile, prefill).
+generated token (cold: restore, compile, prefill). With ``--quantize int8`` the same weights
+quantised to int8 (block projections, a scale per output channel) decode too, in the same run,
+beside float32 and against their own bound (one byte per block-projection weight read).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 
 from benchmarks import bounds, profile
 from benchmarks.common import BENCH_MODEL, hf_gptj_config, load_average, machine_summary
+from gptj_flax.config import QUANTIZATIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default 128)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the best is reported")
     parser.add_argument("--torch-threads", type=int, default=2, help="PyTorch intra-op threads (default 2)")
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="also decode with the weights quantised to int8 and print its tokens/s beside float32's",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -156,12 +165,40 @@ def _print_profiles(lm, prompt_ids, batch_sizes, ours, new_tokens: int) -> None:
         print(profile.format_rows(rows, (full_s - prefill_s) / (new_tokens - 1) * 1e3, threads))
 
 
+def _print_int8(args, int8_config, batch_sizes, rows, int8_times, context, bandwidth, ceiling) -> None:
+    """int8's decode tokens/s beside float32's, each against its own bound."""
+    print(
+        f"\n{args.quantize} weights (block projections {args.quantize}, a float32 scale per output channel; "
+        "embedding, head and compute float32), same prompts and decoding:"
+    )
+    header = ("batch", "decode tok/s float32", f"decode tok/s {args.quantize}", "ratio", "bound tok/s", "% of bound")
+    body = []
+    for batch, row, (prefill, full) in zip(batch_sizes, rows, int8_times):
+        tps = batch * (args.new_tokens - 1) / (full - prefill)
+        bound = bounds.decode_bound(int8_config, batch, context, bandwidth, ceiling)
+        body.append(
+            (
+                str(batch),
+                f"{row[1]:,.0f}",
+                f"{tps:,.0f}",
+                f"{tps / row[1]:.2f}x",
+                f"{bound.tokens_per_s:,.0f} ({bound.limit})",
+                f"{100 * bound.reached(tps):.0f}%",
+            )
+        )
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
+    for line in (header, ["-" * w for w in widths], *body):
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    print(f"(ratio: how many times faster {args.quantize} is than float32)")
+
+
 def run(args: argparse.Namespace) -> None:
     import jax
     import torch
     from transformers.utils import logging as hf_logging
 
     from gptj_flax.convert.hf_names import params_from_hf
+    from gptj_flax.convert.quantize import quantize_params
     from gptj_flax.sampling.api import LanguageModel
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -193,6 +230,13 @@ def run(args: argparse.Namespace) -> None:
     cold = _load_to_first_token(config, params, list(prompt_ids[0]))
     lm = LanguageModel(config, params)
     ours = [_best_times(list(_ours(lm, prompt_ids[:batch], args.new_tokens)), args.repeats) for batch in batch_sizes]
+    if args.quantize:
+        int8_config, int8_params = quantize_params(params, config)
+        int8_lm = LanguageModel(int8_config, int8_params)
+        int8_times = [
+            _best_times(list(_ours(int8_lm, prompt_ids[:batch], args.new_tokens)), args.repeats)
+            for batch in batch_sizes
+        ]
     with tempfile.TemporaryDirectory() as model_dir:
         hf.save_pretrained(model_dir)
         with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -242,6 +286,8 @@ def run(args: argparse.Namespace) -> None:
     for line in (header, ["-" * w for w in widths], *body):
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
     print("\n(ratio: how many times faster gptj_flax is)")
+    if args.quantize:
+        _print_int8(args, int8_config, batch_sizes, rows, int8_times, context, bandwidth, ceilings[config.dtype])
     print(f"bounds, measured in this process (decode steps read {context:.0f} cached tokens on average):")
     print(bounds.describe_limits(bandwidth, ceilings, weights))
     print(

@@ -31,6 +31,8 @@ from gptj_flax.errors import GptjFlaxError
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 # auto: Splash on TPU, cuDNN's fused attention on GPU, XLA elsewhere (see gptj_flax.attention).
 ATTENTION_BACKENDS = ("auto", "xla", "splash", "cudnn")
+# Weight-only quantisations of the block projections (ModelConfig.quantize), for inference.
+QUANTIZATIONS = ("int8",)
 
 # Canonical dtype name → the dtype, and every spelling the user may write for each.
 _DTYPE_BY_NAME = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -143,6 +145,9 @@ class ModelConfig:
     scan_layers: bool = True  # nn.scan over the blocks: compile time independent of depth
     remat_policy: str = "none"  # one of REMAT_POLICIES
     attention: str = "auto"  # one of ATTENTION_BACKENDS
+    # "int8": the block projections are stored int8 with a float scale per output channel
+    # (gptj_flax.convert.quantize makes them from float weights); None: every weight in param_dtype.
+    quantize: str | None = None
 
     def __post_init__(self):
         if self.d_ff is None:
@@ -184,6 +189,8 @@ class ModelConfig:
             raise ConfigError(f"model.layer_norm_eps must be a finite positive number, got {self.layer_norm_eps!r}")
         _check_choice("model.remat_policy", self.remat_policy, REMAT_POLICIES)
         _check_choice("model.attention", self.attention, ATTENTION_BACKENDS)
+        if self.quantize is not None:
+            _check_choice("model.quantize", self.quantize, QUANTIZATIONS)
         if not isinstance(self.scan_layers, bool):
             raise ConfigError(f"model.scan_layers must be true or false, got {self.scan_layers!r}")
 
@@ -337,8 +344,11 @@ class Config:
             )
 
     def to_dict(self) -> dict[str, Any]:
+        model = dataclasses.asdict(self.model)
+        if model["quantize"] is None:  # a float model's config stays readable by versions without the key
+            del model["quantize"]
         return {
-            "model": dataclasses.asdict(self.model),
+            "model": model,
             "mesh": dataclasses.asdict(self.mesh),
             "train": _jsonable(dataclasses.asdict(self.train)),
         }

@@ -51,6 +51,32 @@ def _ones(axes):
     return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
 
 
+# An int8 model's projection kernel ``NAME`` has its per-output-channel scale beside it, ``NAME_scale``.
+SCALE_SUFFIX = "_scale"
+
+
+def project(
+    module: nn.Module, name: str, x: Array, spec: str, shape: tuple[int, ...], stddev: float, axes: tuple[str, ...]
+) -> Array:
+    """``einsum(spec, x, kernel)`` in the compute dtype, declaring the kernel ``name`` on ``module``.
+
+    With ``config.quantize == "int8"`` the kernel is stored int8 with a scale per output channel (the
+    kernel's dims after those ``x`` contracts): the convert to the compute dtype is fused by XLA into
+    the matmul's operand read, and the scale multiplies the much smaller output. Such a model is
+    made by quantising a float one (:mod:`gptj_flax.convert.quantize`), so its init values are
+    placeholders.
+    """
+    cfg = module.config
+    if cfg.quantize is None:
+        kernel = module.param(name, _init(stddev, axes), shape, cfg.weight_dtype)
+        return jnp.einsum(spec, x, kernel.astype(cfg.compute_dtype))
+    operands, output = spec.split("->")
+    n_in = sum(dim not in output for dim in operands.split(",")[1])  # the contracted dims lead the kernel
+    kernel = module.param(name, _zeros(axes), shape, jnp.int8)
+    scale = module.param(name + SCALE_SUFFIX, _ones(axes[n_in:]), shape[n_in:], jnp.float32)
+    return jnp.einsum(spec, x, kernel.astype(cfg.compute_dtype)) * scale.astype(cfg.compute_dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # Rotary position embedding ("rotate every two")
 
@@ -249,13 +275,10 @@ class Attention(nn.Module):
         cfg = self.config
 
         # Kernels stay 3-D ([embed, heads, kv] and [heads, kv, embed]) so each dim has its own name.
-        def kernel(name, shape, stddev, axes):
-            return self.param(name, _init(stddev, axes), shape, cfg.weight_dtype).astype(cfg.compute_dtype)
-
         qkv_shape, qkv_axes = (cfg.d_model, cfg.n_heads, cfg.head_dim), ("embed", "heads", "kv")
         x = x.astype(cfg.compute_dtype)
         q, k, v = (
-            jnp.einsum("btd,dhk->bthk", x, kernel(name, qkv_shape, cfg.d_model**-0.5, qkv_axes))
+            project(self, name, x, "btd,dhk->bthk", qkv_shape, cfg.d_model**-0.5, qkv_axes)
             for name in ("q_proj", "k_proj", "v_proj")
         )
         q = nn.with_logical_constraint(apply_rotary(q, sin, cos), ("batch", "length", "heads", "kv"))
@@ -278,13 +301,27 @@ class Attention(nn.Module):
             probs = attention_probs(attention_scores(q, k, cfg.head_dim), mask, cfg.compute_dtype)
             out = jnp.einsum("bhqk,bhkd->bqhd", probs, v)
 
-        w_out = kernel(
-            "out_proj",
-            (cfg.n_heads, cfg.head_dim, cfg.d_model),
-            2.0 / cfg.n_layers / np.sqrt(cfg.d_model),
-            ("heads", "kv", "embed"),
-        )
-        return jnp.einsum("bthk,hkd->btd", out, w_out), kv
+        out_shape, out_axes = (cfg.n_heads, cfg.head_dim, cfg.d_model), ("heads", "kv", "embed")
+        stddev = 2.0 / cfg.n_layers / np.sqrt(cfg.d_model)
+        return project(self, "out_proj", out, "bthk,hkd->btd", out_shape, stddev, out_axes), kv
+
+
+class Dense(nn.Module):
+    """``x @ kernel + bias`` over the last dim, with ``nn.Dense``'s parameter names (``kernel``,
+    ``bias``) and numerics, its kernel declared by :func:`project` (so it may be int8)."""
+
+    config: ModelConfig
+    features: int
+    stddev: float
+    axes: tuple[str, str]
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        shape = (x.shape[-1], self.features)
+        y = project(self, "kernel", x.astype(cfg.compute_dtype), "...d,df->...f", shape, self.stddev, self.axes)
+        bias = self.param("bias", _zeros(self.axes[1:]), (self.features,), cfg.weight_dtype)
+        return y + bias.astype(cfg.compute_dtype)
 
 
 class MLP(nn.Module):
@@ -293,23 +330,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.config
-        h = nn.Dense(
-            cfg.ff_dim,
-            dtype=cfg.compute_dtype,
-            param_dtype=cfg.weight_dtype,
-            kernel_init=_init(cfg.d_model**-0.5, ("embed", "mlp")),
-            bias_init=_zeros(("mlp",)),
-            name="fc_in",
-        )(x)
+        h = Dense(cfg, cfg.ff_dim, cfg.d_model**-0.5, ("embed", "mlp"), name="fc_in")(x)
         h = nn.with_logical_constraint(nn.gelu(h, approximate=True), ("batch", "length", "mlp"))
-        return nn.Dense(
-            cfg.d_model,
-            dtype=cfg.compute_dtype,
-            param_dtype=cfg.weight_dtype,
-            kernel_init=_init(2.0 / cfg.n_layers / np.sqrt(cfg.d_model), ("mlp", "embed")),
-            bias_init=_zeros(("embed",)),
-            name="fc_out",
-        )(h)
+        return Dense(cfg, cfg.d_model, 2.0 / cfg.n_layers / np.sqrt(cfg.d_model), ("mlp", "embed"), name="fc_out")(h)
 
 
 def layer_norm(config: ModelConfig, name: str | None = None) -> nn.LayerNorm:

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -9,7 +10,8 @@ import sys
 import pytest
 
 from gptj_flax import partitioning
-from gptj_flax.training.aot import topology_devices
+from gptj_flax.config import load_config
+from gptj_flax.training.aot import serving_fit, topology_devices
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed: the TPU path runs")
@@ -75,3 +77,46 @@ def test_a_v4_slice_is_described_one_device_per_chip_as_jax_meshes_need():
         "fsdp": 4,
         "model": 1,
     }
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed: XLA:TPU measures")
+def test_int8_gptj_6b_serving_fits_one_v5e_chip_and_bf16_does_not(repo_root):
+    """The serving fit without libtpu: parameter and cache bytes from the shapes (checked here
+    against an independent count), activations estimated."""
+    config = load_config(repo_root / "configs" / "gptj_6b.json")
+    int8 = load_config(repo_root / "configs" / "gptj_6b.json", ["model.quantize=int8"])
+    L, d, f, v = 28, 4096, 16384, 50400
+    blocks = L * (4 * d * d + 2 * d * f)
+    scales = L * (3 * d + d + f + d)  # q/k/v: heads x head_dim; out_proj, fc_out: d_model; fc_in: d_ff
+    rest = L * (2 * d + f + d) + 2 * d + 2 * v * d + v  # LayerNorms, biases, embedding, head
+    # keys and values of 8 slots + the prefill chunk's row in bf16, their int32 segment ids and indices
+    cache = 2 * L * (8 + 1) * 2048 * d * 2 + (8 + 1) * 2048 * 4 + (8 + 1) * 4
+    for topology, hbm in (("v5e:1x1", 16), ("v4:1x1x1", 32)):
+        q = serving_fit(int8, topology, batch=8, cache_len=2048)
+        assert (q.param_bytes, q.cache_bytes, q.hbm_bytes) == (blocks + 4 * scales + 2 * rest, cache, hbm * 2**30)
+        assert 0 < q.activation_bytes < 2**30 and q.fits, q.format()
+        b = serving_fit(config, topology, batch=8, cache_len=2048)
+        assert b.param_bytes == 2 * (blocks + rest) and b.fits == (hbm == 32), b.format()
+        print("\n" + q.format() + "\n" + b.format())
+    assert "FITS" in q.format() and "parameters 6.02 GiB + KV cache 7.88 GiB" in q.format()
+
+
+def test_aot_check_refuses_serving_flags_without_serve(repo_root):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/aot_check.py",
+            "--config",
+            "configs/tiny.json",
+            "--topology",
+            "v5e:1x1",
+            "--quantize",
+            "int8",
+        ],
+        cwd=repo_root,
+        env={**os.environ, "PYTHONPATH": str(repo_root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and "--quantize only apply with --serve" in result.stderr

@@ -115,6 +115,40 @@ def test_sample_benchmark(repo_root, tmp_path):
 
 
 @pytest.mark.slow
+def test_sample_benchmark_prints_int8_beside_float32(repo_root, tmp_path):
+    out = bench(
+        repo_root,
+        tmp_path,
+        "sample",
+        "--batch-sizes",
+        "1,2",
+        "--prompt-tokens",
+        "4",
+        "--new-tokens",
+        "3",
+        "--repeats",
+        "1",
+        "--torch-threads",
+        "1",
+        "--quantize",
+        "int8",
+    )
+    int8 = out.split("int8 weights (block projections int8, a float32 scale per output channel")[1]
+    rows = re.findall(
+        rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \((?:memory|compute)\)\s+-?{NUMBER}%$",
+        int8,
+        re.MULTILINE,
+    )
+    assert [row[0] for row in rows] == ["1", "2"], out
+    float_rows = re.findall(rf"^\s+([12])\s+(-?{NUMBER})\s+-?{NUMBER}\s+-?{NUMBER}x\s+{NUMBER} \(", out, re.MULTILINE)
+    assert [row[1] for row in rows] == [row[1] for row in float_rows[:2]]  # float32's figures, repeated beside int8's
+    # int8 reads a quarter of the block projections' bytes: its memory bound is higher than float32's
+    float_bound = figure(rf"^\s+1\s+-?{NUMBER}\s+-?{NUMBER}\s+-?{NUMBER}x\s+({NUMBER}) \(", out)
+    assert float(rows[0][3].replace(",", "")) > float_bound
+    assert "(ratio: how many times faster int8 is than float32)" in out
+
+
+@pytest.mark.slow
 def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
     out = bench(
         repo_root,

@@ -3,6 +3,16 @@
 pip install -e '.[tpu]'
 python scripts/aot_check.py --config configs/gptj_6b.json --topology v3:2x2 [--mesh 1,1,8]
                             [--set model.remat_policy=full --set train.per_replica_batch=2 …]
+
+--serve asks the same of serving instead (gptj-serve's decode step over --batch slots of
+--cache-len tokens, and a prefill chunk), parameters in the compute dtype, --quantize int8 for int8
+block projections:
+
+python scripts/aot_check.py --serve --config configs/gptj_6b.json --topology v5e:1x1 --topology v4:1x1x1 \
+                            --quantize int8 --batch 8 --cache-len 2048
+
+Without libtpu a one-chip topology (v4:1x1x1, v5e:1x1, v5p:1x1x1, v6e:1x1) is still answered: the
+parameter and cache bytes are exact, the activations XLA:CPU's estimate.
 """
 
 import argparse
@@ -10,7 +20,7 @@ import os
 import sys
 
 from gptj_flax.cli import LONE_HOST_TPU_ENV, libtpu_without_tpu
-from gptj_flax.config import cli_path, join_negative_values
+from gptj_flax.config import QUANTIZATIONS, cli_path, join_negative_values
 from gptj_flax.errors import add_debug_flag, run_cli
 
 
@@ -25,17 +35,37 @@ def _main() -> int:
     )
     parser.add_argument("--mesh", help="data,fsdp,model sizes (default: the config's)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    serving = parser.add_argument_group("serving fit (--serve)")
+    serving.add_argument("--serve", action="store_true", help="check gptj-serve's programs instead of the train step")
+    serving.add_argument("--batch", type=int, default=8, help="decode slots (gptj-serve --max-batch; default 8)")
+    serving.add_argument("--cache-len", type=int, help="tokens per slot (gptj-serve --max-len; default model.max_len)")
+    serving.add_argument("--prefill-chunk", type=int, default=128, help="prefill chunk (default 128)")
+    serving.add_argument("--quantize", choices=QUANTIZATIONS, help="block projections in int8 (model.quantize)")
     add_debug_flag(parser)
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
+    if not args.serve:
+        given = [f for f, v in (("--quantize", args.quantize), ("--cache-len", args.cache_len)) if v is not None]
+        if given:
+            parser.error(f"{', '.join(given)} only apply with --serve (the train step trains float weights)")
+    if args.batch < 1 or (args.cache_len is not None and args.cache_len < 2):
+        parser.error("--batch must be >= 1 and --cache-len >= 2")
 
     # Imported after parsing, so that --help and argument errors answer at once, without loading JAX.
     from gptj_flax.config import load_config
-    from gptj_flax.training.aot import compile_for_topology
+    from gptj_flax.training.aot import AotReport, ServingFit, compile_for_topology, serving_fit
 
-    config = load_config(args.config, args.set)
+    overrides = [*args.set, *([f"model.quantize={args.quantize}"] if args.quantize else [])]
+    config = load_config(args.config, overrides)
     fits = True
     for topology in args.topology:
-        report = compile_for_topology(config, topology, args.mesh)
+        report: AotReport | ServingFit
+        if args.serve:
+            cache_len = args.cache_len or config.model.max_len
+            report = serving_fit(
+                config, topology, batch=args.batch, cache_len=cache_len, chunk=args.prefill_chunk, mesh_spec=args.mesh
+            )
+        else:
+            report = compile_for_topology(config, topology, args.mesh)
         print(report.format(), "\n")
         fits = fits and report.fits
     return 0 if fits else 1

@@ -4,10 +4,13 @@
     python scripts/convert.py to-hf CKPT OUT [--dtype float32|float16|bfloat16] [--max-shard-size 5GB]
     python scripts/convert.py from-legacy STEP_DIR OUT --config legacy.json [--with-opt-state] [--dtype …]
     python scripts/convert.py slim CKPT OUT [--dtype bfloat16|float16]
+    python scripts/convert.py quantize CKPT OUT
 
 Imported weights compute in the precision they are stored in (a float32 HuggingFace model or a full
 legacy checkpoint in float32, a bf16 one in bfloat16), so the result scores as the source does;
---dtype chooses another compute dtype. Every --dtype takes fp32/bf16/fp16 as well.
+--dtype chooses another compute dtype. Every --dtype takes fp32/bf16/fp16 as well. quantize stores
+q/k/v/out_proj, fc_in and fc_out as int8 with a float32 scale per output channel (inference only;
+its config records it, so loading OUT needs no flag).
 
 Every conversion streams tensor by tensor (memory: about the largest tensor, never the model) and
 writes OUT atomically: an interrupted or failed run leaves no OUT behind. CKPT is an Orbax run
@@ -81,6 +84,10 @@ def _main() -> None:
         default="bfloat16",
         help="stored parameter dtype: bfloat16 or float16 (default: %(default)s)",
     )
+
+    p = commands.add_parser("quantize", help="store the block projections int8 (weight-only, for inference)")
+    p.add_argument("ckpt", help="float Orbax run directory (latest step) or step directory")
+    p.add_argument("out", help="new Orbax checkpoint directory; load(OUT) reads it as int8")
     for each in (parser, *commands.choices.values()):  # accepted before or after the command
         add_debug_flag(each)
 
@@ -102,6 +109,9 @@ def _main() -> None:
         opt_init = make_optimizer(config.train).init if args.with_opt_state else None
         out = convert.from_legacy(args.step_dir, args.out, config, shards, dtype=args.dtype, opt_init=opt_init)
         print(f"wrote {out}: parameters float32, compute {OrbaxParams.open(out).config.model.dtype}")
+    elif args.command == "quantize":
+        out = convert.quantize(args.ckpt, args.out)
+        print(f"wrote {out}: block projections int8 with a float32 scale per output channel, the rest as stored")
     else:
         out = convert.slim(args.ckpt, args.out, dtype=args.dtype)
         print(f"wrote {out}: parameters {args.dtype}")

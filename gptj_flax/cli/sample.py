@@ -20,7 +20,7 @@ import jax
 
 import gptj_flax
 from gptj_flax.cli.distributed import start_processes
-from gptj_flax.config import cli_dtype, cli_path, join_negative_values
+from gptj_flax.config import QUANTIZATIONS, cli_dtype, cli_path, join_negative_values
 from gptj_flax.errors import add_debug_flag, run_cli
 from gptj_flax.sampling import SamplingError
 from gptj_flax.sampling.multihost import read_on_process_0
@@ -41,6 +41,13 @@ def parse_args() -> argparse.Namespace:
         type=cli_dtype,
         help="parameter and compute dtype: float32/fp32, bfloat16/bf16 or float16/fp16 "
         "(default: as stored, and the config's compute dtype)",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="store the block projections as int8 with a scale per output channel, quantised as the model "
+        "loads (default: as stored; a gptj-convert quantize output is int8 already)",
     )
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prompt", help="complete this prompt and exit")
@@ -102,7 +109,7 @@ def read_line() -> str | None:
 def _main() -> None:
     args = parse_args()
     start_processes()  # on a TPU pod every host runs this command; elsewhere nothing
-    lm = gptj_flax.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, step=args.step)
+    lm = gptj_flax.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, step=args.step, quantize=args.quantize)
     show(lm, file=sys.stderr)  # states the parameter and compute dtypes in effect
     settings = dict(
         max_new_tokens=args.max_new_tokens,

@@ -1,6 +1,6 @@
 """Weight conversion: HuggingFace GPT-J and legacy mesh-transformer-jax checkpoints, streamed tensor by tensor.
 
-``from_hf`` / ``to_hf`` / ``from_legacy`` / ``slim`` write complete outputs atomically;
+``from_hf`` / ``to_hf`` / ``from_legacy`` / ``slim`` / ``quantize`` (int8) write complete outputs atomically;
 ``load_init_params`` puts any source straight onto a training mesh; ``load_init_opt_state`` (built on
 ``load_legacy_opt_state`` and ``insert_adam_moments``) carries its optimiser state into an optax one.
 """
@@ -16,6 +16,7 @@ from gptj_flax.convert.legacy import (
     from_legacy,
     load_legacy_opt_state,
 )
+from gptj_flax.convert.quantize import quantize
 from gptj_flax.convert.slim import slim
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "ours_to_hf",
     "params_from_hf",
     "parse_init_spec",
+    "quantize",
     "slim",
     "to_hf",
 ]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from gptj_flax.config import ModelConfig
 from gptj_flax.errors import GptjFlaxError
 
 # The files a HuggingFace GPT-J tokenizer consists of; whichever exist are carried along.
@@ -82,3 +83,12 @@ def copy_tokenizer_files(src: Path | None, dst: Path) -> list[str]:
 def progress(total_bytes: int, desc: str) -> tqdm:
     """A byte-counting progress bar (shows MB/s), on stderr."""
     return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True)
+
+
+def require_float(model: ModelConfig, where: object, action: str) -> None:
+    """Refuse an int8 checkpoint for ``action``, which needs the float weights it was made from."""
+    if model.quantize is not None:
+        raise ConversionError(
+            f"{where} holds a quantised model (model.quantize={model.quantize!r}: its block projections are "
+            f"{model.quantize}): {action} needs float weights; use the float checkpoint it was quantised from"
+        )

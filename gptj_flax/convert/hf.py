@@ -27,6 +27,7 @@ from gptj_flax.convert.common import (
     atomic_directory,
     copy_tokenizer_files,
     progress,
+    require_float,
 )
 from gptj_flax.convert.hf_names import (
     IGNORED_HF_SUFFIXES,
@@ -347,6 +348,7 @@ def to_hf(
     stored = np.dtype(jnp_dtype(dtype))
     source = OrbaxParams.open(ckpt)
     config = source.config.model
+    require_float(config, source.directory, "HuggingFace export")
     plan = [(name, hf_shape(name, config), stored) for name in hf_names(config)]
     with atomic_directory(out) as tmp:
         with (

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from gptj_flax import checkpoint
 from gptj_flax.config import Config, ModelConfig
-from gptj_flax.convert.common import ConversionError
+from gptj_flax.convert.common import ConversionError, require_float
 from gptj_flax.convert.hf import HFCheckpoint
 from gptj_flax.convert.layout import place_on_mesh, streamed_params
 from gptj_flax.convert.legacy import LegacyCheckpoint, load_legacy_opt_state
@@ -67,6 +67,7 @@ def load_init_params(spec: str, config: Config, mesh: Mesh, legacy_shards: int |
             return place_on_mesh(streamed_params(legacy.get, config.model), target, desc="loading legacy weights")
 
     stored = OrbaxParams.open(location)
+    require_float(stored.config.model, location, "training")
     check_architecture(stored.config.model, config.model, location)
     _, params, _ = checkpoint.load_params(location, mesh, step=stored.step, dtype=config.model.weight_dtype)
     if stored.config.model.scan_layers != config.model.scan_layers:

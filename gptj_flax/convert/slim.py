@@ -17,7 +17,7 @@ from flax import traverse_util
 
 from gptj_flax import checkpoint
 from gptj_flax.config import dtype_name
-from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files
+from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files, require_float
 from gptj_flax.convert.layout import StreamedArray
 from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
 
@@ -31,6 +31,7 @@ def slim(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "bfloa
     if dtype not in SLIM_DTYPES:
         raise ConversionError(f"dtype {dtype!r}: a slim checkpoint stores bfloat16 or float16")
     source = OrbaxParams.open(ckpt)
+    require_float(source.config.model, source.directory, "slimming")  # it would cast the int8 weights
     params = traverse_util.unflatten_dict(
         {
             path: StreamedArray(shape, SLIM_DTYPES[dtype], functools.partial(source.read, path), name="/".join(path))

@@ -10,6 +10,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -71,13 +72,16 @@ def check_divisible(
 
 def restore_targets(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES, dtype: Any = None) -> tuple[Any, Any]:
     """``(targets, shardings)`` for a boxed abstract tree on ``mesh``: every leaf a
-    ``jax.ShapeDtypeStruct`` carrying its ``NamedSharding`` (in ``dtype``, default the leaf's own),
-    what Orbax restores into and what ``jit`` lowers against."""
+    ``jax.ShapeDtypeStruct`` carrying its ``NamedSharding`` (floating leaves in ``dtype``, default
+    the leaf's own; integer leaves, such as int8 weights, always their own), what Orbax restores
+    into and what ``jit`` lowers against."""
     shardings = logical_to_sharding(nn.get_partition_spec(abstract), mesh, rules)
-    targets = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s), nn.meta.unbox(abstract), shardings
-    )
-    return targets, shardings
+
+    def target(x, sharding):
+        cast = dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
+        return jax.ShapeDtypeStruct(x.shape, dtype if cast else x.dtype, sharding=sharding)
+
+    return jax.tree.map(target, nn.meta.unbox(abstract), shardings), shardings
 
 
 def sharded_init(init_fn: Callable, mesh: Mesh, *args, rules: Rules = DEFAULT_RULES):
@@ -146,7 +150,7 @@ def _format_bytes(n: float) -> str:
 def sharding_table(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> str:
     """A printable table of where every parameter lives, with totals per device."""
     rows = sharding_rows(abstract, mesh, rules)
-    header = ("parameter", "logical axes", "mesh axes", "global shape", "per-device shape", "per-device")
+    header = ("parameter", "logical axes", "mesh axes", "global shape", "per-device shape", "dtype", "per-device")
     body = [
         (
             r["name"],
@@ -154,6 +158,7 @@ def sharding_table(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> s
             _axes(r["mesh"]),
             str(r["shape"]),
             str(r["local_shape"]),
+            r["dtype"],
             _format_bytes(r["local_bytes"]),
         )
         for r in rows
@@ -164,13 +169,18 @@ def sharding_table(abstract: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> s
     total = sum(r["bytes"] for r in rows)
     local = sum(r["local_bytes"] for r in rows)
     mesh_desc = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    by_dtype: dict[str, int] = {}
+    for r in rows:
+        by_dtype[r["dtype"]] = by_dtype.get(r["dtype"], 0) + r["local_bytes"]
+    # a quantised model mixes dtypes: say how much of each a device holds
+    split = " (" + ", ".join(f"{d} {_format_bytes(b)}" for d, b in by_dtype.items()) + ")" if len(by_dtype) > 1 else ""
     return "\n".join(
         [
             line(header),
             line(["-" * w for w in widths]),
             *map(line, body),
             "",
-            f"{n_params:,} parameters, {_format_bytes(total)} in all; {_format_bytes(local)} per device "
+            f"{n_params:,} parameters, {_format_bytes(total)} in all; {_format_bytes(local)} per device{split} "
             f"on mesh ({mesh_desc})",
         ]
     )

@@ -23,7 +23,6 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -301,8 +300,9 @@ class LanguageModel:
 
     @property
     def param_dtype(self) -> str:
-        """The dtype the parameters are held in on the devices."""
-        return dtype_name(jax.tree.leaves(self.decoder.params)[0].dtype)
+        """The dtype the float parameters are held in on the devices (an int8 model's block
+        projections are int8 besides: see ``config.quantize``)."""
+        return dtype_name(self.decoder.params["wte"].dtype)
 
     @property
     def compute_dtype(self) -> str:
@@ -312,7 +312,8 @@ class LanguageModel:
         c = self.config
         return (
             f"LanguageModel({c.param_count():,} parameters: {c.n_layers} layers, d_model {c.d_model}, "
-            f"{c.n_heads} heads, vocab {c.vocab_size}, context {c.max_len}; parameters {self.param_dtype}, "
+            f"{c.n_heads} heads, vocab {c.vocab_size}, context {c.max_len}; parameters {self.param_dtype}"
+            f"{'' if c.quantize is None else f' (block projections {c.quantize})'}, "
             f"compute {self.compute_dtype}; step {self.step}; mesh {dict(self.mesh.shape)})"
         )
 

@@ -2,7 +2,8 @@
 
 Weights brought in from HuggingFace compute in the precision they are stored in, and a checkpoint
 in the dtype its config states, unless ``dtype`` says otherwise; so the default is the model as it
-was trained or published.
+was trained or published. ``quantize="int8"`` quantises the block projections as they load (one
+tensor at a time); a checkpoint written by ``gptj-convert quantize`` is int8 already.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import os
 from pathlib import Path
 
 from gptj_flax import checkpoint, partitioning
-from gptj_flax.config import dtype_name, jnp_dtype
+from gptj_flax.config import QUANTIZATIONS, dtype_name, jnp_dtype
 from gptj_flax.convert.hf import HFCheckpoint, is_hf_source
 from gptj_flax.convert.layout import place_on_mesh, streamed_params
+from gptj_flax.convert.orbax_io import OrbaxParams
+from gptj_flax.convert.quantize import orbax_streamed, quantize_streamed
 from gptj_flax.data.tokenizer import resolve_tokenizer
 from gptj_flax.sampling.api import LanguageModel
 from gptj_flax.sampling.samplers import SamplingError
@@ -24,7 +27,13 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 
 
 def load(
-    path: str | os.PathLike, mesh: partitioning.MeshSpec = None, dtype=None, *, step: int | None = None, tokenizer=None
+    path: str | os.PathLike,
+    mesh: partitioning.MeshSpec = None,
+    dtype=None,
+    *,
+    step: int | None = None,
+    tokenizer=None,
+    quantize: str | None = None,
 ) -> LanguageModel:
     """A :class:`LanguageModel` from ``path``, ready to generate, stream and score.
 
@@ -39,7 +48,12 @@ def load(
         config's compute dtype; a HuggingFace directory's stored precision for both.
       step: (Orbax checkpoints) this step instead of the latest.
       tokenizer: a tokenizer object, directory or hub name overriding the one that comes with the model.
+      quantize: ``"int8"``: store the block projections int8 with a float32 scale per output
+        channel (about half a bf16 model's memory; ``dtype`` then sets the compute dtype and the
+        other weights'). Default: as stored (int8 for a checkpoint ``gptj-convert quantize`` wrote).
     """
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise SamplingError(f"quantize={quantize!r} is not one of {list(QUANTIZATIONS)} (or None: as stored)")
     mesh = partitioning.make_mesh(partitioning.ONE_DEVICE if mesh is None else mesh)
     name = None if dtype is None else dtype_name(dtype)
     if is_hf_source(path):
@@ -50,11 +64,22 @@ def load(
         source = HFCheckpoint.open(path, dtype=name)
         held = name or source.stored_dtype
         model_config = dataclasses.replace(source.model_config, dtype=held, param_dtype=held)
+        params = streamed_params(source.get, model_config)
+        if quantize is not None:
+            model_config, params = quantize_streamed(params, model_config)
         targets, _ = checkpoint.param_targets(model_config, mesh)
-        params = place_on_mesh(streamed_params(source.get, model_config), targets, desc="loading hf weights")
+        params = place_on_mesh(params, targets, desc="loading hf weights")
         has_tokenizer = any((Path(source.directory) / f).is_file() for f in HF_TOKENIZER_FILES)
         saved, step = (source.directory if has_tokenizer else None), 0
-    else:
+    elif quantize is not None and (source := OrbaxParams.open(path, step)).config.model.quantize is None:
+        model_config = source.config.model
+        if name is not None:
+            model_config = dataclasses.replace(model_config, dtype=name, param_dtype=name)
+        model_config, params = quantize_streamed(orbax_streamed(source), model_config)
+        targets, _ = checkpoint.param_targets(model_config, mesh)
+        params = place_on_mesh(params, targets, desc=f"loading and quantising to {quantize}")
+        saved, step = checkpoint.tokenizer_dir(path), source.step
+    else:  # a float checkpoint as it is, or an int8 one (already what quantize= asks)
         config, params, step = checkpoint.load_params(
             path, mesh, step=step, dtype=None if name is None else jnp_dtype(name)
         )

@@ -103,7 +103,7 @@ def serve(settings: ServeSettings) -> int:
         request_log = open_request_log(settings)
         if request_log is not None:
             cleanup.callback(request_log.close)
-        model = load(settings.checkpoint, mesh=settings.mesh, dtype=settings.dtype)
+        model = load(settings.checkpoint, mesh=settings.mesh, dtype=settings.dtype, quantize=settings.quantize)
         logger.info("loaded %s", model)  # its repr states the parameter and compute dtypes
         app = create_app(model, settings, keys=keys, request_log=request_log)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)

@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gptj_flax.config import ConfigError, dtype_name
+from gptj_flax.config import QUANTIZATIONS, ConfigError, dtype_name
 from gptj_flax.convert.hf import HF_PREFIX
 from gptj_flax.errors import GptjFlaxError
 
@@ -67,6 +67,13 @@ class ServeSettings:
         str,
         "parameter and compute dtype: float32/fp32, bfloat16/bf16 or float16/fp16 "
         "(default: as stored, see gptj_flax.load)",
+    )
+    quantize: str | None = _setting(
+        None,
+        str,
+        "store the block projections as int8 with a scale per output channel, quantised as the model loads "
+        "(about half the memory of bf16 weights; default: as stored, int8 for a gptj-convert quantize output)",
+        QUANTIZATIONS,
     )
     api_keys_file: str | None = _setting(
         None,
@@ -143,6 +150,7 @@ class ServeSettings:
                 object.__setattr__(self, "dtype", dtype_name(self.dtype))
             except ConfigError:
                 check(False, "dtype", "float32 (fp32), bfloat16 (bf16) or float16 (fp16)")
+        check(self.quantize is None or self.quantize in QUANTIZATIONS, "quantize", f"one of {list(QUANTIZATIONS)}")
         check(self.log_format in LOG_FORMATS, "log_format", f"one of {list(LOG_FORMATS)}")
         check(self.log_max_bytes >= 0, "log_max_bytes", ">= 0")
         check(self.log_backups >= 0, "log_backups", ">= 0")

@@ -380,6 +380,11 @@ def train(
     Raises :class:`~gptj_flax.training.lock.RunDirLocked` if another trainer holds the run directory.
     """
     tc, mc = config.train, config.model
+    if mc.quantize is not None:
+        raise ConfigError(
+            f"model.quantize={mc.quantize!r}: an int8 model is for inference (its int8 weights take no "
+            "gradient); train the float checkpoint it was quantised from, with model.quantize unset"
+        )
     if stop_after is not None and stop_after < 0:
         raise ValueError(f"stop_after must be >= 0, got {stop_after}")
     mesh = mesh or partitioning.make_mesh(config.mesh)
