@@ -268,9 +268,7 @@ class LoRA(nn.Module):
         return (self.lora.scale * jnp.tensordot(xa, b.value.astype(self.dtype), axes=1)).astype(self.dtype)
 
 
-def lora_delta(
-    lora: LoraConfig | None, name: str, x: Array, in_axes, out_shape, out_axes, dtype, out: Array
-) -> Array:
+def lora_delta(lora: LoraConfig | None, name: str, x: Array, in_axes, out_shape, out_axes, dtype, out: Array) -> Array:
     """``out`` (projection ``name``'s output for input ``x``) plus its adapter's update, if it has one."""
     if lora is None or name not in lora.projections:
         return out
@@ -337,7 +335,9 @@ class Attention(nn.Module):
         )
         projected = jnp.einsum("bthk,hkd->btd", out, w_out)
         out_axes = ("heads", "kv")
-        return lora_delta(self.lora, "out_proj", out, out_axes, (cfg.d_model,), ("embed",), cfg.compute_dtype, projected), kv
+        return lora_delta(
+            self.lora, "out_proj", out, out_axes, (cfg.d_model,), ("embed",), cfg.compute_dtype, projected
+        ), kv
 
 
 class MLP(nn.Module):

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from jax.sharding import Mesh
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import Config, LoraConfig, ModelConfig
 from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files
+from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE, to_hf
 from gptj_flax.convert.init_from import load_init_params, parse_init_spec
 from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
 from gptj_flax.model import abstract_adapters, stack_layers, unstack_layers
@@ -287,6 +289,25 @@ def merge_lora(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "
     return Path(out)
 
 
+def to_hf_merged(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """LoRA checkpoint ``src`` → HF GPT-J directory ``out`` of the base with the adapters merged in.
+
+    The merged model goes through a temporary float32 checkpoint beside ``out`` (removed after), so
+    the export is exactly ``merge_lora`` followed by ``to_hf``.
+    """
+    parent = Path(out).resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".merge-lora-", dir=parent) as scratch:
+        merged = merge_lora(src, Path(scratch) / "merged")
+        return to_hf(merged, out, dtype=dtype, max_shard_size=max_shard_size)
+
+
 # --------------------------------------------------------------------------------------------
 # HuggingFace PEFT
 
@@ -354,16 +375,22 @@ def read_peft(path: str | os.PathLike, model_config: ModelConfig) -> Adapter:
     for key, tensor in tensors.items():
         m = _PEFT_KEY.match(key)
         if not m or m.group(3) not in lora.projections:
-            raise LoRAError(f"{directory}/{PEFT_WEIGHTS}: unexpected tensor {key!r} for a GPT-J LoRA on {lora.projections}")
+            raise LoRAError(
+                f"{directory}/{PEFT_WEIGHTS}: unexpected tensor {key!r} for a GPT-J LoRA on {lora.projections}"
+            )
         layer, name, which = f"layer_{m.group(1)}", m.group(3), m.group(4)
         if layer not in shapes:
-            raise LoRAError(f"{directory}: {key} is for a layer the base model (n_layers={model_config.n_layers}) lacks")
+            raise LoRAError(
+                f"{directory}: {key} is for a layer the base model (n_layers={model_config.n_layers}) lacks"
+            )
         leaf = "a" if which == "A" else "b"
         want = _get(shapes[layer], ADAPTER_PATHS[name])[leaf].shape
         array = tensor.T.reshape(want).astype(np.float32)
         _get(adapters[layer], ADAPTER_PATHS[name])[leaf] = array
     missing = [
-        "/".join(map(str, p)) for p, v in jax.tree_util.tree_leaves_with_path(adapters, is_leaf=lambda x: x is None) if v is None
+        "/".join(map(str, p))
+        for p, v in jax.tree_util.tree_leaves_with_path(adapters, is_leaf=lambda x: x is None)
+        if v is None
     ]
     if missing:
         raise LoRAError(f"{directory}/{PEFT_WEIGHTS} lacks adapters for {missing[:4]}")

@@ -27,7 +27,6 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from gptj_flax import attention, checkpoint, convert, data, partitioning
-from gptj_flax import model as model_lib
 from gptj_flax.config import Config, ConfigError
 from gptj_flax.convert import lora as lora_lib
 from gptj_flax.errors import GptjFlaxError
@@ -343,7 +342,12 @@ class _LoraRun:
         base_config = config.replace(model=lora_lib.base_model_config(config))
         base = convert.load_init_params(identity.path, base_config, mesh)
         _, shardings = checkpoint.param_targets(base_config.model, mesh)
-        log.info("LoRA base %s (sha256 %s…, %s on disk), held in bfloat16", identity.path, identity.checksum[:12], _mib(identity.bytes))
+        log.info(
+            "LoRA base %s (sha256 %s…, %s on disk), held in bfloat16",
+            identity.path,
+            identity.checksum[:12],
+            _mib(identity.bytes),
+        )
         return cls(config, identity, base, shardings)
 
     @property
@@ -355,7 +359,9 @@ class _LoraRun:
 
     def merged(self, adapters: Any) -> Any:
         assert self.config.train.lora is not None
-        return lora_lib.merge_adapters(self.base, adapters, self.config.train.lora, dtype=self.config.model.weight_dtype)
+        return lora_lib.merge_adapters(
+            self.base, adapters, self.config.train.lora, dtype=self.config.model.weight_dtype
+        )
 
     def report_sizes(self, step_dir) -> int:
         """Log (and return) the saved step's size on disk next to the base's, which it does not hold."""
@@ -517,9 +523,7 @@ def train(
     train_step = steps.compile_train_step(
         model, tx, mesh, shardings, optimizer.schedule(tc), tc.z_loss, accumulated=True, base_shardings=base_shardings
     )
-    eval_step = steps.compile_eval_step(
-        model, mesh, shardings.params, accumulated=False, base_shardings=base_shardings
-    )
+    eval_step = steps.compile_eval_step(model, mesh, shardings.params, accumulated=False, base_shardings=base_shardings)
     if lora_run is not None:  # the frozen base goes into every step beside the adapters
         train_step, eval_step = lora_run.bind(train_step), lora_run.bind(eval_step)
 
@@ -563,9 +567,7 @@ def train(
             model_params=(lambda p: p) if lora_run is None else lora_run.merged,
         )
     )
-    saving = Checkpointing(
-        tc.ckpt_every, ckpt, config, train_batches, meta={} if lora_run is None else lora_run.meta
-    )
+    saving = Checkpointing(tc.ckpt_every, ckpt, config, train_batches, meta={} if lora_run is None else lora_run.meta)
     baseline: list[PeriodicAction] = [a for a in (validation if val_sets else None, hook) if a is not None]
     actions = [*baseline, saving]
 
