@@ -360,9 +360,9 @@ def read_peft(path: str | os.PathLike, model_config: ModelConfig) -> Adapter:
     raw = json.loads((directory / PEFT_CONFIG).read_text())
     if raw.get("peft_type") != "LORA":
         raise LoRAError(f"{directory}/{PEFT_CONFIG}: peft_type {raw.get('peft_type')!r}, only LORA adapters load")
-    for key, plain in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none")):
-        if raw.get(key, plain) != plain:
-            raise LoRAError(f"{directory}/{PEFT_CONFIG}: {key}={raw[key]!r} is not supported (only {plain!r})")
+    for key, supported in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none")):
+        if raw.get(key, supported) != supported:
+            raise LoRAError(f"{directory}/{PEFT_CONFIG}: {key}={raw[key]!r} is not supported (only {supported!r})")
     modules = raw.get("target_modules")
     targets = [modules] if isinstance(modules, str) else list(modules or [])
     lora = LoraConfig(rank=raw["r"], alpha=raw["lora_alpha"], targets=tuple(targets))
