@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import fnmatch
 import json
 import math
 import os
@@ -254,6 +255,44 @@ class MeshConfig:
         return data, fsdp, model
 
 
+# The projections a LoRA adapter may wrap, in model order (the names of their parameters).
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on the projections ``targets`` (globs over :data:`LORA_PROJECTIONS`):
+    each computes ``x @ W + (alpha / rank) * (x @ A) @ B`` with the base ``W`` frozen."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+
+    def __post_init__(self):
+        _check_positive_int("train.lora.rank", self.rank)
+        if not _is_finite_number(self.alpha) or self.alpha <= 0:
+            raise ConfigError(f"train.lora.alpha must be a finite positive number, got {self.alpha!r}")
+        targets = _string_list("train.lora.targets", self.targets)
+        if not targets:
+            raise ConfigError(f"train.lora.targets is empty: name at least one of {', '.join(LORA_PROJECTIONS)}")
+        for pattern in targets:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in LORA_PROJECTIONS):
+                raise ConfigError(
+                    f"train.lora.targets: {pattern!r} matches no projection{_suggest(pattern, LORA_PROJECTIONS)}; "
+                    f"the projections are {', '.join(LORA_PROJECTIONS)} (globs such as '*_proj' allowed)"
+                )
+        object.__setattr__(self, "targets", targets)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The projections the target globs match, in model order."""
+        return tuple(n for n in LORA_PROJECTIONS if any(fnmatch.fnmatchcase(n, p) for p in self.targets))
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The training run. Fields mirror the legacy keys; see ``LEGACY_KEYS``."""
@@ -276,6 +315,7 @@ class TrainConfig:
     val_set: Mapping[str, str] = dataclasses.field(default_factory=dict)
     tokenizer: str | None = None  # dir or hub name; needed for text sources; saved with checkpoints
     freeze: tuple[str, ...] = ()  # glob patterns of parameter paths that get no updates
+    lora: LoraConfig | None = None  # train low-rank adapters on a frozen bfloat16 base (needs init_from)
     val_every: int = 500
     val_batches: int = 10
     ckpt_every: int = 500
@@ -321,6 +361,15 @@ class TrainConfig:
             self, "eval_harness_tasks", _string_list("train.eval_harness_tasks", self.eval_harness_tasks)
         )
         object.__setattr__(self, "freeze", _string_list("train.freeze", self.freeze))
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            if not isinstance(self.lora, Mapping):
+                raise ConfigError(f"train.lora must be an object {{rank, alpha, targets}} or null, got {self.lora!r}")
+            object.__setattr__(self, "lora", _build(LoraConfig, "train.lora", self.lora))
+        if self.lora is not None and self.freeze:
+            raise ConfigError(
+                "train.freeze and train.lora are both set: a LoRA run trains only its adapters (the base is "
+                "frozen whole); drop train.freeze"
+            )
 
     def global_batch_size(self, data_parallel: int) -> int:
         """Sequences per micro-batch over the whole mesh (``data_parallel``: the mesh's data-parallel size)."""
@@ -357,8 +406,10 @@ class Config:
         return dataclasses.replace(self, **sections)
 
 
-def _jsonable(d: dict) -> dict:
-    return {k: (list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v) for k, v in d.items()}
+def _jsonable(d: Mapping) -> dict:
+    return {
+        k: (list(v) if isinstance(v, tuple) else _jsonable(v) if isinstance(v, Mapping) else v) for k, v in d.items()
+    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from gptj_flax import attention
-from gptj_flax.config import ModelConfig
+from gptj_flax.config import LoraConfig, ModelConfig
 
 Array = jax.Array
 
@@ -262,8 +262,48 @@ def _decode_attention(
 # Layers
 
 
+class LoRA(nn.Module):
+    """The low-rank update ``(alpha / rank) * (x @ A) @ B`` of one projection, added to its output.
+
+    ``A`` [*in, rank] and ``B`` [rank, *out] live in the ``lora`` collection, apart from the base
+    ``params``, so training differentiates and checkpoints them alone, in float32 whatever the base's
+    dtype (or quantisation) is. ``A`` starts as PEFT's default does (kaiming-uniform with a=√5, i.e.
+    uniform in ±1/√fan_in), ``B`` at zero, so a fresh adapter leaves the model unchanged. The rank
+    axis has a logical name of its own that no rule splits.
+    """
+
+    lora: LoraConfig
+    in_axes: tuple[str, ...]
+    out_shape: tuple[int, ...]
+    out_axes: tuple[str, ...]
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        in_shape, rank = x.shape[x.ndim - len(self.in_axes) :], self.lora.rank
+        bound = 1.0 / np.sqrt(np.prod(in_shape))
+        init_a = nn.with_logical_partitioning(
+            lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound), (*self.in_axes, "lora_rank")
+        )
+        a = self.variable("lora", "a", lambda: init_a(self.make_rng("params"), (*in_shape, rank), jnp.float32))
+        b = self.variable("lora", "b", lambda: _zeros(("lora_rank", *self.out_axes))(None, (rank, *self.out_shape)))
+        # In the compute dtype, as the base kernels are: a float32 delta would promote the residual
+        # stream, which nn.scan's carry refuses.
+        xa = jnp.tensordot(x.astype(self.dtype), a.value.astype(self.dtype), axes=len(in_shape))
+        xa = nn.with_logical_constraint(xa, ("batch", "length", "lora_rank"))
+        return (self.lora.scale * jnp.tensordot(xa, b.value.astype(self.dtype), axes=1)).astype(self.dtype)
+
+
+def lora_delta(lora: LoraConfig | None, name: str, x: Array, in_axes, out_shape, out_axes, dtype, out: Array) -> Array:
+    """``out`` (projection ``name``'s output for input ``x``) plus its adapter's update, if it has one."""
+    if lora is None or name not in lora.projections:
+        return out
+    return out + LoRA(lora, tuple(in_axes), tuple(out_shape), tuple(out_axes), dtype, name=f"{name}_lora")(x)
+
+
 class Attention(nn.Module):
     config: ModelConfig
+    lora: LoraConfig | None = None
 
     @nn.compact
     def __call__(
@@ -278,7 +318,16 @@ class Attention(nn.Module):
         qkv_shape, qkv_axes = (cfg.d_model, cfg.n_heads, cfg.head_dim), ("embed", "heads", "kv")
         x = x.astype(cfg.compute_dtype)
         q, k, v = (
-            project(self, name, x, "btd,dhk->bthk", qkv_shape, cfg.d_model**-0.5, qkv_axes)
+            lora_delta(
+                self.lora,
+                name,
+                x,
+                ("embed",),
+                qkv_shape[1:],
+                qkv_axes[1:],
+                cfg.compute_dtype,
+                project(self, name, x, "btd,dhk->bthk", qkv_shape, cfg.d_model**-0.5, qkv_axes),
+            )
             for name in ("q_proj", "k_proj", "v_proj")
         )
         q = nn.with_logical_constraint(apply_rotary(q, sin, cos), ("batch", "length", "heads", "kv"))
@@ -303,7 +352,10 @@ class Attention(nn.Module):
 
         out_shape, out_axes = (cfg.n_heads, cfg.head_dim, cfg.d_model), ("heads", "kv", "embed")
         stddev = 2.0 / cfg.n_layers / np.sqrt(cfg.d_model)
-        return project(self, "out_proj", out, "bthk,hkd->btd", out_shape, stddev, out_axes), kv
+        projected = project(self, "out_proj", out, "bthk,hkd->btd", out_shape, stddev, out_axes)
+        return lora_delta(
+            self.lora, "out_proj", out, out_axes[:2], (cfg.d_model,), ("embed",), cfg.compute_dtype, projected
+        ), kv
 
 
 class Dense(nn.Module):
@@ -326,13 +378,16 @@ class Dense(nn.Module):
 
 class MLP(nn.Module):
     config: ModelConfig
+    lora: LoraConfig | None = None
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.config
         h = Dense(cfg, cfg.ff_dim, cfg.d_model**-0.5, ("embed", "mlp"), name="fc_in")(x)
+        h = lora_delta(self.lora, "fc_in", x, ("embed",), (cfg.ff_dim,), ("mlp",), cfg.compute_dtype, h)
         h = nn.with_logical_constraint(nn.gelu(h, approximate=True), ("batch", "length", "mlp"))
-        return Dense(cfg, cfg.d_model, 2.0 / cfg.n_layers / np.sqrt(cfg.d_model), ("mlp", "embed"), name="fc_out")(h)
+        out = Dense(cfg, cfg.d_model, 2.0 / cfg.n_layers / np.sqrt(cfg.d_model), ("mlp", "embed"), name="fc_out")(h)
+        return lora_delta(self.lora, "fc_out", h, ("mlp",), (cfg.d_model,), ("embed",), cfg.compute_dtype, out)
 
 
 def layer_norm(config: ModelConfig, name: str | None = None) -> nn.LayerNorm:
@@ -351,6 +406,7 @@ class Block(nn.Module):
     """``h + attn(LN(h)) + mlp(LN(h))`` — one LayerNorm, attention and MLP in parallel."""
 
     config: ModelConfig
+    lora: LoraConfig | None = None
 
     @nn.compact
     def __call__(
@@ -358,8 +414,8 @@ class Block(nn.Module):
     ) -> tuple[Array, LayerKV | None]:
         h = nn.with_logical_constraint(h, RESIDUAL_AXES)
         x = layer_norm(self.config, "ln_1")(h)
-        attn, kv = Attention(self.config, name="attn")(x, sin, cos, mask, kv)
-        h = h + attn + MLP(self.config, name="mlp")(x)
+        attn, kv = Attention(self.config, self.lora, name="attn")(x, sin, cos, mask, kv)
+        h = h + attn + MLP(self.config, self.lora, name="mlp")(x)
         return nn.with_logical_constraint(h, RESIDUAL_AXES), kv
 
 
@@ -406,9 +462,13 @@ class GPTJ(nn.Module):
     positions (default 0..T-1; for a left-padded row count from its first real token, since rotary
     is relative); ``segment_ids`` int [B, T]: tokens attend only within their segment, 0 marks
     padding (default: one segment per row).
+
+    With ``lora``, the projections it names also apply adapters, read from the ``lora`` collection
+    (``model.apply({"params": base, "lora": adapters}, …)``; see :class:`LoRA`).
     """
 
     config: ModelConfig
+    lora: LoraConfig | None = None
 
     def setup(self):
         cfg = self.config
@@ -421,18 +481,18 @@ class GPTJ(nn.Module):
                 block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
             self.layers = nn.scan(
                 block,
-                variable_axes={"params": 0},
+                variable_axes={"params": 0, "lora": 0},
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg)
+            )(cfg, self.lora)
         else:
             block = Block
             if cfg.remat_policy != "none":
                 block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy])
             for i in range(cfg.n_layers):  # named layer_0 …: the unrolled parameter layout
-                setattr(self, f"layer_{i}", block(cfg))
+                setattr(self, f"layer_{i}", block(cfg, self.lora))
         self.ln_f = layer_norm(cfg)
         self.lm_head = LMHead(cfg)
 
@@ -546,6 +606,12 @@ def abstract_params(config: ModelConfig) -> dict:
     """The model's ``params`` collection as boxed ``ShapeDtypeStruct``s (shapes, dtypes and logical
     axes; nothing allocated): the one description every sharding and restore target is built from."""
     return jax.eval_shape(GPTJ(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def abstract_adapters(config: ModelConfig, lora: LoraConfig) -> dict:
+    """The ``lora`` collection of ``GPTJ(config, lora)`` as boxed ``ShapeDtypeStruct``s (float32,
+    in the layer layout ``config.scan_layers`` names)."""
+    return jax.eval_shape(GPTJ(config, lora).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["lora"]
 
 
 # --------------------------------------------------------------------------------------------

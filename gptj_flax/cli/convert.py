@@ -5,6 +5,14 @@
     python scripts/convert.py from-legacy STEP_DIR OUT --config legacy.json [--with-opt-state] [--dtype …]
     python scripts/convert.py slim CKPT OUT [--dtype bfloat16|float16]
     python scripts/convert.py quantize CKPT OUT
+    python scripts/convert.py merge-lora LORA_CKPT OUT
+    python scripts/convert.py to-hf --merge-lora LORA_CKPT OUT [--dtype …]
+    python scripts/convert.py to-peft LORA_CKPT OUT
+
+A LoRA checkpoint (a LoRA run directory or one of its steps) holds adapters and names its base;
+merge-lora writes the base with the adapters merged in as an ordinary checkpoint (float32), after
+checking the base's checksum; to-peft writes HuggingFace PEFT's adapter_config.json and
+adapter_model.safetensors, which peft.PeftModel.from_pretrained loads onto the base's to-hf export.
 
 Imported weights compute in the precision they are stored in (a float32 HuggingFace model or a full
 legacy checkpoint in float32, a bf16 one in bfloat16), so the result scores as the source does;
@@ -24,6 +32,7 @@ import logging
 from gptj_flax import convert
 from gptj_flax.checkpoint import absolute_path
 from gptj_flax.config import cli_dtype
+from gptj_flax.convert import lora
 from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE
 from gptj_flax.convert.orbax_io import OrbaxParams
 from gptj_flax.errors import add_debug_flag, run_cli
@@ -63,6 +72,11 @@ def _main() -> None:
         default=DEFAULT_MAX_SHARD_SIZE,
         help="split the safetensors above this size, e.g. 5GB, 500MB (default: %(default)s)",
     )
+    p.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="CKPT is a LoRA checkpoint: export its base with the adapters merged in",
+    )
 
     p = commands.add_parser("from-legacy", help="mesh-transformer-jax step directory -> Orbax checkpoint")
     p.add_argument("step_dir", help="the step_N directory holding shard_0 … shard_{S-1}")
@@ -88,6 +102,14 @@ def _main() -> None:
     p = commands.add_parser("quantize", help="store the block projections int8 (weight-only, for inference)")
     p.add_argument("ckpt", help="float Orbax run directory (latest step) or step directory")
     p.add_argument("out", help="new Orbax checkpoint directory; load(OUT) reads it as int8")
+
+    p = commands.add_parser("merge-lora", help="LoRA checkpoint -> ordinary checkpoint with the adapters merged in")
+    p.add_argument("ckpt", help="LoRA run directory (latest step) or step directory")
+    p.add_argument("out", help="new Orbax checkpoint directory")
+
+    p = commands.add_parser("to-peft", help="LoRA checkpoint -> HuggingFace PEFT adapter directory")
+    p.add_argument("ckpt", help="LoRA run directory (latest step) or step directory")
+    p.add_argument("out", help="new PEFT adapter directory")
     for each in (parser, *commands.choices.values()):  # accepted before or after the command
         add_debug_flag(each)
 
@@ -102,8 +124,15 @@ def _main() -> None:
         )
         print(f"wrote {out}: parameters float32, compute {OrbaxParams.open(out).config.model.dtype}")
     elif args.command == "to-hf":
-        out = convert.to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
-        print(f"wrote {out}: weights {args.dtype}")
+        export = lora.to_hf_merged if args.merge_lora else convert.to_hf
+        out = export(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
+        print(f"wrote {out}: weights {args.dtype}{', LoRA adapters merged' if args.merge_lora else ''}")
+    elif args.command == "merge-lora":
+        out = lora.merge_lora(args.ckpt, args.out)
+        print(f"wrote {out}: parameters float32, LoRA adapters merged into the base")
+    elif args.command == "to-peft":
+        out = lora.to_peft(args.ckpt, args.out)
+        print(f"wrote {out}: PEFT LoRA adapter ({lora.PEFT_CONFIG}, {lora.PEFT_WEIGHTS})")
     elif args.command == "from-legacy":
         config, shards = convert.config_for_legacy(args.config)
         opt_init = make_optimizer(config.train).init if args.with_opt_state else None
@@ -112,7 +141,7 @@ def _main() -> None:
     elif args.command == "quantize":
         out = convert.quantize(args.ckpt, args.out)
         print(f"wrote {out}: block projections int8 with a float32 scale per output channel, the rest as stored")
-    else:
+    elif args.command == "slim":
         out = convert.slim(args.ckpt, args.out, dtype=args.dtype)
         print(f"wrote {out}: parameters {args.dtype}")
 

@@ -34,6 +34,11 @@ def parse_args() -> argparse.Namespace:
         help="run directory (latest step), a step directory, or a HuggingFace directory (hf:DIR)",
     )
     parser.add_argument("--step", type=int, default=None, help="load this step instead of the latest")
+    parser.add_argument(
+        "--adapter",
+        type=cli_path,
+        help="LoRA adapters to merge into CHECKPOINT (the base): a LoRA run or step directory, or a PEFT directory",
+    )
     parser.add_argument("--mesh", default=None, help="data,fsdp,model sizes or a layout name (default: one device)")
     parser.add_argument(
         "--dtype",
@@ -109,7 +114,9 @@ def read_line() -> str | None:
 def _main() -> None:
     args = parse_args()
     start_processes()  # on a TPU pod every host runs this command; elsewhere nothing
-    lm = gptj_flax.load(args.checkpoint, mesh=args.mesh, dtype=args.dtype, step=args.step, quantize=args.quantize)
+    lm = gptj_flax.load(
+        args.checkpoint, mesh=args.mesh, dtype=args.dtype, step=args.step, quantize=args.quantize, adapter=args.adapter
+    )
     show(lm, file=sys.stderr)  # states the parameter and compute dtypes in effect
     settings = dict(
         max_new_tokens=args.max_new_tokens,

@@ -109,6 +109,11 @@ def _main() -> int:
         return EXIT_INTERRUPTED
     else:
         print(f"step {result.step}: {'preempted, saved' if result.preempted else 'saved'} in {result.run_dir}")
+    if result.checkpoint_bytes is not None and result.base_bytes is not None:
+        print(
+            f"LoRA checkpoint step {result.saved_step}: {result.checkpoint_bytes / 2**20:.2f} MiB on disk "
+            f"(adapters + optimiser state); base {result.base_bytes / 2**20:.2f} MiB on disk (not stored in it)"
+        )
     return 0
 
 

@@ -33,6 +33,7 @@ DEFAULT_RULES: Rules = (
     ("mlp", "model"),  # … over the MLP's hidden dim
     ("vocab", "model"),  # … and over the vocabulary
     ("layers", None),  # the stacked-layer dim of nn.scan is never split
+    ("lora_rank", None),  # a LoRA adapter's rank: small, never split
 )
 
 # Named mesh shapes: (data, fsdp, model); -1 takes the remaining devices.

@@ -12,13 +12,19 @@ import dataclasses
 import os
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import QUANTIZATIONS, dtype_name, jnp_dtype
+from gptj_flax.convert import lora as lora_lib
 from gptj_flax.convert.hf import HFCheckpoint, is_hf_source
+from gptj_flax.convert.init_from import check_architecture
 from gptj_flax.convert.layout import place_on_mesh, streamed_params
 from gptj_flax.convert.orbax_io import OrbaxParams
 from gptj_flax.convert.quantize import orbax_streamed, quantize_streamed
 from gptj_flax.data.tokenizer import resolve_tokenizer
+from gptj_flax.model import stack_layers, unstack_layers
 from gptj_flax.sampling.api import LanguageModel
 from gptj_flax.sampling.samplers import SamplingError
 
@@ -34,6 +40,7 @@ def load(
     step: int | None = None,
     tokenizer=None,
     quantize: str | None = None,
+    adapter: str | os.PathLike | None = None,
 ) -> LanguageModel:
     """A :class:`LanguageModel` from ``path``, ready to generate, stream and score.
 
@@ -51,6 +58,10 @@ def load(
       quantize: ``"int8"``: store the block projections int8 with a float32 scale per output
         channel (about half a bf16 model's memory; ``dtype`` then sets the compute dtype and the
         other weights'). Default: as stored (int8 for a checkpoint ``gptj-convert quantize`` wrote).
+      adapter: LoRA adapters to merge into the weights of ``path`` (the base): a LoRA run directory
+        or one of its steps — whose recorded base must be ``path``, unchanged (checked by checksum)
+        — or a HuggingFace PEFT directory (``adapter_config.json``). The tokenizer then comes from
+        the LoRA run when it saved one.
     """
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise SamplingError(f"quantize={quantize!r} is not one of {list(QUANTIZATIONS)} (or None: as stored)")
@@ -85,6 +96,39 @@ def load(
         )
         model_config = config.model if name is None else dataclasses.replace(config.model, dtype=name, param_dtype=name)
         saved = checkpoint.tokenizer_dir(path)
+    if adapter is not None and model_config.quantize is not None:
+        raise SamplingError(
+            f"adapter= merges LoRA adapters into float weights, and this model is {model_config.quantize}: "
+            "load the float base with adapter=, or write the merged model with `gptj-convert merge-lora` "
+            "and quantise that with `gptj-convert quantize`"
+        )
+    if adapter is not None:
+        params, adapter_tokenizer = _merge_adapter(adapter, path, model_config, params, mesh)
+        saved = adapter_tokenizer or saved
     return LanguageModel(
         model_config, params, tokenizer=resolve_tokenizer(tokenizer, saved=saved), mesh=mesh, step=step
     )
+
+
+def _merge_adapter(adapter, base_path, model_config, params, mesh):
+    """``params`` with ``adapter`` merged in (each kernel keeping its dtype and sharding), and the
+    adapter's tokenizer directory if it has one."""
+    found = lora_lib.read_adapter(adapter, mesh, model_config)
+    check_architecture(found.config.model, model_config, f"adapter {adapter}")
+    if found.base is not None:
+        spec = f"hf:{base_path}" if is_hf_source(base_path) and not str(base_path).startswith("hf:") else str(base_path)
+        given = lora_lib.identify_base(spec)
+        if given.checksum != found.base.checksum:
+            raise SamplingError(
+                f"adapter {adapter} was trained on the base {found.base.path} (sha256 {found.base.checksum[:12]}…), "
+                f"but {base_path} has sha256 {given.checksum[:12]}…: load it onto the base it was trained on"
+            )
+    adapters = found.adapters
+    if found.config.model.scan_layers != model_config.scan_layers:
+        adapters = jax.tree.map(jnp.asarray, adapters)
+        adapters = (
+            stack_layers(adapters, model_config.n_layers) if model_config.scan_layers else unstack_layers(adapters)
+        )
+    merged = lora_lib.merge_adapters(params, adapters, found.lora)
+    placed = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), merged, params)
+    return placed, found.tokenizer_dir

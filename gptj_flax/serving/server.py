@@ -96,6 +96,8 @@ def serve(settings: ServeSettings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, force=True)
 
     check_checkpoint(settings.checkpoint)
+    if settings.adapter is not None and "://" not in settings.adapter and not os.path.exists(settings.adapter):
+        raise ServingError(f"adapter not found: {settings.adapter} (set --adapter or GPTJ_FLAX_ADAPTER)")
     keys = open_keys(settings)
     with contextlib.ExitStack() as cleanup:
         sock = listening_socket(settings.host, settings.port)
@@ -103,7 +105,13 @@ def serve(settings: ServeSettings) -> int:
         request_log = open_request_log(settings)
         if request_log is not None:
             cleanup.callback(request_log.close)
-        model = load(settings.checkpoint, mesh=settings.mesh, dtype=settings.dtype, quantize=settings.quantize)
+        model = load(
+            settings.checkpoint,
+            mesh=settings.mesh,
+            dtype=settings.dtype,
+            quantize=settings.quantize,
+            adapter=settings.adapter,
+        )
         logger.info("loaded %s", model)  # its repr states the parameter and compute dtypes
         app = create_app(model, settings, keys=keys, request_log=request_log)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)

@@ -28,7 +28,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "GPTJ_FLAX_"
 # The GPT-4chan server's own settings, which its deployments set without a prefix.
 LEGACY_ENV = ("queue_size", "log_file", "api_keys_file", "pre_prompt_length")
-PATH_SETTINGS = ("checkpoint", "api_keys_file", "log_file")
+PATH_SETTINGS = ("checkpoint", "adapter", "api_keys_file", "log_file")
 
 
 class ServingError(GptjFlaxError):
@@ -59,6 +59,11 @@ class ServeSettings:
     (``GPTJ_FLAX_QUEUE_SIZE``). Local paths are made absolute."""
 
     checkpoint: str | None = _setting(None, str, "Orbax run or step directory with its tokenizer (required)")
+    adapter: str | None = _setting(
+        None,
+        str,
+        "LoRA adapters merged into the checkpoint (the base): a LoRA run or step directory, or a PEFT directory",
+    )
     host: str = _setting("127.0.0.1", str, "address to listen on")
     port: int = _setting(8080, int, "TCP port to listen on")
     mesh: str | None = _setting(None, str, "data,fsdp,model sizes or a layout name (default: one device)")

@@ -12,12 +12,14 @@ import dataclasses
 import math
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gptj_flax import attention, checkpoint, partitioning
 from gptj_flax.config import Config
+from gptj_flax.convert import lora as lora_lib
 from gptj_flax.data import Batch
 from gptj_flax.errors import GptjFlaxError
 from gptj_flax.model import GPTJ, KVCache, abstract_params
@@ -47,6 +49,7 @@ class AotReport:
     kernel_bytes: float
     scanned: bool  # nn.scan over layers: the cost analysis sees one layer
     model_flops: float  # 6·N·tokens + attention, per device, one step
+    lora: str | None = None  # a LoRA step: what it trains (the base frozen)
 
     @property
     def hbm_bytes(self) -> int | None:
@@ -83,6 +86,7 @@ class AotReport:
         head = [
             f"topology {self.topology}: {self.n_devices} x {self.device_kind}, mesh {self.mesh}",
             f"global batch {self.global_batch_tokens:,} tokens per optimiser step",
+            *([f"LoRA: {self.lora}"] if self.lora else []),
             f"attention: {self.attention}",
         ]
         if self.compile_error:
@@ -130,7 +134,10 @@ def topology_devices(topology: str):
     # described slice uses none, so several may run side by side.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # v4 and v5p chips have two cores that JAX runs as one device ("megacore"), as on a real slice.
-    kwargs = {"chip_config_name": "megacore"} if topology.startswith(("v4", "v5p")) else {}
+    kwargs: dict = {"chip_config_name": "megacore"} if topology.startswith(("v4", "v5p")) else {}
+    if all(dim == "1" for dim in topology.partition(":")[2].split("x")):
+        # One chip (v5e:1x1, v4:1x1x1): libtpu's default host holds 2x2x1 chips, which one chip does not divide.
+        kwargs["chips_per_host_bounds"] = (1, 1, 1)
     try:
         return topologies.get_topology_desc(topology, "tpu", **kwargs).devices
     except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown name: say which
@@ -149,15 +156,23 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
     seq_len = tc.seq_len or config.model.max_len
     batch = tc.global_batch_size(partitioning.data_parallel_size(mesh))
 
-    model = GPTJ(config.model)
-    tx = optimizer.make_optimizer(tc)
+    model = GPTJ(config.model, tc.lora)
+    tx = optimizer.make_optimizer(tc, nn.meta.unbox(steps.abstract_trained(model)), tc.freeze)
     abstract, shardings = steps.state_targets(model, tx, mesh)
+    # A LoRA step also takes the frozen base, held in bfloat16 (an argument: it counts in the HBM used).
+    base: tuple = ()
+    base_shardings = None
+    if tc.lora is not None:
+        base_targets, base_shardings = checkpoint.param_targets(lora_lib.base_model_config(config), mesh)
+        base = (base_targets,)
     data_sharding = steps.batch_sharding(mesh, accumulated=True)
 
     tokens = jax.ShapeDtypeStruct((tc.grad_accum_steps, batch, seq_len + 1), jnp.int32, sharding=data_sharding)
     mask = jax.ShapeDtypeStruct((tc.grad_accum_steps, batch, seq_len), jnp.float32, sharding=data_sharding)
     abstract_batch = Batch(tokens, tokens, mask)
-    step = steps.compile_train_step(model, tx, mesh, shardings, optimizer.schedule(tc), tc.z_loss, accumulated=True)
+    step = steps.compile_train_step(
+        model, tx, mesh, shardings, optimizer.schedule(tc), tc.z_loss, accumulated=True, base_shardings=base_shardings
+    )
     kind = devices[0].device_kind
     n_tokens = tc.grad_accum_steps * batch * seq_len
     backend = attention.choose(config.model, seq_len, devices[0])
@@ -176,6 +191,7 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
         mesh=shape,
         global_batch_tokens=n_tokens,
         attention=backend.describe(),
+        lora=None if tc.lora is None else f"rank {tc.lora.rank} on {', '.join(tc.lora.projections)}, bfloat16 base",
         argument_bytes=0,
         output_bytes=0,
         alias_bytes=0,
@@ -191,7 +207,7 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
     )
     try:
         with partitioning.sharding_scope(mesh):
-            compiled = step.lower(abstract, abstract_batch).compile()
+            compiled = step.lower(abstract, abstract_batch, *base).compile()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

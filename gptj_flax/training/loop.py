@@ -27,8 +27,8 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from gptj_flax import attention, checkpoint, convert, data, partitioning
-from gptj_flax import model as model_lib
 from gptj_flax.config import Config, ConfigError
+from gptj_flax.convert import lora as lora_lib
 from gptj_flax.errors import GptjFlaxError
 from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
@@ -52,6 +52,8 @@ class TrainResult:
     run_dir: str
     interrupted: bool = False  # the early stop was a Ctrl-C (SIGINT)
     saved_step: int | None = None  # the last checkpoint this call wrote; None if it wrote none
+    checkpoint_bytes: int | None = None  # LoRA runs: the saved step's size on disk (adapters + optimiser state)
+    base_bytes: int | None = None  # LoRA runs: the base's size on disk, which no checkpoint holds
 
 
 class _StopRequests:
@@ -147,6 +149,9 @@ def _restore_or_init(
         raise checkpoint.CheckpointError(f"resume_step={resume_step}, but {ckpt.directory} holds no checkpoint")
     if init_from is None:
         return steps.create_state(model, tx, mesh, jax.random.key(config.train.seed)), {}
+    if model.lora is not None:  # the base is loaded by the caller; the adapters start fresh, B = 0
+        log.info("starting LoRA adapters %s on the base %s", config.train.lora, init_from)
+        return steps.create_state(model, tx, mesh, jax.random.key(config.train.seed)), {}
 
     params = convert.load_init_params(init_from, config, mesh)
     state = steps.create_state(model, tx, mesh, jax.random.key(config.train.seed), params=params)
@@ -215,9 +220,10 @@ class HarnessAction(PeriodicAction):
     writer: MetricsWriter
     hook_args: dict
     results: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    model_params: Callable[[Any], Any] = lambda params: params  # the whole model's params (LoRA: merged)
 
     def run(self, step: int, state: steps.TrainState) -> None:
-        self.results[step] = self.harness(step, state.params, **self.hook_args)
+        self.results[step] = self.harness(step, self.model_params(state.params), **self.hook_args)
         self.writer.write(step, self.results[step])
 
 
@@ -230,6 +236,7 @@ class Checkpointing(PeriodicAction):
     config: Config
     train_batches: data.DataIterator
     saved_step: int | None = None  # the last step this call saved
+    meta: dict = dataclasses.field(default_factory=dict)  # saved with every step (a LoRA run: its base)
 
     def should_run(self, step: int, last: int, stopping: bool) -> bool:
         return super().should_run(step, last, stopping) or stopping
@@ -240,7 +247,7 @@ class Checkpointing(PeriodicAction):
             params=state.params,
             opt_state=state.opt_state,
             config=self.config,
-            meta={"data": self.train_batches.state(), "seed": self.config.train.seed},
+            meta={"data": self.train_batches.state(), "seed": self.config.train.seed, **self.meta},
             force=True,
         )
         self.saved_step = step
@@ -304,6 +311,70 @@ class MetricsLog:
             row["perf/mfu"] = self.flops_per_step / seconds / (self.peak_flops * jax.device_count())
         self.writer.write(step, row)
         self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{row['perf/tokens_per_s']:,.0f}")
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA runs
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+@dataclasses.dataclass
+class _LoraRun:
+    """A LoRA run's frozen base on the mesh (bfloat16), its identity, and how steps take it."""
+
+    config: Config
+    identity: lora_lib.BaseIdentity
+    base: Any
+    shardings: Any
+
+    @classmethod
+    def start(cls, config: Config, mesh: Mesh, meta: dict, init_from: str | None, run_dir: str) -> _LoraRun:
+        """A resumed run's recorded base, verified; else the base ``init_from``, identified now."""
+        if meta:
+            identity = lora_lib.BaseIdentity.from_meta(meta, run_dir)
+            lora_lib.verify_base(identity, run_dir)
+        else:
+            assert init_from is not None  # train() refuses a fresh LoRA run without one
+            identity = lora_lib.identify_base(init_from)
+        base_config = config.replace(model=lora_lib.base_model_config(config))
+        base = convert.load_init_params(identity.path, base_config, mesh)
+        _, shardings = checkpoint.param_targets(base_config.model, mesh)
+        log.info(
+            "LoRA base %s (sha256 %s…, %s on disk), held in bfloat16",
+            identity.path,
+            identity.checksum[:12],
+            _mib(identity.bytes),
+        )
+        return cls(config, identity, base, shardings)
+
+    @property
+    def meta(self) -> dict:
+        return {lora_lib.BASE_KEY: self.identity.to_json()}
+
+    def bind(self, step: Callable) -> Callable:
+        return lambda state_or_params, batch: step(state_or_params, batch, self.base)
+
+    def merged(self, adapters: Any) -> Any:
+        assert self.config.train.lora is not None
+        return lora_lib.merge_adapters(
+            self.base, adapters, self.config.train.lora, dtype=self.config.model.weight_dtype
+        )
+
+    def report_sizes(self, step_dir) -> int:
+        """Log (and return) the saved step's size on disk next to the base's, which it does not hold."""
+        size = lora_lib.disk_bytes(step_dir)
+        log.info(
+            "LoRA checkpoint %s: %s on disk (adapters and their optimiser state); the base %s: %s on disk (%.1fx)",
+            step_dir,
+            _mib(size),
+            self.identity.path,
+            _mib(self.identity.bytes),
+            self.identity.bytes / max(size, 1),
+        )
+        return size
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,13 +477,20 @@ def train(
             list(tc.eval_harness_tasks),
         )
 
-    model = GPTJ(mc)
+    model = GPTJ(mc, tc.lora)
     log.info("attention: %s", attention.choose(mc, seq_len, mesh.devices.flat[0]).describe())
-    tx = optimizer.make_optimizer(tc, nn.meta.unbox(model_lib.abstract_params(mc)), tc.freeze)
+    tx = optimizer.make_optimizer(tc, nn.meta.unbox(steps.abstract_trained(model)), tc.freeze)
     targets, shardings = steps.state_targets(model, tx, mesh)
     ckpt = checkpoint.Checkpointer(tc.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every)
+    if tc.lora is not None and init_from is None and ckpt.latest_step() is None:
+        ckpt.close()
+        raise ConfigError(
+            f"train.lora is set but {tc.run_dir} holds no checkpoint and no base was given: start a LoRA "
+            "run with --init-from BASE (hf:DIR, legacy:DIR or an Orbax checkpoint)"
+        )
     state, meta = _restore_or_init(config, model, tx, mesh, targets, shardings, ckpt, init_from, fresh_opt, resume_step)
     start = int(state.step)
+    lora_run = None if tc.lora is None else _LoraRun.start(config, mesh, meta, init_from, tc.run_dir)
 
     tokenizer, save_tokenizer = _run_tokenizer(config, tokenizer)
     train_sharding = steps.batch_sharding(mesh, accumulated=True)
@@ -446,10 +524,13 @@ def train(
     if save_tokenizer:  # only once the data has accepted it (one too large for the model is refused above)
         ckpt.save_tokenizer(tokenizer)  # atomic; replaces a damaged copy
 
+    base_shardings = None if lora_run is None else lora_run.shardings
     train_step = steps.compile_train_step(
-        model, tx, mesh, shardings, optimizer.schedule(tc), tc.z_loss, accumulated=True
+        model, tx, mesh, shardings, optimizer.schedule(tc), tc.z_loss, accumulated=True, base_shardings=base_shardings
     )
-    eval_step = steps.compile_eval_step(model, mesh, shardings.params, accumulated=False)
+    eval_step = steps.compile_eval_step(model, mesh, shardings.params, accumulated=False, base_shardings=base_shardings)
+    if lora_run is not None:  # the frozen base goes into every step beside the adapters
+        train_step, eval_step = lora_run.bind(train_step), lora_run.bind(eval_step)
 
     # Rows past the restored step were written by a run that died before its next checkpoint; the
     # step-0 baseline is recomputed when there is no checkpoint at all.
@@ -483,9 +564,15 @@ def train(
     hook = (
         None
         if harness is None
-        else HarnessAction(tc.val_every, harness, writer, {"model_config": mc, "mesh": mesh, "tokenizer": tokenizer})
+        else HarnessAction(
+            tc.val_every,
+            harness,
+            writer,
+            {"model_config": mc, "mesh": mesh, "tokenizer": tokenizer},
+            model_params=(lambda p: p) if lora_run is None else lora_run.merged,
+        )
     )
-    saving = Checkpointing(tc.ckpt_every, ckpt, config, train_batches)
+    saving = Checkpointing(tc.ckpt_every, ckpt, config, train_batches, meta={} if lora_run is None else lora_run.meta)
     baseline: list[PeriodicAction] = [a for a in (validation if val_sets else None, hook) if a is not None]
     actions = [*baseline, saving]
 
@@ -520,6 +607,9 @@ def train(
             writer.flush()
     writer.plot()
     writer.close()
+    checkpoint_bytes = None
+    if lora_run is not None and saving.saved_step is not None:
+        checkpoint_bytes = lora_run.report_sizes(ckpt.directory / str(saving.saved_step))
     return TrainResult(
         step=step,
         losses=metrics_log.losses,
@@ -529,4 +619,6 @@ def train(
         run_dir=tc.run_dir,
         interrupted=preempted and stop.interrupted,
         saved_step=saving.saved_step,
+        checkpoint_bytes=checkpoint_bytes,
+        base_bytes=None if lora_run is None else lora_run.identity.bytes,
     )

@@ -33,6 +33,19 @@ class TrainState:
     opt_state: Any
 
 
+def trained_collection(model: GPTJ) -> str:
+    """The variable collection a step trains: the model's ``params``, or with LoRA its ``lora`` adapters
+    (the base ``params`` then come into every step as a separate, frozen argument)."""
+    return "params" if model.lora is None else "lora"
+
+
+def abstract_trained(model: GPTJ) -> Any:
+    """Boxed abstract tree of what the state's ``params`` holds: the model's params, or its adapters."""
+    if model.lora is None:
+        return model_lib.abstract_params(model.config)
+    return model_lib.abstract_adapters(model.config, model.lora)
+
+
 def abstract_state(model: GPTJ, tx: optax.GradientTransformation) -> Any:
     """Boxed abstract TrainState (shapes and logical axes; nothing allocated): the optimiser's
     moments carry their parameters' logical axes."""
@@ -40,7 +53,7 @@ def abstract_state(model: GPTJ, tx: optax.GradientTransformation) -> Any:
     def init(params):
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-    return jax.eval_shape(init, model_lib.abstract_params(model.config))
+    return jax.eval_shape(init, abstract_trained(model))
 
 
 def state_targets(
@@ -70,8 +83,8 @@ def create_state(
     shardings = state_shardings(model, tx, mesh, rules)
 
     def init(rng, params):
-        if params is None:
-            params = nn.meta.unbox(model.init(rng, jnp.zeros((1, 1), jnp.int32)))["params"]
+        if params is None:  # with LoRA, the base params init makes are unused and compiled away
+            params = nn.meta.unbox(model.init(rng, jnp.zeros((1, 1), jnp.int32)))[trained_collection(model)]
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
     with partitioning.sharding_scope(mesh, rules):
@@ -87,16 +100,25 @@ def _as_accumulated(batch: Batch) -> Batch:
     return batch if batch.tokens.ndim == 3 else jax.tree.map(lambda x: x[None], batch)
 
 
-def _loss_sums(model: GPTJ, params, micro: Batch, z_loss: float = 0.0):
-    """(objective, cross-entropy, tokens) summed over the micro-batch; the LM head runs in chunks."""
-    hidden = model.apply(
-        {"params": params}, micro.inputs, segment_ids=micro.input_segment_ids, method=GPTJ.hidden_states
-    )
-    return chunked_loss_sums(hidden, params["lm_head"], micro.targets, micro.loss_mask, z_loss)
+def _loss_sums(model: GPTJ, params, micro: Batch, z_loss: float = 0.0, base=None):
+    """(objective, cross-entropy, tokens) summed over the micro-batch; the LM head runs in chunks.
+    With LoRA, ``params`` are the adapters and ``base`` the frozen base params."""
+    variables = {"params": params} if base is None else {"params": base, "lora": params}
+    hidden = model.apply(variables, micro.inputs, segment_ids=micro.input_segment_ids, method=GPTJ.hidden_states)
+    head = variables["params"]["lm_head"]
+    return chunked_loss_sums(hidden, head, micro.targets, micro.loss_mask, z_loss)
+
+
+def _with_base(model: GPTJ, step: Callable) -> Callable:
+    """``step(…, base)`` for a LoRA model; ``step(…)`` with no base otherwise."""
+    if model.lora is not None:
+        return step
+    return lambda *args: step(*args, None)
 
 
 def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callable, z_loss: float = 0.0):
-    """``train_step(state, batch) -> (state, metrics)``, to be jitted by :func:`compile_train_step`.
+    """``train_step(state, batch) -> (state, metrics)``, to be jitted by :func:`compile_train_step`;
+    with LoRA ``train_step(state, batch, base)``, the base params frozen (no gradient is taken for them).
 
     Micro-batches run under ``lax.scan`` with gradients accumulated in float32. Each micro-batch's
     summed loss is divided by the token count of the *whole* batch (known before any forward pass),
@@ -104,23 +126,23 @@ def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callab
     the gradient of one k-times larger batch — and no extra pass over the gradients is needed.
     """
 
-    def micro_grads(params, micro, denom):
+    def micro_grads(params, micro, denom, base):
         def loss_fn(p):
-            objective, loss, tokens = _loss_sums(model, p, micro, z_loss)
+            objective, loss, tokens = _loss_sums(model, p, micro, z_loss, base)
             return objective / denom, (loss, tokens)
 
         return jax.grad(loss_fn, has_aux=True)(params)
 
-    def train_step(state: TrainState, batch: Batch):
+    def train_step(state: TrainState, batch: Batch, base):
         batch = _as_accumulated(batch)
         denom = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
         if batch.tokens.shape[0] == 1:  # no accumulation: spare the float32 accumulator's memory
-            grads, (loss_sum, tokens) = micro_grads(state.params, jax.tree.map(lambda x: x[0], batch), denom)
+            grads, (loss_sum, tokens) = micro_grads(state.params, jax.tree.map(lambda x: x[0], batch), denom, base)
         else:
 
             def body(carry, micro):
                 grads, loss_sum, tokens = carry
-                g, (micro_loss, n) = micro_grads(state.params, micro, denom)
+                g, (micro_loss, n) = micro_grads(state.params, micro, denom, base)
                 return (jax.tree.map(jnp.add, grads, g), loss_sum + micro_loss, tokens + n), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
@@ -136,44 +158,67 @@ def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callab
         }
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-    return train_step
+    return _with_base(model, train_step)
 
 
 def make_eval_step(model: GPTJ):
-    """``eval_step(params, batch) -> {"loss_sum", "tokens"}`` (sums, so batches aggregate exactly)."""
+    """``eval_step(params, batch) -> {"loss_sum", "tokens"}`` (sums, so batches aggregate exactly);
+    with LoRA ``eval_step(adapters, batch, base)``."""
 
-    def eval_step(params, batch):
+    def eval_step(params, batch, base):
         batch = _as_accumulated(batch)
 
         def body(carry, micro):
-            _, loss_sum, tokens = _loss_sums(model, params, micro)
+            _, loss_sum, tokens = _loss_sums(model, params, micro, base=base)
             return (carry[0] + loss_sum, carry[1] + tokens), None
 
         (loss_sum, tokens), _ = jax.lax.scan(body, (0.0, 0.0), batch)
         return {"loss_sum": loss_sum, "tokens": tokens}
 
-    return eval_step
+    return _with_base(model, eval_step)
 
 
 def batch_sharding(mesh: Mesh, accumulated: bool, rules: partitioning.Rules = partitioning.DEFAULT_RULES):
     return partitioning.named_sharding(mesh, ACCUM_BATCH_AXES if accumulated else BATCH_AXES, rules)
 
 
+def _base_in(model: GPTJ, base_shardings: Any) -> tuple:
+    if model.lora is None:
+        return ()
+    if base_shardings is None:
+        raise ValueError("a LoRA model's steps take the base params: pass base_shardings")
+    return (base_shardings,)
+
+
 def compile_train_step(
-    model: GPTJ, tx, mesh: Mesh, shardings: TrainState, lr_fn: Callable, z_loss: float = 0.0, accumulated: bool = True
+    model: GPTJ,
+    tx,
+    mesh: Mesh,
+    shardings: TrainState,
+    lr_fn: Callable,
+    z_loss: float = 0.0,
+    accumulated: bool = True,
+    base_shardings: Any = None,
 ):
-    """Jit the train step with NamedShardings in and out; the state is donated (updated in place)."""
+    """Jit the train step with NamedShardings in and out; the state is donated (updated in place).
+    With LoRA, ``base_shardings`` are the base params' (an input, never donated)."""
     data = batch_sharding(mesh, accumulated)
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(
         make_train_step(model, tx, lr_fn, z_loss),
-        in_shardings=(shardings, data),
+        in_shardings=(shardings, data, *_base_in(model, base_shardings)),
         out_shardings=(shardings, replicated),
         donate_argnums=0,
     )
 
 
-def compile_eval_step(model: GPTJ, mesh: Mesh, param_shardings: Any, accumulated: bool = False):
+def compile_eval_step(
+    model: GPTJ, mesh: Mesh, param_shardings: Any, accumulated: bool = False, base_shardings: Any = None
+):
     data = batch_sharding(mesh, accumulated)
     replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(make_eval_step(model), in_shardings=(param_shardings, data), out_shardings=replicated)
+    return jax.jit(
+        make_eval_step(model),
+        in_shardings=(param_shardings, data, *_base_in(model, base_shardings)),
+        out_shardings=replicated,
+    )
