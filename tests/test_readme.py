@@ -175,6 +175,9 @@ def run(argv: list[str], workspace, timeout: int = 900) -> subprocess.CompletedP
 
 
 def start_server(argv: list[str], workspace) -> None:
+    if workspace["server"] is not None:  # the README's servers take one port in turn
+        workspace["server"].terminate()
+        workspace["server"].wait(120)
     process = subprocess.Popen(
         argv, cwd=workspace["root"], env=workspace["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
