@@ -32,7 +32,8 @@ from gptj_flax.errors import GptjFlaxError
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 # auto: Splash on TPU, cuDNN's fused attention on GPU, XLA elsewhere (see gptj_flax.attention).
 ATTENTION_BACKENDS = ("auto", "xla", "splash", "cudnn")
-# Weight-only quantisations of the block projections (ModelConfig.quantize), for inference.
+# Weight-only quantisations of the block projections (ModelConfig.quantize): for inference, and for
+# the frozen base of a LoRA run (QLoRA).
 QUANTIZATIONS = ("int8",)
 
 # Canonical dtype name → the dtype, and every spelling the user may write for each.

@@ -22,7 +22,7 @@ from benchmarks.common import write_random_hf
 from gptj_flax import checkpoint, convert, partitioning
 from gptj_flax.config import ConfigError, LoraConfig, from_dict
 from gptj_flax.convert import lora as lora_lib
-from gptj_flax.model import GPTJ
+from gptj_flax.model import GPTJ, unstack_layers
 from gptj_flax.training import loop, optimizer, steps, train
 from tests.training_helpers import MODEL, make_config, make_corpus
 
@@ -339,3 +339,80 @@ def test_peft_export_loads_in_peft_and_matches_our_merged_model(lora_run, base, 
         assert np.abs(got - ours).max() <= 1e-4, source
     with pytest.raises(gptj_flax.sampling.SamplingError, match="was trained on the base"):
         gptj_flax.load(tmp_path / "merged", adapter=run)
+
+
+# --------------------------------------------------------------------------------------------
+# QLoRA: adapters on an int8 base
+
+
+def _int8(config):
+    return config.replace(model=dataclasses.replace(config.model, quantize="int8"))
+
+
+@pytest.fixture(scope="module")
+def qlora_run(corpus, base, fine_tune_data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("qlora") / "run"
+    config = _int8(make_config(corpus, run, lora=LORA, **RUN, **fine_tune_data))
+    return run, train(config, init_from=base, progress=False)
+
+
+def test_an_int8_model_trains_only_adapters(corpus, base, tmp_path):
+    with pytest.raises(ConfigError, match=r"model.quantize='int8' without train.lora.*QLoRA"):
+        train(_int8(make_config(corpus, tmp_path / "run")), init_from=base, progress=False)
+
+
+def test_a_qlora_base_is_the_int8_model_that_load_quantises(corpus, base):
+    """At step 0 (B = 0) a QLoRA model's logits are the int8 base model's, as load(quantize="int8") makes it."""
+    config = _int8(make_config(corpus, "unused", lora=LORA))
+    mesh = partitioning.make_mesh(config.mesh)
+    held = convert.load_init_params(base, config.replace(model=lora_lib.base_model_config(config)), mesh)
+    attn = held["layers"]["attn"]
+    assert attn["q_proj"].dtype == jnp.int8 and attn["q_proj_scale"].dtype == jnp.float32
+    int8_base = gptj_flax.load(base, quantize="int8")  # unrolled layers, as decoding runs them
+    held = unstack_layers(jax.tree.map(np.asarray, held))
+    jax.tree.map(np.testing.assert_array_equal, held, jax.tree.map(np.asarray, int8_base.decoder.params))
+
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, config.model.vocab_size)
+    lora = GPTJ(dataclasses.replace(config.model, scan_layers=False), config.train.lora)
+    fresh = nn.meta.unbox(lora.init(jax.random.key(0), tokens[:, :1]))["lora"]
+    ours = lora.apply({"params": held, "lora": fresh}, tokens)
+    theirs = GPTJ(dataclasses.replace(int8_base.config, scan_layers=False)).apply(
+        {"params": int8_base.decoder.params}, tokens
+    )
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def test_a_qlora_fine_tune_lowers_validation_loss_from_the_int8_bases(qlora_run, lora_run):
+    run, result = qlora_run
+    before, after = result.val[0]["loss_ft"], result.val[RUN["total_steps"]]["loss_ft"]
+    float_before, float_after = (lora_run[1].val[s]["loss_ft"] for s in (0, RUN["total_steps"]))
+    print(f"QLoRA val loss {before:.4f} -> {after:.4f}; LoRA on the bf16 base {float_before:.4f} -> {float_after:.4f}")
+    assert after < before - 0.5
+    assert before != float_before and abs(before - float_before) < 0.05  # int8 rounding moves the base a little
+    config = checkpoint.Checkpointer(run, read_only=True).read_config()
+    assert config.model.quantize == "int8" and config.train.lora is not None
+
+
+def test_a_merged_qlora_run_is_the_model_it_trained(qlora_run, base, tmp_path):
+    """merge-lora and load(base, adapter=…) both merge into the dequantised int8 base: the logits of the
+    trained QLoRA model itself (int8 base plus unmerged adapters)."""
+    run, _ = qlora_run
+    merged = lora_lib.merge_lora(run, tmp_path / "merged")
+    merged_model = gptj_flax.load(merged)
+    assert merged_model.config.quantize is None and merged_model.param_dtype == "float32"
+    adapted = gptj_flax.load(base, adapter=run)
+
+    config = checkpoint.Checkpointer(run, read_only=True).read_config()
+    mesh = partitioning.make_mesh(partitioning.ONE_DEVICE)
+    held = convert.load_init_params(base, config.replace(model=lora_lib.base_model_config(config)), mesh)
+    trained = GPTJ(config.model, config.train.lora)
+    tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, config.model.vocab_size)
+    ours = np.asarray(trained.apply({"params": held, "lora": lora_lib.read_adapter(run, mesh).adapters}, tokens))
+    # merge-lora writes float32; load() merges into the base's own dtype (bfloat16 here), a rounding more
+    for model, atol in ((merged_model, 1e-4), (adapted, 0.05)):
+        unrolled = dataclasses.replace(model.config, scan_layers=False)  # as decoding holds them
+        logits = np.asarray(GPTJ(unrolled).apply({"params": model.decoder.params}, tokens))
+        print("merged QLoRA vs trained max |diff|:", np.abs(logits - ours).max())
+        np.testing.assert_allclose(logits, ours, atol=atol, rtol=0)
+    base_logits = np.asarray(GPTJ(config.model).apply({"params": held}, tokens))
+    assert np.abs(base_logits - ours).max() > 0.5  # the adapters changed the model

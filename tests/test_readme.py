@@ -159,7 +159,10 @@ def argv_for(command: str, workspace) -> list[str]:
     """The command's words with the placeholders replaced, a new OUT each time, the shortening arguments."""
     workspace["n"] += 1
     words = []
-    for word in shlex.split(command, comments=True):
+    split = shlex.split(command, comments=True)
+    if split[-1] == "&":  # the shell's "run in the background": start_server does that
+        split.pop()
+    for word in split:
         for placeholder, value in workspace["placeholders"].items():
             word = re.sub(rf"\b{placeholder}\b", value, word)
         word = re.sub(r"\bOUT\b", str(workspace["root"] / f"out{workspace['n']}"), word)

@@ -7,6 +7,8 @@ mesh and host count: nothing about the mesh it was saved from is needed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ from gptj_flax.convert.hf import HFCheckpoint
 from gptj_flax.convert.layout import place_on_mesh, streamed_params
 from gptj_flax.convert.legacy import LegacyCheckpoint, load_legacy_opt_state
 from gptj_flax.convert.orbax_io import OrbaxParams
+from gptj_flax.convert.quantize import orbax_streamed, quantize_streamed
 from gptj_flax.model import stack_layers, unstack_layers
 
 # The fields that decide parameter shapes and numerics; a source must agree on all of them.
@@ -52,26 +55,43 @@ def load_init_params(spec: str, config: Config, mesh: Mesh, legacy_shards: int |
     """Initial params for ``config`` on ``mesh`` from ``spec`` (``hf:DIR``, ``legacy:DIR`` or an Orbax path).
 
     Returns our params tree (scanned or unrolled per ``config.model.scan_layers``) of ``jax.Array``s
-    in ``config.model.param_dtype``, sharded as the partitioning rules place them on ``mesh``.
-    ``legacy_shards``, if known (the legacy config's ``cores_per_replica``), is checked against the
-    checkpoint's shard directories.
+    in ``config.model.param_dtype``, sharded as the partitioning rules place them on ``mesh``. With
+    ``config.model.quantize`` (a QLoRA base) the block projections are quantised as they load, from
+    the source's float values, exactly as ``load(spec, quantize=…)`` and ``gptj-convert quantize``
+    quantise them. ``legacy_shards``, if known (the legacy config's ``cores_per_replica``), is
+    checked against the checkpoint's shard directories.
     """
     kind, location = parse_init_spec(spec)
-    target, shardings = checkpoint.param_targets(config.model, mesh)
+    mc = config.model
+    float_model = dataclasses.replace(mc, quantize=None)
+    # Quantising reads the source in float32, so the int8 kernels do not depend on param_dtype.
+    read_dtype = None if mc.quantize is None else np.float32
+
+    def place(streamed: dict, layout: ModelConfig, desc: str) -> dict:
+        if mc.quantize is not None:
+            _, streamed = quantize_streamed(streamed, dataclasses.replace(layout, quantize=None))
+            desc += f", quantising to {mc.quantize}"
+        target, _ = checkpoint.param_targets(dataclasses.replace(mc, scan_layers=layout.scan_layers), mesh)
+        return place_on_mesh(streamed, target, desc=desc)
+
     if kind == "hf":
         source = HFCheckpoint.open(location)
-        check_architecture(source.model_config, config.model, f"{location}/config.json")
-        return place_on_mesh(streamed_params(source.get, config.model), target, desc="loading hf weights")
+        check_architecture(source.model_config, mc, f"{location}/config.json")
+        return place(streamed_params(source.get, float_model, read_dtype), mc, "loading hf weights")
     if kind == "legacy":
-        with LegacyCheckpoint(location, config.model, legacy_shards) as legacy:
-            return place_on_mesh(streamed_params(legacy.get, config.model), target, desc="loading legacy weights")
+        with LegacyCheckpoint(location, mc, legacy_shards) as legacy:
+            return place(streamed_params(legacy.get, float_model, read_dtype), mc, "loading legacy weights")
 
     stored = OrbaxParams.open(location)
     require_float(stored.config.model, location, "training")
-    check_architecture(stored.config.model, config.model, location)
-    _, params, _ = checkpoint.load_params(location, mesh, step=stored.step, dtype=config.model.weight_dtype)
-    if stored.config.model.scan_layers != config.model.scan_layers:
-        params = stack_layers(params, config.model.n_layers) if config.model.scan_layers else unstack_layers(params)
+    check_architecture(stored.config.model, mc, location)
+    if mc.quantize is None:
+        _, params, _ = checkpoint.load_params(location, mesh, step=stored.step, dtype=mc.weight_dtype)
+    else:  # in the stored layer layout; restacked below like a float checkpoint
+        params = place(orbax_streamed(stored), stored.config.model, "loading orbax weights")
+    if stored.config.model.scan_layers != mc.scan_layers:
+        _, shardings = checkpoint.param_targets(mc, mesh)
+        params = stack_layers(params, mc.n_layers) if mc.scan_layers else unstack_layers(params)
         params = jax.device_put(params, shardings)
     return params
 

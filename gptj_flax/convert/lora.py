@@ -2,8 +2,10 @@
 
 A LoRA run's checkpoints hold its adapters (the model's ``lora`` collection) and, in their meta, the
 identity of the base they were trained on — where it is and a checksum of its files — never the
-base itself. Everything here reads such a checkpoint (a run directory or one step), or a PEFT
-directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+base itself. A QLoRA run (``model.quantize`` set) trained its adapters on the int8 rounding of that
+base, so merging one merges into the dequantised int8 weights. Everything here reads such a
+checkpoint (a run directory or one step), or a PEFT directory (``adapter_config.json`` +
+``adapter_model.safetensors``).
 
 Layouts: our adapter for a projection with kernel [*in, *out] is ``a`` [*in, rank] and ``b``
 [rank, *out]; PEFT's ``lora_A.weight`` is [rank, in] and ``lora_B.weight`` [out, rank] (torch Linear
@@ -35,6 +37,7 @@ from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tok
 from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE, to_hf
 from gptj_flax.convert.init_from import load_init_params, parse_init_spec
 from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
+from gptj_flax.convert.quantize import dequantize_params
 from gptj_flax.model import abstract_adapters, stack_layers, unstack_layers
 
 BASE_KEY = "lora_base"  # the meta key of a LoRA checkpoint that names its base
@@ -149,7 +152,8 @@ def verify_base(recorded: BaseIdentity, where: str) -> None:
 
 
 def base_model_config(config: Config) -> ModelConfig:
-    """A LoRA run's base as it is held in memory: frozen, stored in bfloat16."""
+    """A LoRA run's base as it is held in memory: frozen, stored in bfloat16 (with its block
+    projections int8 where ``model.quantize`` is set: QLoRA)."""
     return dataclasses.replace(config.model, param_dtype="bfloat16")
 
 
@@ -273,8 +277,10 @@ def merge_lora(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "
     adapter = read_adapter(src, mesh)
     assert adapter.base is not None
     model = dataclasses.replace(adapter.config.model, param_dtype=dtype)
+    base = load_base(adapter.base, Config(model=model, mesh=adapter.config.mesh), mesh, adapter.where)
+    if model.quantize is not None:  # QLoRA: merged into the dequantised int8 base it was trained on
+        base, model = dequantize_params(base, dtype), dataclasses.replace(model, quantize=None)
     config = Config(model=model, mesh=adapter.config.mesh)
-    base = load_base(adapter.base, config, mesh, adapter.where)
     merged = merge_adapters(base, adapter.adapters, adapter.lora)
     with atomic_directory(out) as tmp:
         write_checkpoint(

@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
@@ -48,6 +50,47 @@ def quantize_kernel(w: np.ndarray, n_out: int, lead: int = 0) -> tuple[np.ndarra
 def dequantize_kernel(q: np.ndarray, scale: np.ndarray, n_out: int, lead: int = 0) -> np.ndarray:
     """The float32 kernel that int8 ``q`` and its ``scale`` stand for (:func:`quantize_kernel`'s inverse)."""
     return q.astype(np.float32) * np.expand_dims(scale, tuple(range(lead, q.ndim - n_out)))
+
+
+def dequantize_params(params: dict, dtype) -> dict:
+    """The float tree that int8 ``params`` stand for: each kernel with a ``NAME_scale`` beside it
+    becomes ``scale * kernel`` in ``dtype`` and its scale goes; the other leaves pass through as
+    they are. Takes numpy or jax leaves (a jax kernel keeps its sharding)."""
+    flat = traverse_util.flatten_dict(params)
+    out = {}
+    for path, leaf in flat.items():
+        scale = flat.get((*path[:-1], path[-1] + model.SCALE_SUFFIX))
+        if path[-1].endswith(model.SCALE_SUFFIX):
+            continue
+        if scale is None:
+            out[path] = leaf
+            continue
+        lead = int(path[0] == "layers")
+        inputs = tuple(range(lead, leaf.ndim - (scale.ndim - lead)))
+        xp = np if isinstance(leaf, np.ndarray) else jnp
+        out[path] = (leaf.astype(np.float32) * xp.expand_dims(scale, inputs)).astype(dtype)
+    return traverse_util.unflatten_dict(out)
+
+
+def round_trip(params: dict, config: ModelConfig) -> dict:
+    """Float ``params`` of ``config`` with each block projection replaced by the value its int8
+    quantisation stands for, in the kernel's own dtype and sharding: the base a QLoRA adapter was
+    trained on, as a float tree an adapter can be merged into."""
+    kernels = quantized_kernels(quantized_config(config))
+    flat = traverse_util.flatten_dict(params)
+    for path, (lead, n_out) in kernels.items():
+        flat[path] = _round_trip_kernel(flat[path], n_out, lead)
+    return traverse_util.unflatten_dict(flat)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _round_trip_kernel(w, n_out: int, lead: int):
+    """:func:`quantize_kernel` then :func:`dequantize_kernel`, on device (same float32 arithmetic)."""
+    w32 = w.astype(jnp.float32)
+    inputs = tuple(range(lead, w.ndim - n_out))
+    amax = jnp.max(jnp.abs(w32), axis=inputs, keepdims=True)
+    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    return (jnp.clip(jnp.rint(w32 / scale), -INT8_MAX, INT8_MAX) * scale).astype(w.dtype)
 
 
 def quantized_config(config: ModelConfig) -> ModelConfig:

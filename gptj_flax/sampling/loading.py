@@ -22,7 +22,7 @@ from gptj_flax.convert.hf import HFCheckpoint, is_hf_source
 from gptj_flax.convert.init_from import check_architecture
 from gptj_flax.convert.layout import place_on_mesh, streamed_params
 from gptj_flax.convert.orbax_io import OrbaxParams
-from gptj_flax.convert.quantize import orbax_streamed, quantize_streamed
+from gptj_flax.convert.quantize import orbax_streamed, quantize_streamed, round_trip
 from gptj_flax.data.tokenizer import resolve_tokenizer
 from gptj_flax.model import stack_layers, unstack_layers
 from gptj_flax.sampling.api import LanguageModel
@@ -61,7 +61,8 @@ def load(
       adapter: LoRA adapters to merge into the weights of ``path`` (the base): a LoRA run directory
         or one of its steps — whose recorded base must be ``path``, unchanged (checked by checksum)
         — or a HuggingFace PEFT directory (``adapter_config.json``). The tokenizer then comes from
-        the LoRA run when it saved one.
+        the LoRA run when it saved one. A QLoRA run's adapters are merged into the base's block
+        projections as int8 quantisation rounds them, which is what they were trained on.
     """
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise SamplingError(f"quantize={quantize!r} is not one of {list(QUANTIZATIONS)} (or None: as stored)")
@@ -124,6 +125,8 @@ def _merge_adapter(adapter, base_path, model_config, params, mesh):
                 f"but {base_path} has sha256 {given.checksum[:12]}…: load it onto the base it was trained on"
             )
     adapters = found.adapters
+    if found.config.model.quantize is not None:  # QLoRA: trained on the base's int8 rounding
+        params = round_trip(params, model_config)
     if found.config.model.scan_layers != model_config.scan_layers:
         adapters = jax.tree.map(jnp.asarray, adapters)
         adapters = (

@@ -159,7 +159,8 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
     model = GPTJ(config.model, tc.lora)
     tx = optimizer.make_optimizer(tc, nn.meta.unbox(steps.abstract_trained(model)), tc.freeze)
     abstract, shardings = steps.state_targets(model, tx, mesh)
-    # A LoRA step also takes the frozen base, held in bfloat16 (an argument: it counts in the HBM used).
+    # A LoRA step also takes the frozen base, held in bfloat16 or, for QLoRA, with int8 block projections
+    # (an argument: it counts in the HBM used).
     base: tuple = ()
     base_shardings = None
     if tc.lora is not None:
@@ -191,7 +192,10 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
         mesh=shape,
         global_batch_tokens=n_tokens,
         attention=backend.describe(),
-        lora=None if tc.lora is None else f"rank {tc.lora.rank} on {', '.join(tc.lora.projections)}, bfloat16 base",
+        lora=None
+        if tc.lora is None
+        else f"rank {tc.lora.rank} on {', '.join(tc.lora.projections)}, "
+        + ("bfloat16 base" if config.model.quantize is None else f"{config.model.quantize} base (QLoRA)"),
         argument_bytes=0,
         output_bytes=0,
         alias_bytes=0,

@@ -27,8 +27,9 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from gptj_flax import attention, checkpoint, convert, data, partitioning
-from gptj_flax.config import Config, ConfigError
+from gptj_flax.config import Config, ConfigError, ModelConfig
 from gptj_flax.convert import lora as lora_lib
+from gptj_flax.convert.quantize import dequantize_params
 from gptj_flax.errors import GptjFlaxError
 from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
@@ -323,7 +324,8 @@ def _mib(n: int) -> str:
 
 @dataclasses.dataclass
 class _LoraRun:
-    """A LoRA run's frozen base on the mesh (bfloat16), its identity, and how steps take it."""
+    """A LoRA run's frozen base on the mesh (bfloat16; its block projections int8 for QLoRA, when
+    ``model.quantize`` is set), its identity, and how steps take it."""
 
     config: Config
     identity: lora_lib.BaseIdentity
@@ -343,10 +345,11 @@ class _LoraRun:
         base = convert.load_init_params(identity.path, base_config, mesh)
         _, shardings = checkpoint.param_targets(base_config.model, mesh)
         log.info(
-            "LoRA base %s (sha256 %s…, %s on disk), held in bfloat16",
+            "LoRA base %s (sha256 %s…, %s on disk), held in bfloat16%s",
             identity.path,
             identity.checksum[:12],
             _mib(identity.bytes),
+            "" if config.model.quantize is None else f", block projections {config.model.quantize} (QLoRA)",
         )
         return cls(config, identity, base, shardings)
 
@@ -357,11 +360,16 @@ class _LoraRun:
     def bind(self, step: Callable) -> Callable:
         return lambda state_or_params, batch: step(state_or_params, batch, self.base)
 
+    @property
+    def merged_model_config(self) -> ModelConfig:
+        """The model :meth:`merged` params are for: a QLoRA base is merged dequantised, in float."""
+        return dataclasses.replace(self.config.model, quantize=None)
+
     def merged(self, adapters: Any) -> Any:
         assert self.config.train.lora is not None
-        return lora_lib.merge_adapters(
-            self.base, adapters, self.config.train.lora, dtype=self.config.model.weight_dtype
-        )
+        dtype = self.config.model.weight_dtype
+        base = self.base if self.config.model.quantize is None else dequantize_params(self.base, dtype)
+        return lora_lib.merge_adapters(base, adapters, self.config.train.lora, dtype=dtype)
 
     def report_sizes(self, step_dir) -> int:
         """Log (and return) the saved step's size on disk next to the base's, which it does not hold."""
@@ -451,10 +459,10 @@ def train(
     Raises :class:`~gptj_flax.training.lock.RunDirLocked` if another trainer holds the run directory.
     """
     tc, mc = config.train, config.model
-    if mc.quantize is not None:
+    if mc.quantize is not None and tc.lora is None:
         raise ConfigError(
-            f"model.quantize={mc.quantize!r}: an int8 model is for inference (its int8 weights take no "
-            "gradient); train the float checkpoint it was quantised from, with model.quantize unset"
+            f"model.quantize={mc.quantize!r} without train.lora: int8 weights take no gradient, so an int8 "
+            "base trains only LoRA adapters (QLoRA: set train.lora); for a full fine-tune unset model.quantize"
         )
     if stop_after is not None and stop_after < 0:
         raise ValueError(f"stop_after must be >= 0, got {stop_after}")
@@ -568,7 +576,11 @@ def train(
             tc.val_every,
             harness,
             writer,
-            {"model_config": mc, "mesh": mesh, "tokenizer": tokenizer},
+            {
+                "model_config": mc if lora_run is None else lora_run.merged_model_config,
+                "mesh": mesh,
+                "tokenizer": tokenizer,
+            },
             model_params=(lambda p: p) if lora_run is None else lora_run.merged,
         )
     )
