@@ -239,11 +239,11 @@ def test_bad_quantize_values_are_refused_naming_the_choices(float_checkpoint, tm
         convert.quantize(convert.quantize(path, tmp_path / "once"), tmp_path / "twice")
 
 
-def test_training_refuses_an_int8_model(float_checkpoint, tmp_path):
+def test_training_an_int8_model_needs_lora_and_a_float_source(float_checkpoint, tmp_path):
     config, _, path = float_checkpoint
     int8_dir = convert.quantize(path, tmp_path / "int8")
     run = Config(model=dataclasses.replace(config, quantize="int8"), train=TrainConfig(batch_size=8, train_set="x"))
-    with pytest.raises(ConfigError, match="an int8 model is for inference"):
+    with pytest.raises(ConfigError, match="without train.lora: int8 weights take no gradient"):
         train(run, progress=False)
     float_run = Config(model=config, train=TrainConfig(batch_size=8))
     with pytest.raises(ConversionError, match="training needs float weights"):
