@@ -227,15 +227,16 @@ class KVCache:
             return LayerKV(self.k[i], self.v[i], index)
         return LayerKV(self.k[i], self.v[i], index, self.k_scale[i], self.v_scale[i])
 
-    def with_layers(self, layers: list[LayerKV], segment_ids: Array, index: Array) -> KVCache:
-        """This cache holding ``layers``' buffers (as :meth:`layer` handed them out, updated)."""
-        return KVCache(
+    @classmethod
+    def from_layers(cls, layers: list[LayerKV], segment_ids: Array, index: Array) -> KVCache:
+        """The cache of ``layers``' buffers (as :meth:`layer` handed them out, updated)."""
+        return cls(
             k=tuple(kv.k for kv in layers),
             v=tuple(kv.v for kv in layers),
             segment_ids=segment_ids,
             index=index,
-            k_scale=tuple(kv.k_scale for kv in layers) if self.k_scale else (),
-            v_scale=tuple(kv.v_scale for kv in layers) if self.v_scale else (),
+            k_scale=tuple(kv.k_scale for kv in layers if kv.k_scale is not None),
+            v_scale=tuple(kv.v_scale for kv in layers if kv.v_scale is not None),
         )
 
 
@@ -253,35 +254,29 @@ class LayerKV(NamedTuple):
 
 def write_layer_kv(kv: LayerKV, k: Array, v: Array) -> LayerKV:
     """Store new keys [B, heads, head_dim, T] and values [B, heads, T, head_dim] at slot ``kv.index``
-    (quantised first, if the cache is int8)."""
-    k_scale = v_scale = None
-    if kv.k_scale is not None:
-        (k, k_scale), (v, v_scale) = quantize_kv(k, axis=2), quantize_kv(v, axis=3)
-    if kv.index.ndim == 0:
+    (quantised first, with their scales, if the cache is int8)."""
 
-        def put(buffer, new, slot_axis):
+    def put(buffer: Array, new: Array, slot_axis: int) -> Array:
+        new = new.astype(buffer.dtype)
+        if kv.index.ndim == 0:
             start = [0] * buffer.ndim
             start[slot_axis] = kv.index
-            return lax.dynamic_update_slice(buffer, new.astype(buffer.dtype), start)
+            return lax.dynamic_update_slice(buffer, new, start)
+        # one token per row, each at its own slot; the new entries may be for the first rows only
+        rows = jnp.arange(new.shape[0])
+        return buffer.at[(rows, *[slice(None)] * (slot_axis - 1), kv.index)].set(jnp.take(new, 0, axis=slot_axis))
 
-        k, v = put(kv.k, k, 3), put(kv.v, v, 2)
-        if k_scale is not None:
-            k_scale, v_scale = put(kv.k_scale, k_scale, 2), put(kv.v_scale, v_scale, 2)
-    else:  # one token per row, each at its own slot; the new keys may be for the first rows only
-        rows = jnp.arange(k.shape[0])
-        k = kv.k.at[rows, :, :, kv.index].set(k[..., 0].astype(kv.k.dtype))
-        v = kv.v.at[rows, :, kv.index, :].set(v[:, :, 0].astype(kv.v.dtype))
-        if k_scale is not None:
-            k_scale = kv.k_scale.at[rows, :, kv.index].set(k_scale[..., 0])
-            v_scale = kv.v_scale.at[rows, :, kv.index].set(v_scale[..., 0])
-    if k_scale is not None:
-        k_scale = nn.with_logical_constraint(k_scale, SCALE_AXES)
-        v_scale = nn.with_logical_constraint(v_scale, SCALE_AXES)
+    scales = {}
+    if kv.k_scale is not None and kv.v_scale is not None:
+        (k, k_scale), (v, v_scale) = quantize_kv(k, axis=2), quantize_kv(v, axis=3)
+        scales = {
+            "k_scale": nn.with_logical_constraint(put(kv.k_scale, k_scale, 2), SCALE_AXES),
+            "v_scale": nn.with_logical_constraint(put(kv.v_scale, v_scale, 2), SCALE_AXES),
+        }
     return kv._replace(
-        k=nn.with_logical_constraint(k, KEY_AXES),
-        v=nn.with_logical_constraint(v, VALUE_AXES),
-        k_scale=k_scale,
-        v_scale=v_scale,
+        k=nn.with_logical_constraint(put(kv.k, k, 3), KEY_AXES),
+        v=nn.with_logical_constraint(put(kv.v, v, 2), VALUE_AXES),
+        **scales,
     )
 
 
@@ -664,7 +659,7 @@ class GPTJ(nn.Module):
         if last_logits_only:
             h = h[:, -1:]
         logits = self.lm_head(self.ln_f(h))
-        return logits, cache.with_layers(layers, key_segments, cache.index + tokens.shape[1])
+        return logits, KVCache.from_layers(layers, key_segments, cache.index + tokens.shape[1])
 
     def decode_slots(
         self, tokens: Array, positions: Array, active: Array, cache: KVCache, window: int
@@ -691,7 +686,7 @@ class GPTJ(nn.Module):
             h, kv = getattr(self, f"layer_{i}")(h, sin, cos, mask, cache.layer(i, index))
             layers.append(kv)
         logits = self.lm_head(self.ln_f(h))
-        return logits, cache.with_layers(layers, key_segments, cache.index.at[:rows].add(active.astype(jnp.int32)))
+        return logits, KVCache.from_layers(layers, key_segments, cache.index.at[:rows].add(active.astype(jnp.int32)))
 
     def _defaults(self, tokens, positions, segment_ids):
         if positions is None:
