@@ -298,9 +298,9 @@ def attention_probs(scores: Array, mask: Array, dtype) -> Array:
 def cached_scores(q: Array, kv: LayerKV, head_dim: int, rows: int, window: int) -> Array:
     """:func:`attention_scores` of ``q`` against the first ``rows`` rows and ``window`` slots of the cache.
 
-    An int8 cache is dequantised inside the matmul: the int8 keys are converted to q's dtype as the
-    matmul reads them (XLA fuses the convert into the operand) and each score is multiplied by its
-    key's scale, ``(q·k_int8)·scale``, which is exact since the scale is constant along head_dim.
+    An int8 cache is dequantised inside the matmul: it reads the int8 keys converted to q's dtype and
+    each score is multiplied by its key's scale, ``(q·k_int8)·scale``, which is exact since the scale
+    is constant along head_dim. (XLA:CPU materialises the convert, one layer's keys at a time.)
     """
     k = kv.k[:rows, :, :, :window]
     scores = attention_scores(q, k.astype(q.dtype), head_dim)
@@ -313,7 +313,7 @@ def cached_values(probs: Array, kv: LayerKV, rows: int, dtype) -> Array:
     """``probs`` [B, heads, T, W] times the cached values of the first B rows and W slots, [B, T, heads, head_dim].
 
     For an int8 cache each value's scale is folded into its probability, ``(p·scale)·v_int8``, so
-    the matmul reads the int8 values and no dequantised copy of the cache is made.
+    the matmul reads the int8 values converted to ``dtype`` and nothing multiplies the values themselves.
     """
     window = probs.shape[-1]
     v = kv.v[:rows, :, :window]
