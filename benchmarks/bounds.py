@@ -79,9 +79,11 @@ def decode_bound(
     A step reads every matmul weight once, each row's embedding and its K/V cache, and does 2 FLOPs
     per weight per row plus the attention's 4·d_model per cached token per layer; at best the step
     takes the longer of its reads at ``bandwidth`` and its arithmetic at ``flops`` (a roofline).
-    With ``config.quantize == "int8"`` the block projections are read at one byte per weight.
+    With ``config.quantize == "int8"`` the block projections are read at one byte per weight, and
+    with ``config.kv_cache == "int8"`` the cache at one byte per entry plus a float32 scale per head.
     """
-    kv_bytes = 2 * config.n_layers * batch * context * config.d_model * itemsize
+    per_token = config.d_model + 4 * config.n_heads if config.kv_cache == "int8" else config.d_model * itemsize
+    kv_bytes = 2 * config.n_layers * batch * context * per_token
     weight_bytes = _matmul_params(config) * itemsize
     if config.quantize == "int8":
         weight_bytes -= _block_projection_params(config) * (itemsize - 1)

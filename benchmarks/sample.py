@@ -10,12 +10,15 @@ compilation), best of ``--repeats`` runs, PyTorch in a process of its own:
 at each batch size, plus the time from ``gptj_flax.load()`` of an Orbax checkpoint to the first
 generated token (cold: restore, compile, prefill). With ``--quantize int8`` the same weights
 quantised to int8 (block projections, a scale per output channel) decode too, in the same run,
-beside float32 and against their own bound (one byte per block-projection weight read).
+beside float32 and against their own bound (one byte per block-projection weight read); with
+``--kv-cache int8`` the float32 weights decode with an int8 KV cache too (one byte per cached
+entry and a float32 scale per head read).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import multiprocessing
 import os
@@ -26,7 +29,7 @@ import numpy as np
 
 from benchmarks import bounds, profile
 from benchmarks.common import BENCH_MODEL, hf_gptj_config, load_average, machine_summary
-from gptj_flax.config import QUANTIZATIONS
+from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         default=None,
         help="also decode with the weights quantised to int8 and print its tokens/s beside float32's",
+    )
+    parser.add_argument(
+        "--kv-cache",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="also decode with the KV cache in int8 (float32 weights) and print its tokens/s beside float32's",
     )
     parser.add_argument(
         "--profile",
@@ -165,17 +174,16 @@ def _print_profiles(lm, prompt_ids, batch_sizes, ours, new_tokens: int) -> None:
         print(profile.format_rows(rows, (full_s - prefill_s) / (new_tokens - 1) * 1e3, threads))
 
 
-def _print_int8(args, int8_config, batch_sizes, rows, int8_times, context, bandwidth, ceiling) -> None:
-    """int8's decode tokens/s beside float32's, each against its own bound."""
-    print(
-        f"\n{args.quantize} weights (block projections {args.quantize}, a float32 scale per output channel; "
-        "embedding, head and compute float32), same prompts and decoding:"
-    )
-    header = ("batch", "decode tok/s float32", f"decode tok/s {args.quantize}", "ratio", "bound tok/s", "% of bound")
+def _print_variant(
+    args, title, name, variant_config, batch_sizes, rows, variant_times, context, bandwidth, ceiling
+) -> None:
+    """A variant's (int8 weights, int8 KV cache) decode tokens/s beside float32's, each against its own bound."""
+    print(f"\n{title}, same prompts and decoding:")
+    header = ("batch", "decode tok/s float32", f"decode tok/s {name}", "ratio", "bound tok/s", "% of bound")
     body = []
-    for batch, row, (prefill, full) in zip(batch_sizes, rows, int8_times):
+    for batch, row, (prefill, full) in zip(batch_sizes, rows, variant_times):
         tps = batch * (args.new_tokens - 1) / (full - prefill)
-        bound = bounds.decode_bound(int8_config, batch, context, bandwidth, ceiling)
+        bound = bounds.decode_bound(variant_config, batch, context, bandwidth, ceiling)
         body.append(
             (
                 str(batch),
@@ -189,7 +197,7 @@ def _print_int8(args, int8_config, batch_sizes, rows, int8_times, context, bandw
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
     for line in (header, ["-" * w for w in widths], *body):
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
-    print(f"(ratio: how many times faster {args.quantize} is than float32)")
+    print(f"(ratio: how many times faster {name} is than float32)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -236,6 +244,12 @@ def run(args: argparse.Namespace) -> None:
         int8_times = [
             _best_times(list(_ours(int8_lm, prompt_ids[:batch], args.new_tokens)), args.repeats)
             for batch in batch_sizes
+        ]
+    if args.kv_cache:
+        kv_config = dataclasses.replace(config, kv_cache=args.kv_cache)
+        kv_lm = LanguageModel(kv_config, params)
+        kv_times = [
+            _best_times(list(_ours(kv_lm, prompt_ids[:batch], args.new_tokens)), args.repeats) for batch in batch_sizes
         ]
     with tempfile.TemporaryDirectory() as model_dir:
         hf.save_pretrained(model_dir)
@@ -287,7 +301,28 @@ def run(args: argparse.Namespace) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
     print("\n(ratio: how many times faster gptj_flax is)")
     if args.quantize:
-        _print_int8(args, int8_config, batch_sizes, rows, int8_times, context, bandwidth, ceilings[config.dtype])
+        title = (
+            f"{args.quantize} weights (block projections {args.quantize}, a float32 scale per output channel; "
+            "embedding, head and compute float32)"
+        )
+        _print_variant(
+            args,
+            title,
+            args.quantize,
+            int8_config,
+            batch_sizes,
+            rows,
+            int8_times,
+            context,
+            bandwidth,
+            ceilings[config.dtype],
+        )
+    if args.kv_cache:
+        title = f"{args.kv_cache} KV cache (a float32 scale per cached key and value vector; weights float32)"
+        name = f"{args.kv_cache} cache"
+        _print_variant(
+            args, title, name, kv_config, batch_sizes, rows, kv_times, context, bandwidth, ceilings[config.dtype]
+        )
     print(f"bounds, measured in this process (decode steps read {context:.0f} cached tokens on average):")
     print(bounds.describe_limits(bandwidth, ceilings, weights))
     print(

@@ -35,6 +35,8 @@ ATTENTION_BACKENDS = ("auto", "xla", "splash", "cudnn")
 # Weight-only quantisations of the block projections (ModelConfig.quantize): for inference, and for
 # the frozen base of a LoRA run (QLoRA).
 QUANTIZATIONS = ("int8",)
+# Storage of the inference KV cache (ModelConfig.kv_cache) besides the compute dtype.
+KV_CACHE_DTYPES = ("int8",)
 
 # Canonical dtype name → the dtype, and every spelling the user may write for each.
 _DTYPE_BY_NAME = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -150,6 +152,9 @@ class ModelConfig:
     # "int8": the block projections are stored int8 with a float scale per output channel
     # (gptj_flax.convert.quantize makes them from float weights); None: every weight in param_dtype.
     quantize: str | None = None
+    # "int8": cached keys and values are stored int8 with a float32 scale per (row, head, slot),
+    # about half a bf16 cache's memory; None: the cache is in the compute dtype. Inference only.
+    kv_cache: str | None = None
 
     def __post_init__(self):
         if self.d_ff is None:
@@ -193,6 +198,8 @@ class ModelConfig:
         _check_choice("model.attention", self.attention, ATTENTION_BACKENDS)
         if self.quantize is not None:
             _check_choice("model.quantize", self.quantize, QUANTIZATIONS)
+        if self.kv_cache is not None:
+            _check_choice("model.kv_cache", self.kv_cache, KV_CACHE_DTYPES)
         if not isinstance(self.scan_layers, bool):
             raise ConfigError(f"model.scan_layers must be true or false, got {self.scan_layers!r}")
 
@@ -395,8 +402,9 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         model = dataclasses.asdict(self.model)
-        if model["quantize"] is None:  # a float model's config stays readable by versions without the key
-            del model["quantize"]
+        for key in ("quantize", "kv_cache"):  # unset, a config stays readable by versions without the key
+            if model[key] is None:
+                del model[key]
         return {
             "model": model,
             "mesh": dataclasses.asdict(self.mesh),

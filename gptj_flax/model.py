@@ -140,6 +140,25 @@ def cache_attention_mask(query_segments: Array, key_segments: Array, index: Arra
 # [length, head_dim] — since any other layout makes XLA transpose the whole cache at every step.
 KEY_AXES = ("batch", "heads", "kv", "length")
 VALUE_AXES = ("batch", "heads", "length", "kv")
+# An int8 cache's scales, one per cached key (or value) vector: split like the cache beside them.
+SCALE_AXES = ("batch", "heads", "length")
+
+
+def quantize_kv(x: Array, axis: int) -> tuple[Array, Array]:
+    """Symmetric int8 of keys or values ``x`` with one float32 scale per vector along ``axis`` (head_dim).
+
+    ``scale = max|x| / 127``, so every vector's largest entry maps to ±127 and an entry's error is
+    at most ``scale / 2``; the scale keeps ``x``'s shape less ``axis``. An all-zero vector gets scale 0.
+    """
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=axis) / 127.0
+    safe = jnp.expand_dims(jnp.where(scale > 0, scale, 1.0), axis)
+    return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale
+
+
+def dequantize_kv(q: Array, scale: Array, axis: int, dtype=jnp.float32) -> Array:
+    """The values :func:`quantize_kv` stands for, in ``dtype``."""
+    return (q.astype(jnp.float32) * jnp.expand_dims(scale, axis)).astype(dtype)
 
 
 @flax.struct.dataclass
@@ -148,63 +167,117 @@ class KVCache:
 
     Fields:
       k: one array per layer of keys (after rotary) [batch, heads, head_dim, length], in the
-        compute dtype. One buffer per layer, so each layer reads and writes its own in place.
-      v: one array per layer of values [batch, heads, length, head_dim].
+        compute dtype, or int8 with ``config.kv_cache == "int8"``. One buffer per layer, so each
+        layer reads and writes its own in place.
+      v: one array per layer of values [batch, heads, length, head_dim], stored as ``k`` is.
       segment_ids: int32 [batch, length]; 0 marks padding and slots not yet written.
       index: int32, the next slot to write: a scalar shared by the batch (prompts are left-padded
         so every row's newest token sits in the same slot), or [batch] for decode slots, where
         each row holds a sequence of its own (``GPTJ.decode_slots``).
+      k_scale, v_scale: for an int8 cache, one float32 array per layer [batch, heads, length]: the
+        scale of each cached key and value vector (:func:`quantize_kv`); empty for a float cache.
     """
 
     k: tuple[Array, ...]
     v: tuple[Array, ...]
     segment_ids: Array
     index: Array
+    k_scale: tuple[Array, ...] = ()
+    v_scale: tuple[Array, ...] = ()
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, length: int) -> KVCache:
-        def zeros(*shape):
-            return tuple(jnp.zeros(shape, config.compute_dtype) for _ in range(config.n_layers))
+        def zeros(*shape, dtype=config.compute_dtype):
+            return tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
 
         heads, head_dim = config.n_heads, config.head_dim
+        if config.kv_cache is None:
+            return cls(
+                k=zeros(batch, heads, head_dim, length),
+                v=zeros(batch, heads, length, head_dim),
+                segment_ids=jnp.zeros((batch, length), jnp.int32),
+                index=jnp.zeros((), jnp.int32),
+            )
         return cls(
-            k=zeros(batch, heads, head_dim, length),
-            v=zeros(batch, heads, length, head_dim),
+            k=zeros(batch, heads, head_dim, length, dtype=jnp.int8),
+            v=zeros(batch, heads, length, head_dim, dtype=jnp.int8),
             segment_ids=jnp.zeros((batch, length), jnp.int32),
             index=jnp.zeros((), jnp.int32),
+            k_scale=zeros(batch, heads, length, dtype=jnp.float32),
+            v_scale=zeros(batch, heads, length, dtype=jnp.float32),
         )
 
     @classmethod
     def logical_axes(cls, config: ModelConfig) -> KVCache:
         """The same tree with a logical PartitionSpec per leaf (for ``logical_to_sharding``)."""
         P = jax.sharding.PartitionSpec
+        scales = (P(*SCALE_AXES),) * config.n_layers if config.kv_cache is not None else ()
         return cls(
             k=(P(*KEY_AXES),) * config.n_layers,
             v=(P(*VALUE_AXES),) * config.n_layers,
             segment_ids=P("batch", "length"),
             index=P(),
+            k_scale=scales,
+            v_scale=scales,
+        )
+
+    def layer(self, i: int, index: Array) -> LayerKV:
+        """Layer ``i``'s buffers, to be written at ``index``."""
+        if not self.k_scale:
+            return LayerKV(self.k[i], self.v[i], index)
+        return LayerKV(self.k[i], self.v[i], index, self.k_scale[i], self.v_scale[i])
+
+    @classmethod
+    def from_layers(cls, layers: list[LayerKV], segment_ids: Array, index: Array) -> KVCache:
+        """The cache of ``layers``' buffers (as :meth:`layer` handed them out, updated)."""
+        return cls(
+            k=tuple(kv.k for kv in layers),
+            v=tuple(kv.v for kv in layers),
+            segment_ids=segment_ids,
+            index=index,
+            k_scale=tuple(kv.k_scale for kv in layers if kv.k_scale is not None),
+            v_scale=tuple(kv.v_scale for kv in layers if kv.v_scale is not None),
         )
 
 
 class LayerKV(NamedTuple):
     """One layer's cached keys and values and the slot the new tokens are written at: a scalar
-    (every row at the same slot) or int32 [B], one slot per row (decode slots, one token each)."""
+    (every row at the same slot) or int32 [B], one slot per row (decode slots, one token each).
+    An int8 layer has its scales [B, heads, length] besides; a float one has None."""
 
     k: Array
     v: Array
     index: Array
+    k_scale: Array | None = None
+    v_scale: Array | None = None
 
 
 def write_layer_kv(kv: LayerKV, k: Array, v: Array) -> LayerKV:
-    """Store new keys [B, heads, head_dim, T] and values [B, heads, T, head_dim] at slot ``kv.index``."""
-    if kv.index.ndim == 0:
-        k = lax.dynamic_update_slice(kv.k, k.astype(kv.k.dtype), (0, 0, 0, kv.index))
-        v = lax.dynamic_update_slice(kv.v, v.astype(kv.v.dtype), (0, 0, kv.index, 0))
-    else:  # one token per row, each at its own slot; the new keys may be for the first rows only
-        rows = jnp.arange(k.shape[0])
-        k = kv.k.at[rows, :, :, kv.index].set(k[..., 0].astype(kv.k.dtype))
-        v = kv.v.at[rows, :, kv.index, :].set(v[:, :, 0].astype(kv.v.dtype))
-    return kv._replace(k=nn.with_logical_constraint(k, KEY_AXES), v=nn.with_logical_constraint(v, VALUE_AXES))
+    """Store new keys [B, heads, head_dim, T] and values [B, heads, T, head_dim] at slot ``kv.index``
+    (quantised first, with their scales, if the cache is int8)."""
+
+    def put(buffer: Array, new: Array, slot_axis: int) -> Array:
+        new = new.astype(buffer.dtype)
+        if kv.index.ndim == 0:
+            start = [0] * buffer.ndim
+            start[slot_axis] = kv.index
+            return lax.dynamic_update_slice(buffer, new, start)
+        # one token per row, each at its own slot; the new entries may be for the first rows only
+        rows = jnp.arange(new.shape[0])
+        return buffer.at[(rows, *[slice(None)] * (slot_axis - 1), kv.index)].set(jnp.take(new, 0, axis=slot_axis))
+
+    scales = {}
+    if kv.k_scale is not None and kv.v_scale is not None:
+        (k, k_scale), (v, v_scale) = quantize_kv(k, axis=2), quantize_kv(v, axis=3)
+        scales = {
+            "k_scale": nn.with_logical_constraint(put(kv.k_scale, k_scale, 2), SCALE_AXES),
+            "v_scale": nn.with_logical_constraint(put(kv.v_scale, v_scale, 2), SCALE_AXES),
+        }
+    return kv._replace(
+        k=nn.with_logical_constraint(put(kv.k, k, 3), KEY_AXES),
+        v=nn.with_logical_constraint(put(kv.v, v, 2), VALUE_AXES),
+        **scales,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,6 +295,33 @@ def attention_probs(scores: Array, mask: Array, dtype) -> Array:
     return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1).astype(dtype)
 
 
+def cached_scores(q: Array, kv: LayerKV, head_dim: int, rows: int, window: int) -> Array:
+    """:func:`attention_scores` of ``q`` against the first ``rows`` rows and ``window`` slots of the cache.
+
+    An int8 cache is dequantised inside the matmul: it reads the int8 keys converted to q's dtype and
+    each score is multiplied by its key's scale, ``(q·k_int8)·scale``, which is exact since the scale
+    is constant along head_dim. (XLA:CPU materialises the convert, one layer's keys at a time.)
+    """
+    k = kv.k[:rows, :, :, :window]
+    scores = attention_scores(q, k.astype(q.dtype), head_dim)
+    if kv.k_scale is None:
+        return scores
+    return scores * kv.k_scale[:rows, :, None, :window]
+
+
+def cached_values(probs: Array, kv: LayerKV, rows: int, dtype) -> Array:
+    """``probs`` [B, heads, T, W] times the cached values of the first B rows and W slots, [B, T, heads, head_dim].
+
+    For an int8 cache each value's scale is folded into its probability, ``(p·scale)·v_int8``, so
+    the matmul reads the int8 values converted to ``dtype`` and nothing multiplies the values themselves.
+    """
+    window = probs.shape[-1]
+    v = kv.v[:rows, :, :window]
+    if kv.v_scale is not None:
+        probs = (probs * kv.v_scale[:rows, :, None, :window]).astype(dtype)
+    return jnp.einsum("bhqk,bhkd->bqhd", probs, v.astype(dtype))
+
+
 def _decode_attention(
     cfg: ModelConfig, q: Array, k: Array, v: Array, mask: Array, kv: LayerKV
 ) -> tuple[Array, LayerKV]:
@@ -237,16 +337,22 @@ def _decode_attention(
     # slots attend to a window that holds every busy row's sequence), so the matmuls read that much
     # of the cache and no more.
     rows, window = q.shape[0], mask.shape[-1]
-    past = attention_scores(q, kv.k[:rows, :, :, :window], cfg.head_dim)  # [B, H, 1, W]
-    own = attention_scores(q, k, cfg.head_dim)  # [B, H, 1, 1]: the new key, not yet in the cache
+    past = cached_scores(q, kv, cfg.head_dim, rows, window)  # [B, H, 1, W]
+    # With an int8 cache the token attends to its own key and value as the cache will hold them,
+    # so the result equals writing first and attending to the updated cache here too.
+    own_k, own_v = k, v
+    if kv.k_scale is not None:
+        own_k = dequantize_kv(*quantize_kv(k, axis=2), axis=2, dtype=k.dtype)
+        own_v = dequantize_kv(*quantize_kv(v, axis=3), axis=3, dtype=v.dtype)
+    own = attention_scores(q, own_k, cfg.head_dim)  # [B, H, 1, 1]: the new key, not yet in the cache
     slots = jnp.arange(window)
     index = kv.index if kv.index.ndim == 0 else kv.index[:, None, None, None]
     # the token's own slot (index) holds nothing yet: its score comes from the new key instead
     allowed = jnp.concatenate([mask & (slots != index), jnp.ones((*mask.shape[:-1], 1), bool)], axis=-1)
     probs = attention_probs(jnp.concatenate([past, own], axis=-1), allowed, cfg.compute_dtype)
-    out = jnp.einsum("bhqk,bhkd->bqhd", probs[..., :-1], kv.v[:rows, :, :window]) + probs[..., -1:].transpose(
+    out = cached_values(probs[..., :-1], kv, rows, cfg.compute_dtype) + probs[..., -1:].transpose(
         0, 2, 1, 3
-    ) * v.transpose(0, 2, 1, 3)
+    ) * own_v.transpose(0, 2, 1, 3)
     # The writes must follow the matmuls that read the old cache, or XLA copies each cache buffer
     # at every step to keep the old one readable. An optimization barrier is expanded too early in
     # XLA's CPU pipeline to order them, so the written values depend on the attention's result
@@ -344,11 +450,14 @@ class Attention(nn.Module):
                 mask.backend, q.transpose(0, 2, 1, 3), k.transpose(0, 1, 3, 2), v, mask.segment_ids
             ).transpose(0, 2, 1, 3)
         else:
-            if kv is not None:
+            if kv is None:
+                probs = attention_probs(attention_scores(q, k, cfg.head_dim), mask, cfg.compute_dtype)
+                out = jnp.einsum("bhqk,bhkd->bqhd", probs, v)
+            else:  # a prefill attends to the whole cache, its own tokens written (and quantised) first
                 kv = write_layer_kv(kv, k, v)
-                k, v = kv.k, kv.v
-            probs = attention_probs(attention_scores(q, k, cfg.head_dim), mask, cfg.compute_dtype)
-            out = jnp.einsum("bhqk,bhkd->bqhd", probs, v)
+                rows, slots = kv.k.shape[0], kv.k.shape[3]
+                probs = attention_probs(cached_scores(q, kv, cfg.head_dim, rows, slots), mask, cfg.compute_dtype)
+                out = cached_values(probs, kv, rows, cfg.compute_dtype)
 
         out_shape, out_axes = (cfg.n_heads, cfg.head_dim, cfg.d_model), ("heads", "kv", "embed")
         stddev = 2.0 / cfg.n_layers / np.sqrt(cfg.d_model)
@@ -543,17 +652,14 @@ class GPTJ(nn.Module):
         key_segments = lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache.index))
         mask = cache_attention_mask(segment_ids, key_segments, cache.index)
         h = self._embed(tokens)
-        new_k, new_v = [], []
+        layers = []
         for i in range(cfg.n_layers):
-            h, kv = getattr(self, f"layer_{i}")(h, sin, cos, mask, LayerKV(cache.k[i], cache.v[i], cache.index))
-            new_k.append(kv.k)
-            new_v.append(kv.v)
+            h, kv = getattr(self, f"layer_{i}")(h, sin, cos, mask, cache.layer(i, cache.index))
+            layers.append(kv)
         if last_logits_only:
             h = h[:, -1:]
         logits = self.lm_head(self.ln_f(h))
-        return logits, KVCache(
-            k=tuple(new_k), v=tuple(new_v), segment_ids=key_segments, index=cache.index + tokens.shape[1]
-        )
+        return logits, KVCache.from_layers(layers, key_segments, cache.index + tokens.shape[1])
 
     def decode_slots(
         self, tokens: Array, positions: Array, active: Array, cache: KVCache, window: int
@@ -575,18 +681,12 @@ class GPTJ(nn.Module):
         key_segments = cache.segment_ids.at[jnp.arange(rows), index].set(active.astype(jnp.int32))
         mask = (key_segments[:rows, None, None, :window] != 0) & active[:, None, None, None]
         h = self._embed(tokens)
-        new_k, new_v = [], []
+        layers = []
         for i in range(cfg.n_layers):
-            h, kv = getattr(self, f"layer_{i}")(h, sin, cos, mask, LayerKV(cache.k[i], cache.v[i], index))
-            new_k.append(kv.k)
-            new_v.append(kv.v)
+            h, kv = getattr(self, f"layer_{i}")(h, sin, cos, mask, cache.layer(i, index))
+            layers.append(kv)
         logits = self.lm_head(self.ln_f(h))
-        return logits, KVCache(
-            k=tuple(new_k),
-            v=tuple(new_v),
-            segment_ids=key_segments,
-            index=cache.index.at[:rows].add(active.astype(jnp.int32)),
-        )
+        return logits, KVCache.from_layers(layers, key_segments, cache.index.at[:rows].add(active.astype(jnp.int32)))
 
     def _defaults(self, tokens, positions, segment_ids):
         if positions is None:

@@ -2,7 +2,7 @@
 
     python scripts/bench.py train  [--batch 8] [--seq-len 256] [--threads 2]
     python scripts/bench.py data   [--config configs/demo_cpu.json]
-    python scripts/bench.py sample [--batch-sizes 1,16] [--prompt-tokens 64] [--new-tokens 128] [--quantize int8]
+    python scripts/bench.py sample [--batch-sizes 1,16] [--prompt-tokens 64] [--new-tokens 128] [--quantize int8] [--kv-cache int8]
     python scripts/bench.py serve  [--url URL] [--concurrency 1,8,32] [--seconds 20]
     python scripts/bench.py device [--backends xla,splash] [--batch-per-device 4] [--steps 3]
 

@@ -115,7 +115,7 @@ def test_sample_benchmark(repo_root, tmp_path):
 
 
 @pytest.mark.slow
-def test_sample_benchmark_prints_int8_beside_float32(repo_root, tmp_path):
+def test_sample_benchmark_prints_int8_weights_and_cache_beside_float32(repo_root, tmp_path):
     out = bench(
         repo_root,
         tmp_path,
@@ -132,20 +132,27 @@ def test_sample_benchmark_prints_int8_beside_float32(repo_root, tmp_path):
         "1",
         "--quantize",
         "int8",
+        "--kv-cache",
+        "int8",
     )
-    int8 = out.split("int8 weights (block projections int8, a float32 scale per output channel")[1]
-    rows = re.findall(
-        rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \((?:memory|compute)\)\s+-?{NUMBER}%$",
-        int8,
-        re.MULTILINE,
+    int8, kv_cache = out.split("int8 weights (block projections int8, a float32 scale per output channel")[1].split(
+        "int8 KV cache (a float32 scale per cached key and value vector"
     )
-    assert [row[0] for row in rows] == ["1", "2"], out
     float_rows = re.findall(rf"^\s+([12])\s+(-?{NUMBER})\s+-?{NUMBER}\s+-?{NUMBER}x\s+{NUMBER} \(", out, re.MULTILINE)
-    assert [row[1] for row in rows] == [row[1] for row in float_rows[:2]]  # float32's figures, repeated beside int8's
-    # int8 reads a quarter of the block projections' bytes: its memory bound is higher than float32's
     float_bound = figure(rf"^\s+1\s+-?{NUMBER}\s+-?{NUMBER}\s+-?{NUMBER}x\s+({NUMBER}) \(", out)
-    assert float(rows[0][3].replace(",", "")) > float_bound
+    for section in (int8, kv_cache):
+        rows = re.findall(
+            rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \((?:memory|compute)\)\s+-?{NUMBER}%$",
+            section,
+            re.MULTILINE,
+        )
+        assert [row[0] for row in rows] == ["1", "2"], out
+        assert [row[1] for row in rows] == [row[1] for row in float_rows[:2]]  # float32's figures, repeated beside
+        # int8 weights read a quarter of the block projections' bytes, an int8 cache about a quarter of
+        # float32's cache bytes: either memory bound is higher than float32's
+        assert float(rows[0][3].replace(",", "")) > float_bound
     assert "(ratio: how many times faster int8 is than float32)" in out
+    assert "(ratio: how many times faster int8 cache is than float32)" in out
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """benchmarks/bounds.py: the decode and train bounds follow from the model's real parameter tree,
 and the measured limits are sane numbers."""
 
+import dataclasses
 import math
 
 import jax
@@ -37,6 +38,15 @@ def test_a_batch_one_decode_step_is_bound_by_reading_its_weights_once():
     assert bound.limit == "memory"
     assert bound.bytes_per_step == expected_bytes
     assert bound.tokens_per_s == pytest.approx(1e9 / expected_bytes)
+
+
+def test_an_int8_kv_cache_is_read_at_a_byte_per_entry_and_a_scale_per_head():
+    int8 = dataclasses.replace(CFG, kv_cache="int8")
+    context = 10
+    float_kv = 2 * CFG.n_layers * context * CFG.d_model * 4
+    int8_kv = 2 * CFG.n_layers * context * (CFG.d_model + 4 * CFG.n_heads)
+    step = bounds.decode_bound(CFG, 1, context, bandwidth=1e9, flops=1e15).bytes_per_step
+    assert bounds.decode_bound(int8, 1, context, bandwidth=1e9, flops=1e15).bytes_per_step == step - float_kv + int8_kv
 
 
 def test_a_large_batch_decode_step_is_bound_by_arithmetic_when_flops_are_scarce():

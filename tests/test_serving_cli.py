@@ -49,6 +49,12 @@ def test_flags_win_over_the_environment_which_wins_over_defaults():
     assert parse(["--checkpoint", "/runs/b/"], {}).served_model_name == "b"
 
 
+def test_the_kv_cache_setting_is_a_flag_and_a_variable():
+    assert parse(["--checkpoint", "c"], {}).kv_cache is None
+    assert parse(["--checkpoint", "c", "--kv-cache", "int8"], {}).kv_cache == "int8"
+    assert parse(["--checkpoint", "c"], {"GPTJ_FLAX_KV_CACHE": "int8"}).kv_cache == "int8"
+
+
 def test_the_dtype_takes_either_spelling_and_keeps_the_canonical_name():
     assert parse(["--checkpoint", "/runs/a", "--dtype", "bf16"], {}).dtype == "bfloat16"
     assert parse(["--checkpoint", "/runs/a"], {"GPTJ_FLAX_DTYPE": "fp32"}).dtype == "float32"
@@ -145,6 +151,11 @@ def test_relative_paths_are_made_absolute_as_settings_are_read(tmp_path, monkeyp
             "--log-format (or GPTJ_FLAX_LOG_FORMAT) must be one of",
         ),
         (["--checkpoint", "c"], {"GPTJ_FLAX_PORT": "70000"}, "--port (or GPTJ_FLAX_PORT) must be in 0..65535"),
+        (
+            ["--checkpoint", "c"],
+            {"GPTJ_FLAX_KV_CACHE": "int4"},
+            "--kv-cache (or GPTJ_FLAX_KV_CACHE) must be one of ['int8'], got 'int4'",
+        ),
         (
             ["--checkpoint", "c", "--prefill-chunk", "100"],
             {},

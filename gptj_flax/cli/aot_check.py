@@ -6,7 +6,7 @@ python scripts/aot_check.py --config configs/gptj_6b.json --topology v3:2x2 [--m
 
 --serve asks the same of serving instead (gptj-serve's decode step over --batch slots of
 --cache-len tokens, and a prefill chunk), parameters in the compute dtype, --quantize int8 for int8
-block projections:
+block projections, --kv-cache int8 for an int8 KV cache:
 
 python scripts/aot_check.py --serve --config configs/gptj_6b.json --topology v5e:1x1 --topology v4:1x1x1 \
                             --quantize int8 --batch 8 --cache-len 2048
@@ -20,7 +20,7 @@ import os
 import sys
 
 from gptj_flax.cli import LONE_HOST_TPU_ENV, libtpu_without_tpu
-from gptj_flax.config import QUANTIZATIONS, cli_path, join_negative_values
+from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, cli_path, join_negative_values
 from gptj_flax.errors import add_debug_flag, run_cli
 
 
@@ -41,10 +41,12 @@ def _main() -> int:
     serving.add_argument("--cache-len", type=int, help="tokens per slot (gptj-serve --max-len; default model.max_len)")
     serving.add_argument("--prefill-chunk", type=int, default=128, help="prefill chunk (default 128)")
     serving.add_argument("--quantize", choices=QUANTIZATIONS, help="block projections in int8 (model.quantize)")
+    serving.add_argument("--kv-cache", choices=KV_CACHE_DTYPES, help="cached keys and values in int8 (model.kv_cache)")
     add_debug_flag(parser)
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
     if not args.serve:
-        given = [f for f, v in (("--quantize", args.quantize), ("--cache-len", args.cache_len)) if v is not None]
+        serve_only = (("--quantize", args.quantize), ("--kv-cache", args.kv_cache), ("--cache-len", args.cache_len))
+        given = [f for f, v in serve_only if v is not None]
         if given:
             parser.error(f"{', '.join(given)} only apply with --serve (the train step trains float weights)")
     if args.batch < 1 or (args.cache_len is not None and args.cache_len < 2):
@@ -55,6 +57,7 @@ def _main() -> int:
     from gptj_flax.training.aot import AotReport, ServingFit, compile_for_topology, serving_fit
 
     overrides = [*args.set, *([f"model.quantize={args.quantize}"] if args.quantize else [])]
+    overrides += [f"model.kv_cache={args.kv_cache}"] if args.kv_cache else []
     config = load_config(args.config, overrides)
     fits = True
     for topology in args.topology:

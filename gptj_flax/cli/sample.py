@@ -20,7 +20,7 @@ import jax
 
 import gptj_flax
 from gptj_flax.cli.distributed import start_processes
-from gptj_flax.config import QUANTIZATIONS, cli_dtype, cli_path, join_negative_values
+from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, cli_dtype, cli_path, join_negative_values
 from gptj_flax.errors import add_debug_flag, run_cli
 from gptj_flax.sampling import SamplingError
 from gptj_flax.sampling.multihost import read_on_process_0
@@ -53,6 +53,13 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="store the block projections as int8 with a scale per output channel, quantised as the model "
         "loads (default: as stored; a gptj-convert quantize output is int8 already)",
+    )
+    parser.add_argument(
+        "--kv-cache",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="store cached keys and values as int8 with a scale per (row, head, slot): about half a bf16 "
+        "cache's memory (default: the compute dtype)",
     )
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prompt", help="complete this prompt and exit")
@@ -115,7 +122,13 @@ def _main() -> None:
     args = parse_args()
     start_processes()  # on a TPU pod every host runs this command; elsewhere nothing
     lm = gptj_flax.load(
-        args.checkpoint, mesh=args.mesh, dtype=args.dtype, step=args.step, quantize=args.quantize, adapter=args.adapter
+        args.checkpoint,
+        mesh=args.mesh,
+        dtype=args.dtype,
+        step=args.step,
+        quantize=args.quantize,
+        adapter=args.adapter,
+        kv_cache=args.kv_cache,
     )
     show(lm, file=sys.stderr)  # states the parameter and compute dtypes in effect
     settings = dict(

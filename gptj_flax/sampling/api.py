@@ -314,7 +314,7 @@ class LanguageModel:
             f"LanguageModel({c.param_count():,} parameters: {c.n_layers} layers, d_model {c.d_model}, "
             f"{c.n_heads} heads, vocab {c.vocab_size}, context {c.max_len}; parameters {self.param_dtype}"
             f"{'' if c.quantize is None else f' (block projections {c.quantize})'}, "
-            f"compute {self.compute_dtype}; step {self.step}; mesh {dict(self.mesh.shape)})"
+            f"compute {self.compute_dtype}{'' if c.kv_cache is None else f', KV cache {c.kv_cache}'}; step {self.step}; mesh {dict(self.mesh.shape)})"
         )
 
     # -- text <-> tokens -------------------------------------------------------------------

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from gptj_flax import checkpoint, partitioning
-from gptj_flax.config import QUANTIZATIONS, dtype_name, jnp_dtype
+from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, dtype_name, jnp_dtype
 from gptj_flax.convert import lora as lora_lib
 from gptj_flax.convert.hf import HFCheckpoint, is_hf_source
 from gptj_flax.convert.init_from import check_architecture
@@ -41,6 +41,7 @@ def load(
     tokenizer=None,
     quantize: str | None = None,
     adapter: str | os.PathLike | None = None,
+    kv_cache: str | None = None,
 ) -> LanguageModel:
     """A :class:`LanguageModel` from ``path``, ready to generate, stream and score.
 
@@ -63,9 +64,13 @@ def load(
         — or a HuggingFace PEFT directory (``adapter_config.json``). The tokenizer then comes from
         the LoRA run when it saved one. A QLoRA run's adapters are merged into the base's block
         projections as int8 quantisation rounds them, which is what they were trained on.
+      kv_cache: ``"int8"``: generation stores cached keys and values int8 with a float32 scale per
+        (row, head, slot), about half a bf16 cache's memory. Default: the compute dtype.
     """
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise SamplingError(f"quantize={quantize!r} is not one of {list(QUANTIZATIONS)} (or None: as stored)")
+    if kv_cache is not None and kv_cache not in KV_CACHE_DTYPES:
+        raise SamplingError(f"kv_cache={kv_cache!r} is not one of {list(KV_CACHE_DTYPES)} (or None: the compute dtype)")
     mesh = partitioning.make_mesh(partitioning.ONE_DEVICE if mesh is None else mesh)
     name = None if dtype is None else dtype_name(dtype)
     if is_hf_source(path):
@@ -106,6 +111,8 @@ def load(
     if adapter is not None:
         params, adapter_tokenizer = _merge_adapter(adapter, path, model_config, params, mesh)
         saved = adapter_tokenizer or saved
+    if kv_cache is not None:
+        model_config = dataclasses.replace(model_config, kv_cache=kv_cache)
     return LanguageModel(
         model_config, params, tokenizer=resolve_tokenizer(tokenizer, saved=saved), mesh=mesh, step=step
     )

@@ -329,6 +329,14 @@ class Slots:
             )
             for big, new in zip(state.cache.v, cache.v, strict=True)
         )
+        # an int8 cache's scales, [rows, heads, columns], move with the keys and values they scale
+        k_scale, v_scale = (
+            tuple(
+                big.at[slots, :, :kept].set(jnp.take_along_axis(new, source[:, None, :], axis=2), mode="drop")
+                for big, new in zip(bigs, news, strict=True)
+            )
+            for bigs, news in ((state.cache.k_scale, cache.k_scale), (state.cache.v_scale, cache.v_scale))
+        )
         row_segments = (jnp.arange(self.length)[None, :] < lengths[:, None]).astype(jnp.int32)
         real = jnp.arange(columns)[None, :] >= (columns - lengths)[:, None]
         seen = jnp.zeros((b, self.config.vocab_size), bool).at[jnp.arange(b)[:, None], tokens].max(real)
@@ -347,6 +355,8 @@ class Slots:
                 v=v,
                 segment_ids=put(state.cache.segment_ids, row_segments),
                 index=put(state.cache.index, lengths),
+                k_scale=k_scale,
+                v_scale=v_scale,
             ),
             last=put(state.last, token),
             num_generated=put(state.num_generated, jnp.ones((b,), jnp.int32)),

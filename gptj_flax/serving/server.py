@@ -111,6 +111,7 @@ def serve(settings: ServeSettings) -> int:
             dtype=settings.dtype,
             quantize=settings.quantize,
             adapter=settings.adapter,
+            kv_cache=settings.kv_cache,
         )
         logger.info("loaded %s", model)  # its repr states the parameter and compute dtypes
         app = create_app(model, settings, keys=keys, request_log=request_log)

@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gptj_flax.config import QUANTIZATIONS, ConfigError, dtype_name
+from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError, dtype_name
 from gptj_flax.convert.hf import HF_PREFIX
 from gptj_flax.errors import GptjFlaxError
 
@@ -79,6 +79,13 @@ class ServeSettings:
         "store the block projections as int8 with a scale per output channel, quantised as the model loads "
         "(about half the memory of bf16 weights; default: as stored, int8 for a gptj-convert quantize output)",
         QUANTIZATIONS,
+    )
+    kv_cache: str | None = _setting(
+        None,
+        str,
+        "store the decode slots' cached keys and values as int8 with a scale per (row, head, slot): about half "
+        "a bf16 cache's memory, so twice the slots or context (default: the compute dtype)",
+        KV_CACHE_DTYPES,
     )
     api_keys_file: str | None = _setting(
         None,
@@ -156,6 +163,7 @@ class ServeSettings:
             except ConfigError:
                 check(False, "dtype", "float32 (fp32), bfloat16 (bf16) or float16 (fp16)")
         check(self.quantize is None or self.quantize in QUANTIZATIONS, "quantize", f"one of {list(QUANTIZATIONS)}")
+        check(self.kv_cache is None or self.kv_cache in KV_CACHE_DTYPES, "kv_cache", f"one of {list(KV_CACHE_DTYPES)}")
         check(self.log_format in LOG_FORMATS, "log_format", f"one of {list(LOG_FORMATS)}")
         check(self.log_max_bytes >= 0, "log_max_bytes", ">= 0")
         check(self.log_backups >= 0, "log_backups", ">= 0")

@@ -250,6 +250,7 @@ class ServingFit:
     device_kind: str
     compiler: str  # who measured the activations: XLA's TPU compiler, or the estimate
     quantize: str | None
+    kv_cache: str | None  # None: the cache in the compute dtype
     param_dtype: str
     batch: int  # decode slots
     cache_len: int  # tokens per slot
@@ -271,9 +272,10 @@ class ServingFit:
     def format(self) -> str:
         hbm = f"{self.hbm_bytes / GiB:.1f} GiB" if self.hbm_bytes else "unknown"
         weights = f"block projections {self.quantize}, the rest" if self.quantize else "weights"
+        cache = f" ({self.kv_cache} KV cache)" if self.kv_cache else ""
         head = [
             f"serving on {self.topology} ({self.device_kind}): {weights} {self.param_dtype}, {self.batch} decode "
-            f"slots x {self.cache_len} cached tokens, prefill chunks of {self.chunk}; activations: {self.compiler}"
+            f"slots x {self.cache_len} cached tokens{cache}, prefill chunks of {self.chunk}; activations: {self.compiler}"
         ]
         if self.compile_error:
             return "\n".join([*head, f"XLA: {self.compile_error} -> DOES NOT FIT"])
@@ -294,7 +296,8 @@ def serving_fit(
     """Will ``gptj-serve`` of ``config`` fit ``topology``? Compiles its two programs for the slice:
     one decode step of ``batch`` slots of ``cache_len`` tokens, and one prefill chunk into a
     one-row cache. The parameters are held in the compute dtype (as ``load(..., dtype=…)`` of
-    that dtype holds them), int8 block projections where ``model.quantize`` says so.
+    that dtype holds them), int8 block projections where ``model.quantize`` says so, and the cache
+    int8 with its scales where ``model.kv_cache`` does.
 
     Without libtpu a one-chip topology (:data:`ONE_CHIP_KINDS`) is still answered: parameter and
     cache bytes from the shapes, activations by :func:`serving_activation_estimate`.
@@ -352,6 +355,7 @@ def serving_fit(
         device_kind=kind,
         compiler=compiler,
         quantize=mc.quantize,
+        kv_cache=mc.kv_cache,
         param_dtype=mc.param_dtype,
         batch=batch,
         cache_len=cache_len,
@@ -386,8 +390,8 @@ def serving_activation_estimate(mc, batch: int, cache_len: int, chunk: int) -> i
     Counted twice over for one layer's activations (the next layer's are made while the last ones'
     are freed): q, k, v, the attention output and the MLP hidden state in the compute dtype, the
     float32 scores and their softmax; plus the float32 logits, twice (sampling masks a copy), and,
-    for an int8 model, one block's largest kernel converted to the compute dtype, in case the
-    convert is not fused into its matmul.
+    for an int8 model, one block's largest kernel converted to the compute dtype, and for an int8
+    cache one layer's keys and values so, in case the convert is not fused into its matmul.
     """
     itemsize = np.dtype(mc.compute_dtype).itemsize
     d, f, h, v = mc.d_model, mc.ff_dim, mc.n_heads, mc.vocab_size
@@ -397,4 +401,6 @@ def serving_activation_estimate(mc, batch: int, cache_len: int, chunk: int) -> i
         return 2 * layer + 2 * rows * v * 4
 
     dequantized = d * f * itemsize if mc.quantize else 0
+    if mc.kv_cache:
+        dequantized += 2 * batch * cache_len * d * itemsize
     return max(program(batch, 1), program(1, chunk)) + dequantized
