@@ -18,6 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ sits beside scripts/, never installed
 
+# Imported for its side effect, before any benchmark imports JAX: with libtpu installed on a machine
+# without TPUs it names the platforms JAX should try, as the gptj-* commands do, so that libtpu's
+# discovery errors are not printed among the figures.
+import gptj_flax.cli  # noqa: E402, F401
 from gptj_flax.errors import add_debug_flag, run_cli  # noqa: E402
 
 # Benchmarks that build a multi-device mesh, and the devices they need on a CPU-only machine (the
