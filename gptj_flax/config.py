@@ -155,10 +155,6 @@ class ModelConfig:
     # "int8": cached keys and values are stored int8 with a float32 scale per (row, head, slot),
     # about half a bf16 cache's memory; None: the cache is in the compute dtype. Inference only.
     kv_cache: str | None = None
-    # True: each layer's q, k and v kernels are one ``qkv_proj`` [embed, 3, heads, kv] (and int8
-    # scales [3, heads, kv]), so a decode step computes them in one matmul. The decoder's own layout
-    # (sampling.Decoder fuses the kernels it is given); checkpoints and training keep them apart.
-    fused_qkv: bool = False
 
     def __post_init__(self):
         if self.d_ff is None:
@@ -206,8 +202,6 @@ class ModelConfig:
             _check_choice("model.kv_cache", self.kv_cache, KV_CACHE_DTYPES)
         if not isinstance(self.scan_layers, bool):
             raise ConfigError(f"model.scan_layers must be true or false, got {self.scan_layers!r}")
-        if not isinstance(self.fused_qkv, bool):
-            raise ConfigError(f"model.fused_qkv must be true or false, got {self.fused_qkv!r}")
 
     @property
     def ff_dim(self) -> int:
@@ -408,8 +402,8 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         model = dataclasses.asdict(self.model)
-        for key, unset in (("quantize", None), ("kv_cache", None), ("fused_qkv", False)):
-            if model[key] is unset:  # unset, a config stays readable by versions without the key
+        for key in ("quantize", "kv_cache"):  # unset, a config stays readable by versions without the key
+            if model[key] is None:
                 del model[key]
         return {
             "model": model,

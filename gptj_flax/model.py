@@ -53,8 +53,6 @@ def _ones(axes):
 
 # An int8 model's projection kernel ``NAME`` has its per-output-channel scale beside it, ``NAME_scale``.
 SCALE_SUFFIX = "_scale"
-QKV = ("q_proj", "k_proj", "v_proj")
-FUSED_QKV = "qkv_proj"  # the three as one kernel (ModelConfig.fused_qkv)
 
 
 def project(
@@ -425,19 +423,18 @@ class Attention(nn.Module):
         # Kernels stay 3-D ([embed, heads, kv] and [heads, kv, embed]) so each dim has its own name.
         qkv_shape, qkv_axes = (cfg.d_model, cfg.n_heads, cfg.head_dim), ("embed", "heads", "kv")
         x = x.astype(cfg.compute_dtype)
-        if cfg.fused_qkv:
-            # One matmul reads the three kernels in one pass: on a CPU a decode step's small
-            # matrix-vector products cost far more one by one than their bytes do.
-            shape, axes = (cfg.d_model, 3, *qkv_shape[1:]), ("embed", None, *qkv_axes[1:])
-            fused = project(self, FUSED_QKV, x, "btd,dchk->btchk", shape, cfg.d_model**-0.5, axes)
-            projected = tuple(fused[:, :, i] for i in range(3))
-        else:
-            projected = tuple(
-                project(self, name, x, "btd,dhk->bthk", qkv_shape, cfg.d_model**-0.5, qkv_axes) for name in QKV
-            )
         q, k, v = (
-            lora_delta(self.lora, name, x, ("embed",), qkv_shape[1:], qkv_axes[1:], cfg.compute_dtype, out)
-            for name, out in zip(QKV, projected, strict=True)
+            lora_delta(
+                self.lora,
+                name,
+                x,
+                ("embed",),
+                qkv_shape[1:],
+                qkv_axes[1:],
+                cfg.compute_dtype,
+                project(self, name, x, "btd,dhk->bthk", qkv_shape, cfg.d_model**-0.5, qkv_axes),
+            )
+            for name in ("q_proj", "k_proj", "v_proj")
         )
         q = nn.with_logical_constraint(apply_rotary(q, sin, cos), ("batch", "length", "heads", "kv"))
         # keys and values in the cache's layouts
@@ -762,23 +759,6 @@ def stack_layers(params: dict, n_layers: int) -> dict:
     # numpy stays numpy (host memory, e.g. during conversion); jax arrays stay on their devices.
     stack = lambda *xs: np.stack(xs) if isinstance(xs[0], np.ndarray) else jnp.stack(xs)  # noqa: E731
     params["layers"] = jax.tree.map(stack, *per_layer)
-    return params
-
-
-def fuse_qkv(params: dict) -> dict:
-    """Unrolled params → the ``fused_qkv`` layout: each layer's q, k and v kernels stacked into
-    ``qkv_proj`` [embed, 3, heads, kv], and their int8 scales, if any, into [3, heads, kv]."""
-    params = dict(params)
-    for name, layer in params.items():
-        if not name.startswith("layer_"):
-            continue
-        attn = dict(layer["attn"])
-        for suffix, axis in (("", 1), (SCALE_SUFFIX, 0)):
-            if f"{QKV[0]}{suffix}" in attn:
-                parts = [attn.pop(f"{p}{suffix}") for p in QKV]
-                stack = np.stack if isinstance(parts[0], np.ndarray) else jnp.stack
-                attn[f"{FUSED_QKV}{suffix}"] = stack(parts, axis=axis)
-        params[name] = {**layer, "attn": attn}
     return params
 
 

@@ -22,7 +22,7 @@ from benchmarks.common import write_random_hf
 from gptj_flax import checkpoint, convert, partitioning
 from gptj_flax.config import ConfigError, LoraConfig, from_dict
 from gptj_flax.convert import lora as lora_lib
-from gptj_flax.model import GPTJ, fuse_qkv, unstack_layers
+from gptj_flax.model import GPTJ, unstack_layers
 from gptj_flax.training import loop, optimizer, steps, train
 from tests.training_helpers import MODEL, make_config, make_corpus
 
@@ -370,14 +370,15 @@ def test_a_qlora_base_is_the_int8_model_that_load_quantises(corpus, base):
     assert attn["q_proj"].dtype == jnp.int8 and attn["q_proj_scale"].dtype == jnp.float32
     int8_base = gptj_flax.load(base, quantize="int8")  # unrolled layers, as decoding runs them
     held = unstack_layers(jax.tree.map(np.asarray, held))
-    decoding = jax.tree.map(np.asarray, int8_base.decoder.params)  # the decoder fuses q, k and v
-    jax.tree.map(np.testing.assert_array_equal, fuse_qkv(held), decoding)
+    jax.tree.map(np.testing.assert_array_equal, held, jax.tree.map(np.asarray, int8_base.decoder.params))
 
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, config.model.vocab_size)
     lora = GPTJ(dataclasses.replace(config.model, scan_layers=False), config.train.lora)
     fresh = nn.meta.unbox(lora.init(jax.random.key(0), tokens[:, :1]))["lora"]
     ours = lora.apply({"params": held, "lora": fresh}, tokens)
-    theirs = GPTJ(int8_base.decoder.config).apply({"params": int8_base.decoder.params}, tokens)
+    theirs = GPTJ(dataclasses.replace(int8_base.config, scan_layers=False)).apply(
+        {"params": int8_base.decoder.params}, tokens
+    )
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
@@ -409,7 +410,8 @@ def test_a_merged_qlora_run_is_the_model_it_trained(qlora_run, base, tmp_path):
     ours = np.asarray(trained.apply({"params": held, "lora": lora_lib.read_adapter(run, mesh).adapters}, tokens))
     # merge-lora writes float32; load() merges into the base's own dtype (bfloat16 here), a rounding more
     for model, atol in ((merged_model, 1e-4), (adapted, 0.05)):
-        logits = np.asarray(GPTJ(model.decoder.config).apply({"params": model.decoder.params}, tokens))
+        unrolled = dataclasses.replace(model.config, scan_layers=False)  # as decoding holds them
+        logits = np.asarray(GPTJ(unrolled).apply({"params": model.decoder.params}, tokens))
         print("merged QLoRA vs trained max |diff|:", np.abs(logits - ours).max())
         np.testing.assert_allclose(logits, ours, atol=atol, rtol=0)
     base_logits = np.asarray(GPTJ(config.model).apply({"params": held}, tokens))

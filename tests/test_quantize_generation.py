@@ -33,9 +33,9 @@ def test_greedy_generation_matches_the_dequantised_float_reference(float_checkpo
     model, one rounding step away); the agreement is printed."""
     config, params, path = float_checkpoint
     int8 = gptj_flax.load(path, mesh=mesh, quantize="int8")
-    assert int8.config.quantize == "int8" and int8.decoder.params["layer_0"]["attn"]["qkv_proj"].dtype == jnp.int8
-    layout = dataclasses.replace(int8.decoder.config, quantize=None)  # unrolled, q/k/v fused, as the Decoder's
-    reference = LanguageModel(layout, dequantized_reference(int8.decoder.params), tokenizer=int8.tokenizer, mesh=mesh)
+    assert int8.config.quantize == "int8" and int8.decoder.params["layer_0"]["attn"]["q_proj"].dtype == jnp.int8
+    unrolled = dataclasses.replace(config, scan_layers=False)  # the Decoder's params are unrolled
+    reference = LanguageModel(unrolled, dequantized_reference(int8.decoder.params), tokenizer=int8.tokenizer, mesh=mesh)
     original = gptj_flax.load(path, mesh=mesh)
     prompts = [[5, 17, 3, 99, 42], [7, 7, 1]]  # token ids: generation without the tokenizer's stop
     got = [

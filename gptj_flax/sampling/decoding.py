@@ -25,7 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import ModelConfig
-from gptj_flax.model import GPTJ, KVCache, fuse_qkv, token_log_probs, unstack_layers
+from gptj_flax.model import GPTJ, KVCache, token_log_probs, unstack_layers
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, next_tokens, top_bucket, top_logprobs
 
@@ -107,8 +107,7 @@ class Decoder:
     It always runs the unrolled layer stack, converting scanned parameters once: every layer's
     weights and cache are then buffers of their own that each decode step reads in place, where a
     scanned stack would slice (on the CPU: copy) every layer's weights out of the stacked arrays
-    at every step. Each layer's q, k and v kernels are fused into one (``ModelConfig.fused_qkv``),
-    so ``params`` and ``config`` here are in that layout.
+    at every step.
     """
 
     def __init__(
@@ -129,10 +128,8 @@ class Decoder:
         """
         if config.scan_layers:
             params = unstack_layers(params)
-        if not config.fused_qkv:
-            params = fuse_qkv(params)
         # remat only matters for gradients; generation never takes any
-        config = dataclasses.replace(config, scan_layers=False, remat_policy="none", fused_qkv=True)
+        config = dataclasses.replace(config, scan_layers=False, remat_policy="none")
         self.config, self.mesh, self.rules = config, mesh, rules
         self.valid_vocab = config.vocab_size if valid_vocab is None else min(valid_vocab, config.vocab_size)
         self.model = GPTJ(config)
