@@ -48,7 +48,7 @@ def _main() -> int:
         serve_only = (("--quantize", args.quantize), ("--kv-cache", args.kv_cache), ("--cache-len", args.cache_len))
         given = [f for f, v in serve_only if v is not None]
         if given:
-            parser.error(f"{', '.join(given)} only apply with --serve (the train step trains float weights)")
+            parser.error(f"{', '.join(given)} only apply with --serve (QLoRA trains with --set model.quantize=int8)")
     if args.batch < 1 or (args.cache_len is not None and args.cache_len < 2):
         parser.error("--batch must be >= 1 and --cache-len >= 2")
 
