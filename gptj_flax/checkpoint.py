@@ -162,9 +162,12 @@ def _causes(error: BaseException | None) -> Iterator[BaseException]:
         error = error.__cause__ or error.__context__
 
 
-# How TensorStore reports damaged stored bytes: a failed checksum, or a chunk that no longer decodes
-# (zstd reads a chunk as it streams, so it may fail on damaged bytes before the checksum is checked).
-_DATA_LOSS = re.compile(r"DATA_LOSS|Digest mismatch|Error decoding|decompress", re.IGNORECASE)
+# How TensorStore reports damaged stored bytes: a failed checksum, a chunk that no longer decodes
+# (zstd reads a chunk as it streams, so it may fail on damaged bytes before the checksum is checked),
+# or a data file cut short (a chunk's byte range runs past the file's end).
+_DATA_LOSS = re.compile(
+    r"DATA_LOSS|Digest mismatch|Error decoding|decompress|Requested byte range .* is not valid", re.IGNORECASE
+)
 
 
 def _data_loss(error: BaseException) -> BaseException | None:

@@ -6,6 +6,7 @@ damaged the way disks and crashes damage them: bytes flipped inside a chunk file
 truncated or missing, a disk that fills up in the middle of an async save.
 """
 
+import dataclasses
 import functools
 import json
 import logging
@@ -27,7 +28,7 @@ from etils import epath
 
 import gptj_flax
 from benchmarks.common import write_random_hf
-from gptj_flax import checkpoint, partitioning
+from gptj_flax import checkpoint, convert, partitioning
 from gptj_flax.checkpoint import CheckpointCorrupted, CheckpointDiskFull, Checkpointer, CheckpointError
 from gptj_flax.config import Config, TrainConfig
 from gptj_flax.convert import from_hf
@@ -150,6 +151,20 @@ def test_a_corrupted_params_chunk_is_refused_by_load_naming_the_step_and_the_pre
     assert gptj_flax.load(run / "1").step == gptj_flax.load(run, step=1).step == 1
     _, params, _ = checkpoint.load_params(run, partitioning.make_mesh((1, 1, 1)), step=1)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), base_run[1][1][0])
+
+
+def test_a_truncated_params_file_is_refused_as_corrupted_by_load_and_by_init_from(run):
+    """A data file cut short (a crash mid-copy, a full disk) names the step, as damaged bytes do, whether
+    the step is loaded or read tensor by tensor as a base to train from (QLoRA quantises as it reads)."""
+    files = [p for p in (run / "2" / "params").rglob("*") if p.is_file() and p.parent.name == "d"]
+    target = max(files, key=lambda p: p.stat().st_size)
+    os.truncate(target, 100)
+    with pytest.raises(CheckpointCorrupted, match=f"checkpoint step 2 in {run} is corrupted"):
+        gptj_flax.load(run)
+    config = checkpoint.Checkpointer(run, read_only=True).read_config(1)
+    qlora = config.replace(model=dataclasses.replace(config.model, quantize="int8"))
+    with pytest.raises(CheckpointCorrupted, match=f"checkpoint step 2 in {run} is corrupted"):
+        convert.load_init_params(str(run / "2"), qlora, partitioning.make_mesh((1, 1, 1)))
 
 
 def test_a_corrupted_optimiser_state_chunk_is_refused(tmp_path):
@@ -345,7 +360,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_platforms", "cpu")
 jax.distributed.initialize(f"127.0.0.1:{sys.argv[2]}", 2, int(sys.argv[1]))
 import numpy as np
-from gptj_flax import checkpoint, partitioning
+from gptj_flax import checkpoint, convert, partitioning
 from gptj_flax.config import Config
 from tests.helpers import tiny_config
 config = Config(model=tiny_config(**{k: int(v) for k, v in (kv.split("=") for kv in sys.argv[4].split(","))}))
