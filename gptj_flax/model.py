@@ -280,6 +280,174 @@ def write_layer_kv(kv: LayerKV, k: Array, v: Array) -> LayerKV:
     )
 
 
+# One layer's cache split into blocks: a tuple of row blocks, each a tuple of column chunks.
+Grid = tuple[tuple[Array, ...], ...]
+
+
+def block_sizes(total: int, first: int) -> tuple[int, ...]:
+    """Row blocks ``first, first, 2·first, 4·first, …`` covering ``total`` rows (the last cut short):
+    the first ``k`` blocks hold exactly the ``first · 2^(k-1)`` rows a power-of-two count asks for."""
+    sizes, covered = [], 0
+    while covered < total:
+        size = min(max(first, covered), total - covered)
+        sizes.append(size)
+        covered += size
+    return tuple(sizes)
+
+
+def chunk_sizes(total: int, chunk: int) -> tuple[int, ...]:
+    """Column chunks of ``chunk`` covering ``total`` columns (the last cut short)."""
+    return tuple(min(chunk, total - start) for start in range(0, total, chunk))
+
+
+@flax.struct.dataclass
+class BlockedKVCache:
+    """A decoding cache whose every layer is a grid of buffers: row blocks × column chunks.
+
+    A decode step that runs only the first rows and attends only to the first columns passes just
+    those blocks to its matmuls (:meth:`view`), whole buffers each, and hands the rest through
+    untouched. Slicing one large buffer instead makes XLA copy the slice at every step, which on the
+    CPU costs more than reading the whole buffer; and one large buffer read whole reads the columns
+    no sequence has reached yet.
+
+    Fields as :class:`KVCache`'s, with each layer's ``k``, ``v`` (and an int8 cache's scales) a
+    :data:`Grid` of blocks shaped like that layer's KVCache arrays; ``segment_ids`` and ``index``
+    stay whole (they are small).
+    """
+
+    k: tuple[Grid, ...]
+    v: tuple[Grid, ...]
+    segment_ids: Array
+    index: Array
+    k_scale: tuple[Grid, ...] = ()
+    v_scale: tuple[Grid, ...] = ()
+
+    @classmethod
+    def empty(
+        cls, config: ModelConfig, rows: tuple[int, ...], columns: tuple[int, ...], index: Array
+    ) -> BlockedKVCache:
+        """A zero cache of row blocks ``rows`` and column chunks ``columns`` (sizes), written next at ``index``."""
+        heads, head_dim, n = config.n_heads, config.head_dim, config.n_layers
+        int8 = config.kv_cache is not None
+        dtype = jnp.int8 if int8 else config.compute_dtype
+
+        def grid(shape, dtype):
+            return tuple(tuple(tuple(jnp.zeros(shape(r, c), dtype) for c in columns) for r in rows) for _ in range(n))
+
+        scales = {}
+        if int8:
+            scales = {
+                "k_scale": grid(lambda r, c: (r, heads, c), jnp.float32),
+                "v_scale": grid(lambda r, c: (r, heads, c), jnp.float32),
+            }
+        return cls(
+            k=grid(lambda r, c: (r, heads, head_dim, c), dtype),
+            v=grid(lambda r, c: (r, heads, c, head_dim), dtype),
+            segment_ids=jnp.zeros((sum(rows), sum(columns)), jnp.int32),
+            index=index,
+            **scales,
+        )
+
+    @classmethod
+    def split(cls, cache: KVCache, rows: tuple[int, ...], columns: tuple[int, ...]) -> BlockedKVCache:
+        """``cache``'s arrays cut into row blocks ``rows`` and column chunks ``columns`` (sizes)."""
+
+        def cut(x: Array, column_axis: int) -> Grid:
+            row_starts, column_starts = np.cumsum((0, *rows)), np.cumsum((0, *columns))
+            return tuple(
+                tuple(
+                    lax.slice_in_dim(lax.slice_in_dim(x, r0, r0 + r, axis=0), c0, c0 + c, axis=column_axis)
+                    for c0, c in zip(column_starts, columns)
+                )
+                for r0, r in zip(row_starts, rows)
+            )
+
+        return cls(
+            k=tuple(cut(x, 3) for x in cache.k),
+            v=tuple(cut(x, 2) for x in cache.v),
+            segment_ids=cache.segment_ids,
+            index=cache.index,
+            k_scale=tuple(cut(x, 2) for x in cache.k_scale),
+            v_scale=tuple(cut(x, 2) for x in cache.v_scale),
+        )
+
+    @classmethod
+    def logical_axes(cls, config: ModelConfig, index=()) -> BlockedKVCache:
+        """One logical PartitionSpec per layer, a prefix of that layer's whole grid (every block is
+        split alike); ``index``: the index's axes (a scalar's by default)."""
+        P = jax.sharding.PartitionSpec
+        scales = (P(*SCALE_AXES),) * config.n_layers if config.kv_cache is not None else ()
+        return cls(
+            k=(P(*KEY_AXES),) * config.n_layers,
+            v=(P(*VALUE_AXES),) * config.n_layers,
+            segment_ids=P("batch", "length"),
+            index=P(*index),
+            k_scale=scales,
+            v_scale=scales,
+        )
+
+    @property
+    def rows(self) -> int:
+        return sum(row[0].shape[0] for row in self.k[0])
+
+    @property
+    def columns(self) -> int:
+        return sum(chunk.shape[-1] for chunk in self.k[0][0])
+
+    def view(self, row_blocks: int, chunks: int) -> BlockedKVCache:
+        """The first ``row_blocks`` row blocks and ``chunks`` column chunks of every layer."""
+
+        def cut(grids):
+            return tuple(tuple(row[:chunks] for row in grid[:row_blocks]) for grid in grids)
+
+        return self.replace(k=cut(self.k), v=cut(self.v), k_scale=cut(self.k_scale), v_scale=cut(self.v_scale))
+
+    def merge(self, view: BlockedKVCache) -> BlockedKVCache:
+        """This cache with the blocks of ``view`` (as :meth:`view` cut them, updated) put back."""
+
+        def put(grids, parts):
+            merged = []
+            for grid, part in zip(grids, parts, strict=True):
+                rows = list(grid)
+                for r, part_row in enumerate(part):
+                    rows[r] = (*part_row, *grid[r][len(part_row) :])
+                merged.append(tuple(rows))
+            return tuple(merged)
+
+        return view.replace(
+            k=put(self.k, view.k),
+            v=put(self.v, view.v),
+            k_scale=put(self.k_scale, view.k_scale),
+            v_scale=put(self.v_scale, view.v_scale),
+        )
+
+    def layer(self, i: int, index: Array) -> BlockedLayerKV:
+        scales = (self.k_scale[i], self.v_scale[i]) if self.k_scale else (None, None)
+        return BlockedLayerKV(self.k[i], self.v[i], index, *scales)
+
+    @classmethod
+    def from_layers(cls, layers: list[BlockedLayerKV], segment_ids: Array, index: Array) -> BlockedKVCache:
+        return cls(
+            k=tuple(kv.k for kv in layers),
+            v=tuple(kv.v for kv in layers),
+            segment_ids=segment_ids,
+            index=index,
+            k_scale=tuple(kv.k_scale for kv in layers if kv.k_scale is not None),
+            v_scale=tuple(kv.v_scale for kv in layers if kv.v_scale is not None),
+        )
+
+
+class BlockedLayerKV(NamedTuple):
+    """One layer's :class:`BlockedKVCache` grids and the slot new tokens are written at (a scalar, or
+    int32 [rows], one per row); an int8 layer's scale grids besides."""
+
+    k: Grid
+    v: Grid
+    index: Array
+    k_scale: Grid | None = None
+    v_scale: Grid | None = None
+
+
 # --------------------------------------------------------------------------------------------
 # Attention
 
@@ -364,6 +532,89 @@ def _decode_attention(
     return out, write_layer_kv(kv, k, v)
 
 
+def _put_column(buffer: Array, new: Array, slot_axis: int, column: Array) -> Array:
+    """Write ``new`` (one slot per row, at ``slot_axis``) into ``buffer`` at each row's ``column``;
+    rows whose column lies outside the buffer write nothing."""
+    updates = jnp.take(new, 0, axis=slot_axis).astype(buffer.dtype)
+    inside = (column >= 0) & (column < buffer.shape[slot_axis])
+    rows = jnp.where(inside, jnp.arange(new.shape[0]), buffer.shape[0])  # past the last row: dropped
+    column = jnp.clip(column, 0, buffer.shape[slot_axis] - 1)
+    if new.shape[0] == 1:
+        # XLA rewrites a scatter of one update into a dynamic-update-slice, which makes it copy the
+        # buffer at every step; a second update that is always dropped keeps it a scatter, in place.
+        updates = jnp.concatenate([updates, updates])
+        rows, column = jnp.append(rows, buffer.shape[0]), jnp.append(column, 0)
+    index = (rows, *[slice(None)] * (slot_axis - 1), column)
+    return buffer.at[index].set(updates, mode="drop")
+
+
+def _write_chunks(chunks: tuple[Array, ...], new: Array, slot_axis: int, index: Array) -> tuple[Array, ...]:
+    """One row block's column chunks with each row's ``new`` entry written at its column ``index``."""
+    written, start = [], 0
+    for chunk in chunks:
+        written.append(_put_column(chunk, new, slot_axis, index - start))
+        start += chunk.shape[slot_axis]
+    return tuple(written)
+
+
+def _blocked_decode_attention(
+    cfg: ModelConfig, q: Array, k: Array, v: Array, mask: Array, kv: BlockedLayerKV
+) -> tuple[Array, BlockedLayerKV]:
+    """One new token per row over a :class:`BlockedKVCache` layer: each row block writes its new
+    key and value into its column chunks, then attends to those chunks (``mask`` [B, 1, 1, W] covers
+    them all, the new token's own slot included).
+
+    Unlike :func:`_decode_attention` the writes come first: a scatter into a chunk is done in place
+    before the matmuls read it, so XLA keeps no old copy of the chunk. The row blocks may hold more
+    rows than the B given: the rest attend to nothing and write nothing.
+    """
+    batch = q.shape[0]
+    index = jnp.broadcast_to(kv.index, (batch,))
+    padding = sum(row[0].shape[0] for row in kv.k) - batch
+    if padding:
+        q, k, v, mask = (jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, mask))
+        index = jnp.pad(index, (0, padding), constant_values=-1)  # before every column: writes nothing
+    q = q / np.sqrt(cfg.head_dim).astype(q.dtype)  # once, rather than every chunk's scores
+    int8 = kv.k_scale is not None
+    if int8:
+        (k, k_scale), (v, v_scale) = quantize_kv(k, axis=2), quantize_kv(v, axis=3)
+    outs: list[Array] = []
+    grids: dict[str, list[tuple[Array, ...]]] = {"k": [], "v": [], "k_scale": [], "v_scale": []}
+    start = 0
+    for r, (k_row, v_row) in enumerate(zip(kv.k, kv.v, strict=True)):
+        n = k_row[0].shape[0]
+        rows, at = slice(start, start + n), index[start : start + n]
+        start += n
+        k_row, v_row = _write_chunks(k_row, k[rows], 3, at), _write_chunks(v_row, v[rows], 2, at)
+        k_scales: tuple = (None,) * len(k_row)
+        v_scales: tuple = (None,) * len(v_row)
+        if int8:
+            assert kv.k_scale is not None and kv.v_scale is not None
+            k_scales = _write_chunks(kv.k_scale[r], k_scale[rows], 2, at)
+            v_scales = _write_chunks(kv.v_scale[r], v_scale[rows], 2, at)
+            grids["k_scale"].append(k_scales)
+            grids["v_scale"].append(v_scales)
+        grids["k"].append(k_row)
+        grids["v"].append(v_row)
+        qr, scores = q[rows], []
+        for chunk, scale in zip(k_row, k_scales, strict=True):
+            s = jnp.einsum("bqhd,bhdk->bhqk", qr, chunk.astype(qr.dtype), preferred_element_type=jnp.float32)
+            scores.append(s if scale is None else s * scale[:, :, None, :])
+        scores = jnp.concatenate(scores, axis=-1)  # [n, H, 1, W]
+        probs = attention_probs(scores, mask[rows, ..., : scores.shape[-1]], cfg.compute_dtype)
+        out, column = None, 0
+        for chunk, scale in zip(v_row, v_scales, strict=True):
+            p = probs[..., column : column + chunk.shape[2]]
+            column += chunk.shape[2]
+            if scale is not None:
+                p = (p * scale[:, :, None, :]).astype(cfg.compute_dtype)
+            term = jnp.einsum("bhqk,bhkd->bqhd", p, chunk.astype(cfg.compute_dtype))
+            out = term if out is None else out + term
+        outs.append(out)
+    scales = {"k_scale": tuple(grids["k_scale"]), "v_scale": tuple(grids["v_scale"])} if int8 else {}
+    return jnp.concatenate(outs, axis=0)[:batch], kv._replace(k=tuple(grids["k"]), v=tuple(grids["v"]), **scales)
+
+
 # --------------------------------------------------------------------------------------------
 # Layers
 
@@ -413,8 +664,13 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: Array, sin: Array, cos: Array, mask: Array | attention.SegmentMask, kv: LayerKV | None = None
-    ) -> tuple[Array, LayerKV | None]:
+        self,
+        x: Array,
+        sin: Array,
+        cos: Array,
+        mask: Array | attention.SegmentMask,
+        kv: LayerKV | BlockedLayerKV | None = None,
+    ) -> tuple[Array, LayerKV | BlockedLayerKV | None]:
         """Self-attention of ``x``: ``mask`` is a boolean mask (the XLA path) or the segment ids a
         fused kernel takes; with ``kv`` the new keys/values are cached and the queries attend to
         every cached slot ``mask`` allows. Returns (output, updated ``kv``)."""
@@ -443,7 +699,9 @@ class Attention(nn.Module):
         # Cached calls (the prefill and each decode step) always take the XLA path: a decode step's
         # scores are only [B, heads, 1, S], nothing a fused kernel saves, and a prefill writes into
         # the cache at a slot known only at run time, which the kernels' static masks cannot express.
-        if kv is not None and x.shape[1] == 1:
+        if isinstance(kv, BlockedLayerKV):
+            out, kv = _blocked_decode_attention(cfg, q, k, v, mask, kv)
+        elif kv is not None and x.shape[1] == 1:
             out, kv = _decode_attention(cfg, q, k, v, mask, kv)
         elif isinstance(mask, attention.SegmentMask):
             out = attention.kernel_attention(
@@ -519,8 +777,13 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(
-        self, h: Array, sin: Array, cos: Array, mask: Array | attention.SegmentMask, kv: LayerKV | None = None
-    ) -> tuple[Array, LayerKV | None]:
+        self,
+        h: Array,
+        sin: Array,
+        cos: Array,
+        mask: Array | attention.SegmentMask,
+        kv: LayerKV | BlockedLayerKV | None = None,
+    ) -> tuple[Array, LayerKV | BlockedLayerKV | None]:
         h = nn.with_logical_constraint(h, RESIDUAL_AXES)
         x = layer_norm(self.config, "ln_1")(h)
         attn, kv = Attention(self.config, self.lora, name="attn")(x, sin, cos, mask, kv)
@@ -631,15 +894,17 @@ class GPTJ(nn.Module):
         tokens: Array,
         positions: Array | None,
         segment_ids: Array | None,
-        cache: KVCache,
+        cache: KVCache | BlockedKVCache,
         *,
         last_logits_only: bool = False,
-    ) -> tuple[Array, KVCache]:
+    ) -> tuple[Array, KVCache | BlockedKVCache]:
         """Write ``tokens`` into ``cache`` at slots ``cache.index …`` and attend to everything cached
         before them (a prefill: the whole prompt at once; decoding: one token per call).
 
-        Returns ``(logits, updated cache)``; with ``last_logits_only`` only the last position is
-        projected to the vocabulary (logits [B, 1, V]), all that generation needs.
+        A :class:`BlockedKVCache` takes one token per row and attends to its columns only (a
+        :meth:`BlockedKVCache.view` holding every slot written so far). Returns ``(logits, updated
+        cache)``; with ``last_logits_only`` only the last position is projected to the vocabulary
+        (logits [B, 1, V]), all that generation needs.
         """
         cfg = self.config
         if cfg.scan_layers:
@@ -647,10 +912,15 @@ class GPTJ(nn.Module):
                 "cached decoding runs the unrolled layers: use a config with scan_layers=False "
                 "and unstack_layers(params)"
             )
+        blocked = isinstance(cache, BlockedKVCache)
+        if blocked and tokens.shape[1] != 1:
+            raise ValueError(f"a blocked cache decodes one token per row, got {tokens.shape[1]}")
         positions, segment_ids = self._defaults(tokens, positions, segment_ids)
         sin, cos = rotary_tables(positions, cfg.rotary_dim)
         key_segments = lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache.index))
         mask = cache_attention_mask(segment_ids, key_segments, cache.index)
+        if isinstance(cache, BlockedKVCache):
+            mask = mask[..., : cache.columns]
         h = self._embed(tokens)
         layers = []
         for i in range(cfg.n_layers):
@@ -659,16 +929,15 @@ class GPTJ(nn.Module):
         if last_logits_only:
             h = h[:, -1:]
         logits = self.lm_head(self.ln_f(h))
-        return logits, KVCache.from_layers(layers, key_segments, cache.index + tokens.shape[1])
+        return logits, type(cache).from_layers(layers, key_segments, cache.index + tokens.shape[1])
 
     def decode_slots(
-        self, tokens: Array, positions: Array, active: Array, cache: KVCache, window: int
-    ) -> tuple[Array, KVCache]:
+        self, tokens: Array, positions: Array, active: Array, cache: BlockedKVCache
+    ) -> tuple[Array, BlockedKVCache]:
         """One decode step of independent sequences, one per cache row (a decode slot): the first B
-        rows of ``cache`` take ``tokens`` [B, 1], row ``r`` writing its token at slot
-        ``cache.index[r]`` and attending to the slots of its sequence, which lie in the first
-        ``window`` slots. Rows where ``active`` [B] is False write a padding slot; rows past B are
-        left as they are.
+        rows of ``cache`` (a :meth:`BlockedKVCache.view` of the busy row blocks) take ``tokens`` [B, 1], row
+        ``r`` writing its token at slot ``cache.index[r]`` and attending to the slots of its sequence,
+        which lie in the view's columns. Rows where ``active`` [B] is False write a padding slot.
 
         Returns ``(logits [B, 1, V], updated cache)``; each active row's index moves on by one.
         """
@@ -676,7 +945,9 @@ class GPTJ(nn.Module):
         if cfg.scan_layers:
             raise ValueError("decode slots run the unrolled layers: use scan_layers=False and unstack_layers(params)")
         sin, cos = rotary_tables(positions, cfg.rotary_dim)
-        rows = tokens.shape[0]
+        rows, window = tokens.shape[0], cache.columns
+        if rows > cache.rows:
+            raise ValueError(f"{rows} tokens for a cache view of {cache.rows} rows")
         index = cache.index[:rows]
         key_segments = cache.segment_ids.at[jnp.arange(rows), index].set(active.astype(jnp.int32))
         mask = (key_segments[:rows, None, None, :window] != 0) & active[:, None, None, None]
@@ -686,7 +957,9 @@ class GPTJ(nn.Module):
             h, kv = getattr(self, f"layer_{i}")(h, sin, cos, mask, cache.layer(i, index))
             layers.append(kv)
         logits = self.lm_head(self.ln_f(h))
-        return logits, KVCache.from_layers(layers, key_segments, cache.index.at[:rows].add(active.astype(jnp.int32)))
+        return logits, BlockedKVCache.from_layers(
+            layers, key_segments, cache.index.at[:rows].add(active.astype(jnp.int32))
+        )
 
     def _defaults(self, tokens, positions, segment_ids):
         if positions is None:

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import ModelConfig
-from gptj_flax.model import GPTJ, KVCache, token_log_probs, unstack_layers
+from gptj_flax.model import GPTJ, BlockedKVCache, KVCache, chunk_sizes, token_log_probs, unstack_layers
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, next_tokens, top_bucket, top_logprobs
 
@@ -37,17 +37,34 @@ FINISH_REASON_OF_CODE = {EOS: "eos", LENGTH: "length", STOPPED: "stop"}
 
 MIN_BUCKET = 16
 
+# Columns per chunk of a decoding cache (model.BlockedKVCache), by platform. On the CPU a step reads
+# whole 64-column buffers fastest, and slicing a larger buffer copies the slice first.
+CHUNK_COLUMNS = {"cpu": 64}
+DEFAULT_CHUNK_COLUMNS = 256
+
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     """The power of two ≥ ``n`` (and ≥ ``minimum``) that shapes are padded to."""
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+def chunk_buckets(total: int) -> list[int]:
+    """The counts of a cache's ``total`` column chunks that decode programs attend to: powers of two
+    and 1.5 times them (1, 2, 3, 4, 6, 8, 12 …) up to ``total``, and ``total``: a step reads less than
+    1.5 times the chunks it needs, and a cache of n chunks compiles about 2·log2(n) programs."""
+    counts = {total}
+    power = 1
+    while power < total:
+        counts.update(n for n in (power, power * 3 // 2) if 1 <= n < total)
+        power *= 2
+    return sorted(counts)
+
+
 @flax.struct.dataclass
 class DecodeState:
     """Everything the decode loop carries, on the device. Rows are batch entries."""
 
-    cache: KVCache
+    cache: BlockedKVCache  # one row block; column chunks, of which each decode call reads those written
     tokens: Array  # int32 [B, N]: generated ids (0 where nothing was generated)
     logprobs: Array  # float32 [B, N]: the model's log-probability of each generated id
     # int32 / float32 [B, N, K]: at each step the K most likely ids and their log-probabilities
@@ -68,7 +85,7 @@ class DecodeState:
     def logical_axes(cls, config: ModelConfig) -> DecodeState:
         rows, table, cube = PartitionSpec("batch"), PartitionSpec("batch", None), PartitionSpec("batch", None, None)
         return cls(
-            cache=KVCache.logical_axes(config),
+            cache=BlockedKVCache.logical_axes(config),
             tokens=table,
             logprobs=table,
             top_ids=cube,
@@ -136,6 +153,7 @@ class Decoder:
         _, param_shardings = checkpoint.param_targets(config, mesh, rules)
         self.params = jax.device_put(params, param_shardings)
         self.batch_multiple = partitioning.data_parallel_size(mesh, rules)
+        self.chunk_columns = CHUNK_COLUMNS.get(mesh.devices.flat[0].platform, DEFAULT_CHUNK_COLUMNS)
         self.slot_programs: dict[tuple, tuple] = {}  # decode slots' compiled programs, by shape (sampling.slots)
 
         def sharding(*axes):
@@ -154,7 +172,7 @@ class Decoder:
         )
         self._decode = jax.jit(
             self._decode_fn,
-            static_argnums=(4,),
+            static_argnums=(4, 5),
             donate_argnums=(1,),
             in_shardings=(param_shardings, state, sharding(), rows),
             out_shardings=state,
@@ -221,7 +239,7 @@ class Decoder:
         rows = jnp.arange(batch)[:, None]
         seen = jnp.zeros((batch, self.config.vocab_size), bool).at[rows, prompt_tokens].max(segment_ids > 0)
         state = DecodeState(
-            cache=cache,
+            cache=BlockedKVCache.split(cache, (batch,), chunk_sizes(prompt_len + new_tokens, self.chunk_columns)),
             tokens=jnp.zeros((batch, new_tokens), jnp.int32),
             logprobs=jnp.zeros((batch, new_tokens), jnp.float32),
             top_ids=jnp.zeros((batch, new_tokens, top_width), jnp.int32),
@@ -238,9 +256,14 @@ class Decoder:
         )
         return self._emit(state, logits[:, -1], original_order)
 
-    def _decode_fn(self, params, state: DecodeState, stop_at, stopped, original_order: bool) -> DecodeState:
+    def _decode_fn(
+        self, params, state: DecodeState, stop_at, stopped, original_order: bool, chunks: int
+    ) -> DecodeState:
+        """Decode steps until ``stop_at`` (or every row has finished), attending to the first
+        ``chunks`` column chunks of the cache, which must hold every slot those steps write."""
         finish = jnp.where(stopped & (state.finish == RUNNING), STOPPED, state.finish)
-        state = state.replace(finish=finish)
+        whole = state.cache
+        state = state.replace(finish=finish, cache=whole.view(1, chunks))
 
         def unfinished(s):
             return (s.step < stop_at) & jnp.any(s.finish == RUNNING)
@@ -259,7 +282,8 @@ class Decoder:
             )
             return self._emit(s.replace(cache=cache), logits[:, -1], original_order)
 
-        return lax.while_loop(unfinished, step, state)
+        state = lax.while_loop(unfinished, step, state)
+        return state.replace(cache=whole.merge(state.cache))
 
     def _score_fn(self, params, tokens, segment_ids, top_width: int) -> tuple[Array, Array, Array]:
         logits = self.model.apply({"params": params}, tokens, segment_ids=segment_ids)[:, :-1]
@@ -347,7 +371,7 @@ class Decoder:
                 original_order,
                 top_bucket(top_logprobs),
             )
-        return DecodeRun(self, state, n, original_order)
+        return DecodeRun(self, state, n, original_order, prompt_len)
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Per-token log-probabilities: ``out[i][j] = log p(seq_i[j+1] | seq_i[:j+1])``.
@@ -396,10 +420,12 @@ class Decoder:
 class DecodeRun:
     """One batch being generated: the device state and the host's view of it."""
 
-    def __init__(self, decoder: Decoder, state: DecodeState, rows: int, original_order: bool):
+    def __init__(self, decoder: Decoder, state: DecodeState, rows: int, original_order: bool, prompt_columns: int):
         self._decoder, self._state, self._rows = decoder, state, rows
         self._original_order = original_order
         self.capacity = state.tokens.shape[1]
+        self._prompt_columns = prompt_columns  # decode step t writes cache column prompt_columns + t - 1
+        self._chunk_counts = chunk_buckets(len(state.cache.k[0][0]))
         self.progress = self._fetch()
 
     def _fetch(self) -> Progress:
@@ -414,7 +440,12 @@ class DecodeRun:
         decoder, rows = self._decoder, self._state.finish.shape[0]
         with partitioning.sharding_scope(decoder.mesh, decoder.rules):
             lowered = decoder._decode.lower(
-                decoder.params, self._state, np.int32(0), np.zeros(rows, bool), self._original_order
+                decoder.params,
+                self._state,
+                np.int32(0),
+                np.zeros(rows, bool),
+                self._original_order,
+                self._chunk_counts[-1],
             )
         text = lowered.compile().as_text()
         assert text is not None  # None only for backends that keep no HLO, which XLA's do
@@ -426,15 +457,24 @@ class DecodeRun:
             raise SamplingError(f"steps must be >= 1, got {steps}")
         stopped = np.zeros(self._state.finish.shape[0], bool)
         stopped[list(stop_rows)] = True
-        stop_at = min(int(self._step) + steps, self.capacity)
-        with partitioning.sharding_scope(self._decoder.mesh, self._decoder.rules):
-            decoder = self._decoder
-            self._state = decoder._decode(
-                decoder.params,
-                self._state,
-                to_device(np.int32(stop_at), decoder._scalar),
-                to_device(stopped, decoder._rows),
-                self._original_order,
-            )
+        step = int(self._step)
+        stop_at = min(step + steps, self.capacity)
+        decoder = self._decoder
+        # One call per window: each attends to the fewest chunks (of the compiled counts) that hold
+        # the columns its steps write, so early steps do not read the columns no step has reached.
+        while step < stop_at:
+            columns = self._prompt_columns + step  # held by the chunks that step ``step`` writes into
+            chunks = min(n for n in self._chunk_counts if n * decoder.chunk_columns >= columns)
+            end = min(stop_at, chunks * decoder.chunk_columns - self._prompt_columns + 1)
+            with partitioning.sharding_scope(decoder.mesh, decoder.rules):
+                self._state = decoder._decode(
+                    decoder.params,
+                    self._state,
+                    to_device(np.int32(end), decoder._scalar),
+                    to_device(stopped, decoder._rows),
+                    self._original_order,
+                    chunks,
+                )
+            step = end
         self.progress = self._fetch()
         return self.progress

@@ -8,12 +8,13 @@ settings, seed, stopping rule and length. A row that finishes simply stops runni
 insert reuses it. Nothing here knows about requests: :mod:`gptj_flax.serving.engine` schedules.
 
 A row's sequence occupies columns ``0 … n-1`` of its row (prompt first, no padding), so its
-position is its length and a decode step writes each row at a column of its own. Every step
-attends to a window of the first ``W`` columns only, ``W`` the power of two that holds the longest
-running sequence, and runs the first ``R`` rows only, ``R`` the power of two past the highest busy
-slot (new sequences take the lowest free one): a lone request costs one row and short requests cost
-what a static batch of their lengths would, however many slots and columns the cache has. (A step
-that runs every row reads all columns unless the window is much narrower: see :meth:`Slots.window`.)
+position is its length and a decode step writes each row at a column of its own. The cache is a
+:class:`~gptj_flax.model.BlockedKVCache`: rows in blocks of 1, 1, 2, 4, … (times the data-parallel
+size), columns in chunks. Every step runs the first ``R`` rows only, ``R`` the power of two past the
+highest busy slot (new sequences take the lowest free one), and attends to the first chunks that
+hold the longest running sequence: whole blocks, read in place. A lone request costs one row and
+short requests cost what a static batch of their lengths would, however many slots and columns the
+cache has.
 
 Draws are those of :meth:`Decoder.start`: a row's ``n``-th token uses ``fold_in(key(seed), n)``,
 so a sequence comes out the same in a slot as in a batch of its own.
@@ -32,24 +33,24 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from gptj_flax import partitioning
-from gptj_flax.model import GPTJ, KVCache, token_log_probs
-from gptj_flax.sampling.decoding import EOS, LENGTH, RUNNING, STOPPED, Decoder, bucket
+from gptj_flax.model import GPTJ, BlockedKVCache, KVCache, block_sizes, chunk_sizes, token_log_probs
+from gptj_flax.sampling.decoding import EOS, LENGTH, RUNNING, STOPPED, Decoder, bucket, chunk_buckets
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingParams, next_tokens, top_logprobs
 
 Array = jax.Array
 
 MAX_PREFILL_ROWS = 8  # prompts prefilled together; more would stall decoding for longer
-# With every row busy, a step attends to a window only when it is at most 1/WHOLE_CACHE_FACTOR of
-# the columns (see Slots.window).
-WHOLE_CACHE_FACTOR = 8
+# The cache's first row block has at least this many rows: fewer blocks mean fewer, larger attention
+# operations at every step, and a lone request's attention reading a few idle rows costs less.
+MIN_ROW_BLOCK = 8
 
 
 @flax.struct.dataclass
 class SlotState:
     """Every slot's sequence and settings, on the device. ``cache.index[r]`` is row r's length."""
 
-    cache: KVCache
+    cache: BlockedKVCache
     last: Array  # int32 [S]: the newest token, fed at the next step
     num_generated: Array  # int32 [S]
     max_new_tokens: Array  # int32 [S]
@@ -64,7 +65,7 @@ class SlotState:
     def logical_axes(cls, config) -> SlotState:
         rows, table = PartitionSpec("batch"), PartitionSpec("batch", None)
         return cls(
-            cache=dataclasses.replace(KVCache.logical_axes(config), index=rows),
+            cache=BlockedKVCache.logical_axes(config, index=("batch",)),
             last=rows,
             num_generated=rows,
             max_new_tokens=rows,
@@ -142,6 +143,9 @@ class Slots:
         multiple = decoder.batch_multiple
         self.slots = -(-slots // multiple) * multiple
         self.length, self.chunk, self.steps, self.top = length, chunk, steps, top_logprobs
+        # the cache's row blocks and column chunks (sizes): see the module's docstring
+        self.row_blocks = block_sizes(self.slots, multiple * -(-MIN_ROW_BLOCK // multiple))
+        self.columns = chunk_sizes(length, decoder.chunk_columns)
         self._model = GPTJ(self.config)
         mesh, rules = decoder.mesh, decoder.rules
         self._rows = partitioning.named_sharding(mesh, ("batch",), rules)
@@ -171,9 +175,8 @@ class Slots:
     # -- device programs ---------------------------------------------------------------------
     def _empty_fn(self) -> SlotState:
         s, cfg = self.slots, self.config
-        cache = KVCache.empty(cfg, s, self.length)
         return SlotState(
-            cache=cache.replace(index=jnp.zeros((s,), jnp.int32)),
+            cache=BlockedKVCache.empty(cfg, self.row_blocks, self.columns, jnp.zeros((s,), jnp.int32)),
             last=jnp.zeros((s,), jnp.int32),
             num_generated=jnp.zeros((s,), jnp.int32),
             max_new_tokens=jnp.zeros((s,), jnp.int32),
@@ -201,10 +204,12 @@ class Slots:
         top_ids, top_values = lax.cond(jnp.any(want_top), alternatives, nothing, logits)
         return token, logprob, top_ids, top_values
 
-    def _decode_fn(self, params, state: SlotState, release, steps, window: int, rows: int) -> tuple[SlotState, Tokens]:
-        """Up to ``steps`` steps of the first ``rows`` slots (every busy one), attending to ``window`` columns."""
+    def _decode_fn(self, params, state: SlotState, release, steps, chunks: int, rows: int) -> tuple[SlotState, Tokens]:
+        """Up to ``steps`` steps of the first ``rows`` slots (every busy one), attending to the
+        first ``chunks`` column chunks of the row blocks that hold them."""
         state = state.replace(finish=jnp.where(release & (state.finish == RUNNING), STOPPED, state.finish))
-        cache = state.cache  # its arrays stay whole: each step reads and writes the busy rows in place
+        blocks = int(np.searchsorted(np.cumsum(self.row_blocks), rows)) + 1
+        cache = state.cache.view(blocks, chunks)  # whole buffers, each read and written in place
         s = jax.tree.map(lambda x: x[:rows], state.replace(cache=None))
         k_, t_ = self.steps, self.top
         out = Tokens(
@@ -229,7 +234,6 @@ class Slots:
                 cache.index[:rows, None],
                 active,
                 cache,
-                window,
                 method=GPTJ.decode_slots,
             )
             token, logprob, top_ids, top_values = self._choose(
@@ -259,7 +263,9 @@ class Slots:
             state.replace(cache=None),
             s,
         )
-        return whole.replace(cache=cache), out.replace(finish=s.finish, num_generated=s.num_generated)
+        return whole.replace(cache=state.cache.merge(cache)), out.replace(
+            finish=s.finish, num_generated=s.num_generated
+        )
 
     def _admit_fn(self, params, state, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top):
         """Prefill short prompts [b, P] (left-padded) at once and insert them into rows ``slots``."""
@@ -317,26 +323,37 @@ class Slots:
         kept = min(columns, self.length)  # a prompt never needs more columns than a row has
         # row j's real tokens sit in its last lengths[j] columns: rotate them to the front
         source = (jnp.arange(kept)[None, :] + (columns - lengths)[:, None]) % columns
-        k = tuple(
-            big.at[slots, :, :, :kept].set(
-                jnp.take_along_axis(new, source[:, None, None, :], axis=3).astype(big.dtype), mode="drop"
-            )
-            for big, new in zip(state.cache.k, cache.k, strict=True)
-        )
-        v = tuple(
-            big.at[slots, :, :kept, :].set(
-                jnp.take_along_axis(new, source[:, None, :, None], axis=2).astype(big.dtype), mode="drop"
-            )
-            for big, new in zip(state.cache.v, cache.v, strict=True)
-        )
+
+        def rotated(new: Array, axis: int) -> Array:
+            shape = [1] * new.ndim
+            shape[0], shape[axis] = b, kept
+            return jnp.take_along_axis(new, source.reshape(shape), axis=axis)
+
+        def put_grid(grid, new: Array, axis: int):
+            """Write rows ``rotated(new)`` into slots ``slots`` of a layer's grid (columns at ``axis``)."""
+            new, out, first = rotated(new, axis), [], 0
+            for row in grid:
+                n = row[0].shape[0]
+                local = jnp.where((slots >= first) & (slots < first + n), slots - first, n)  # else: dropped
+                first, column, chunks = first + n, 0, []
+                for chunk in row:
+                    width = min(chunk.shape[axis], kept - column)
+                    if width > 0:
+                        index = [local, *[slice(None)] * (chunk.ndim - 1)]
+                        index[axis] = slice(0, width)
+                        piece = lax.slice_in_dim(new, column, column + width, axis=axis).astype(chunk.dtype)
+                        chunk = chunk.at[tuple(index)].set(piece, mode="drop")
+                    chunks.append(chunk)
+                    column += chunk.shape[axis]
+                out.append(tuple(chunks))
+            return tuple(out)
+
+        old = state.cache
+        k = tuple(put_grid(grid, new, 3) for grid, new in zip(old.k, cache.k, strict=True))
+        v = tuple(put_grid(grid, new, 2) for grid, new in zip(old.v, cache.v, strict=True))
         # an int8 cache's scales, [rows, heads, columns], move with the keys and values they scale
-        k_scale, v_scale = (
-            tuple(
-                big.at[slots, :, :kept].set(jnp.take_along_axis(new, source[:, None, :], axis=2), mode="drop")
-                for big, new in zip(bigs, news, strict=True)
-            )
-            for bigs, news in ((state.cache.k_scale, cache.k_scale), (state.cache.v_scale, cache.v_scale))
-        )
+        k_scale = tuple(put_grid(grid, new, 2) for grid, new in zip(old.k_scale, cache.k_scale, strict=True))
+        v_scale = tuple(put_grid(grid, new, 2) for grid, new in zip(old.v_scale, cache.v_scale, strict=True))
         row_segments = (jnp.arange(self.length)[None, :] < lengths[:, None]).astype(jnp.int32)
         real = jnp.arange(columns)[None, :] >= (columns - lengths)[:, None]
         seen = jnp.zeros((b, self.config.vocab_size), bool).at[jnp.arange(b)[:, None], tokens].max(real)
@@ -350,7 +367,7 @@ class Slots:
             return big.at[slots].set(rows.astype(big.dtype), mode="drop")
 
         state = state.replace(
-            cache=KVCache(
+            cache=BlockedKVCache(
                 k=k,
                 v=v,
                 segment_ids=put(state.cache.segment_ids, row_segments),
@@ -451,18 +468,11 @@ class Slots:
             )
         return _host_tokens(first, 1)
 
-    def window(self, longest: int, rows: int) -> int:
-        """The attention window for ``rows`` running rows whose sequences have at most ``longest`` tokens.
-
-        A step that runs only some of the cache's rows or columns copies them out of the cache
-        before its matmuls read them (a matmul takes whole arrays, not a strided part of one), and
-        that copy runs far slower than the matmul's own read. With every row running, reading all
-        columns in place therefore beats a window unless the window is a small part of them.
-        """
-        window = min(self.length, bucket(longest))
-        if rows == self.slots and window * WHOLE_CACHE_FACTOR > self.length:
-            return self.length
-        return window
+    def chunks_for(self, longest: int) -> int:
+        """The column chunks a step attends to when sequences have at most ``longest`` tokens: the
+        fewest that hold them, rounded up to a count in :func:`chunk_buckets` (fewer programs)."""
+        needed = -(-min(longest, self.length) // self.decoder.chunk_columns)
+        return min(n for n in chunk_buckets(len(self.columns)) if n >= needed)
 
     def busy_rows(self, highest: int) -> int:
         """The rows a decode step runs when ``highest`` is the highest busy slot: a power of two (and
@@ -477,18 +487,16 @@ class Slots:
         ``highest``: the highest busy slot (default: the last). Returns the first
         :meth:`busy_rows` rows' tokens.
         """
+        highest = self.slots - 1 if highest is None else highest
+        steps = min(steps, self.steps)
+        return self._run(release, steps, self.chunks_for(longest + steps), self.busy_rows(highest))
+
+    def _run(self, release: list[int], steps: int, chunks: int, rows: int) -> Tokens:
         stop = np.zeros(self.slots, bool)
         stop[release] = True
-        steps = min(steps, self.steps)
-        rows = self.busy_rows(self.slots - 1 if highest is None else highest)
         with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
             self.state, out = self._decode(
-                self.decoder.params,
-                self.state,
-                to_device(stop, self._rows),
-                np.int32(steps),
-                self.window(longest + steps, rows),
-                rows,
+                self.decoder.params, self.state, to_device(stop, self._rows), np.int32(steps), chunks, rows
             )
         return _host_tokens(out, rows)
 
@@ -507,8 +515,8 @@ class Slots:
                 self.prefill_chunk(prefill)
                 self.insert(prefill, self.slots)
         for rows in sorted({self.busy_rows(s) for s in range(self.slots)}):
-            for window in sorted({self.window(1 << i, rows) for i in range(4, longest.bit_length())}):
-                self.decode([], 1, window - 1, rows - 1)
+            for chunks in chunk_buckets(len(self.columns)):
+                self._run([], 1, chunks, rows)
 
     def compilations(self) -> int:
         """Programs compiled so far, for checking that nothing recompiles as requests come and go."""

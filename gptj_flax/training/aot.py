@@ -22,7 +22,7 @@ from gptj_flax.config import Config
 from gptj_flax.convert import lora as lora_lib
 from gptj_flax.data import Batch
 from gptj_flax.errors import GptjFlaxError
-from gptj_flax.model import GPTJ, KVCache, abstract_params
+from gptj_flax.model import GPTJ, BlockedKVCache, KVCache, abstract_params
 from gptj_flax.training import optimizer, steps
 from gptj_flax.training.metrics import ChipPeak, chip_peak
 
@@ -318,21 +318,28 @@ def serving_fit(
     mesh = partitioning.make_mesh(mesh_spec or (1, 1, -1), devices=devices)
     params, _ = checkpoint.param_targets(mc, mesh)
 
-    def cache_targets(rows: int, per_row_index: bool) -> KVCache:
-        shapes = jax.eval_shape(lambda: KVCache.empty(mc, rows, cache_len))
-        if per_row_index:
-            shapes = shapes.replace(index=jax.ShapeDtypeStruct((rows,), jnp.int32))
-        shardings = partitioning.logical_to_sharding(KVCache.logical_axes(mc), mesh)
-        if per_row_index:
-            shardings = shardings.replace(index=partitioning.named_sharding(mesh, ("batch",)))
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    def targets(shapes, shardings):
+        # shardings: a prefix of shapes (a blocked cache has one sharding per layer's grid)
+        return jax.tree.map(
+            lambda sh, sub: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), sub),
+            shardings,
+            shapes,
+        )
 
-    slots, one_row = cache_targets(batch, True), cache_targets(1, False)
+    # The decode slots' cache as one block: the same bytes as any blocking of it.
+    slots = targets(
+        jax.eval_shape(lambda: BlockedKVCache.empty(mc, (batch,), (cache_len,), jnp.zeros((batch,), jnp.int32))),
+        partitioning.logical_to_sharding(BlockedKVCache.logical_axes(mc, index=("batch",)), mesh),
+    )
+    one_row = targets(
+        jax.eval_shape(lambda: KVCache.empty(mc, 1, cache_len)),
+        partitioning.logical_to_sharding(KVCache.logical_axes(mc), mesh),
+    )
     rows = partitioning.named_sharding(mesh, ("batch", None))
     model = GPTJ(mc)
 
     def decode_step(params, tokens, positions, active, cache):
-        return model.apply({"params": params}, tokens, positions, active, cache, cache_len, method=GPTJ.decode_slots)
+        return model.apply({"params": params}, tokens, positions, active, cache, method=GPTJ.decode_slots)
 
     def prefill_chunk(params, tokens, cache):
         return model.apply({"params": params}, tokens, None, None, cache, last_logits_only=True, method=GPTJ.decode)
