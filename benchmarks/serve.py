@@ -61,6 +61,7 @@ class Round:
     seconds: float
     tokens: int
     ttft: list[float]  # per request: time to its first token
+    steady_ttft: list[float]  # the same, less each client's first request (which all start at once)
     itl: list[float]  # per generated token after the first: time since the previous one
     occupancy: float  # mean busy fraction of the server's decode slots (nan: no such metrics)
 
@@ -120,6 +121,7 @@ async def _stream(http: httpx.AsyncClient, body: dict) -> tuple[float, list[floa
 async def _round(http: httpx.AsyncClient, clients: int, seconds: float, lengths: tuple[int, int], seed: int) -> Round:
     """Each client streams requests one after another until ``seconds`` have passed (at least one)."""
     ttft: list[float] = []
+    steady: list[float] = []
     itl: list[float] = []
     tokens = 0
     deadline = time.perf_counter() + seconds
@@ -136,6 +138,8 @@ async def _round(http: httpx.AsyncClient, clients: int, seconds: float, lengths:
             }
             first, gaps, n = await _stream(http, body)
             ttft.append(first)
+            if r:
+                steady.append(first)
             itl.extend(gaps)
             tokens += n
             if time.perf_counter() >= deadline:
@@ -148,7 +152,7 @@ async def _round(http: httpx.AsyncClient, clients: int, seconds: float, lengths:
     after = _slot_steps((await http.get("/metrics")).text)
     slot_steps = after[1] - before[1]
     occupancy = (after[0] - before[0]) / slot_steps if slot_steps else float("nan")
-    return Round(clients, len(ttft), elapsed, tokens, ttft, itl, occupancy)
+    return Round(clients, len(ttft), elapsed, tokens, ttft, steady, itl, occupancy)
 
 
 async def _measure(
@@ -265,7 +269,8 @@ def run(args: argparse.Namespace) -> None:
     print(
         f"{target}\n/v1/completions, streamed: prompts of ~12 tokens, max_tokens {spread}, temperature 0.8; each "
         f"client sends its next request when answered, for {args.seconds:g} s per row; TTFT: time to a request's "
-        f"first token; ITL: time between its tokens; occupancy: the mean share of busy decode slots\n"
+        f"first token (steady: less each client's first request, all of which are sent at once); ITL: time between its "
+        f"tokens; occupancy: the mean share of busy decode slots\n"
     )
     header = (
         "clients",
@@ -273,6 +278,7 @@ def run(args: argparse.Namespace) -> None:
         "gen tokens/s",
         "TTFT p50 s",
         "TTFT p99 s",
+        "steady TTFT p99 s",
         "ITL p50 ms",
         "ITL p99 ms",
         "occupancy",
@@ -285,6 +291,7 @@ def run(args: argparse.Namespace) -> None:
             f"{r.tokens / r.seconds:,.0f}",
             f"{pct(r.ttft, 0.5):.3f}",
             f"{pct(r.ttft, 0.99):.3f}",
+            f"{pct(r.steady_ttft, 0.99):.3f}",
             f"{1000 * pct(r.itl, 0.5):.1f}",
             f"{1000 * pct(r.itl, 0.99):.1f}",
             f"{r.occupancy:.0%}",
@@ -302,5 +309,5 @@ def run(args: argparse.Namespace) -> None:
                 print(
                     f"{r.clients} clients: {(r.tokens / r.seconds) / (single.tokens / single.seconds):.1f}x the "
                     f"generated tokens/s of 1 client; TTFT p99 {pct(r.ttft, 0.99) / lone_ttft:.1f}x a lone "
-                    f"request's (p50 of 1 client)"
+                    f"request's (p50 of 1 client), steady {pct(r.steady_ttft, 0.99) / lone_ttft:.1f}x"
                 )

@@ -894,17 +894,15 @@ class GPTJ(nn.Module):
         tokens: Array,
         positions: Array | None,
         segment_ids: Array | None,
-        cache: KVCache | BlockedKVCache,
+        cache: KVCache,
         *,
         last_logits_only: bool = False,
-    ) -> tuple[Array, KVCache | BlockedKVCache]:
+    ) -> tuple[Array, KVCache]:
         """Write ``tokens`` into ``cache`` at slots ``cache.index …`` and attend to everything cached
         before them (a prefill: the whole prompt at once; decoding: one token per call).
 
-        A :class:`BlockedKVCache` takes one token per row and attends to its columns only (a
-        :meth:`BlockedKVCache.view` holding every slot written so far). Returns ``(logits, updated
-        cache)``; with ``last_logits_only`` only the last position is projected to the vocabulary
-        (logits [B, 1, V]), all that generation needs.
+        Returns ``(logits, updated cache)``; with ``last_logits_only`` only the last position is
+        projected to the vocabulary (logits [B, 1, V]), all that generation needs.
         """
         cfg = self.config
         if cfg.scan_layers:
@@ -912,15 +910,10 @@ class GPTJ(nn.Module):
                 "cached decoding runs the unrolled layers: use a config with scan_layers=False "
                 "and unstack_layers(params)"
             )
-        blocked = isinstance(cache, BlockedKVCache)
-        if blocked and tokens.shape[1] != 1:
-            raise ValueError(f"a blocked cache decodes one token per row, got {tokens.shape[1]}")
         positions, segment_ids = self._defaults(tokens, positions, segment_ids)
         sin, cos = rotary_tables(positions, cfg.rotary_dim)
         key_segments = lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache.index))
         mask = cache_attention_mask(segment_ids, key_segments, cache.index)
-        if isinstance(cache, BlockedKVCache):
-            mask = mask[..., : cache.columns]
         h = self._embed(tokens)
         layers = []
         for i in range(cfg.n_layers):
@@ -929,7 +922,7 @@ class GPTJ(nn.Module):
         if last_logits_only:
             h = h[:, -1:]
         logits = self.lm_head(self.ln_f(h))
-        return logits, type(cache).from_layers(layers, key_segments, cache.index + tokens.shape[1])
+        return logits, KVCache.from_layers(layers, key_segments, cache.index + tokens.shape[1])
 
     def decode_slots(
         self, tokens: Array, positions: Array, active: Array, cache: BlockedKVCache

@@ -77,25 +77,30 @@ def _join(grid, axis: int) -> np.ndarray:
 
 @pytest.mark.parametrize("kv_cache", [None, "int8"])
 @pytest.mark.parametrize("rows, chunk", [((3,), 40), ((1, 2), 16), ((1, 1, 1), 8)])
-def test_decode_steps_over_a_blocked_cache_equal_the_plain_caches(kv_cache, rows, chunk):
-    """Prefill into a plain cache, then STEPS one-token steps through GPTJ.decode over the plain
-    cache and over its blocked copy (viewing only the chunks the steps reach): equal logits and,
-    joined back, an equal cache."""
+def test_decode_slot_steps_over_a_blocked_cache_equal_the_plain_caches_steps(kv_cache, rows, chunk):
+    """Prefill into a plain cache, then STEPS one-token steps: GPTJ.decode over the plain cache, and
+    GPTJ.decode_slots over its blocked copy (viewing only the chunks the steps reach): equal logits
+    and, joined back, an equal cache."""
     config = dataclasses.replace(CFG, kv_cache=kv_cache)
     model = GPTJ(config)
     params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
     batch = 3
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (batch, PROMPT + STEPS)), jnp.int32)
-    decode = jax.jit(lambda t, pos, cache: model.apply({"params": params}, t, pos, None, cache, method=GPTJ.decode))
-    _, plain = decode(
-        tokens[:, :PROMPT], jnp.broadcast_to(jnp.arange(PROMPT), (batch, PROMPT)), KVCache.empty(config, batch, COLUMNS)
+    plain_step = jax.jit(lambda t, pos, cache: model.apply({"params": params}, t, pos, None, cache, method=GPTJ.decode))
+    slot_step = jax.jit(
+        lambda t, pos, cache: model.apply(
+            {"params": params}, t, pos, jnp.ones(batch, bool), cache, method=GPTJ.decode_slots
+        )
     )
+    prompt_positions = jnp.broadcast_to(jnp.arange(PROMPT), (batch, PROMPT))
+    _, plain = plain_step(tokens[:, :PROMPT], prompt_positions, KVCache.empty(config, batch, COLUMNS))
     blocked = BlockedKVCache.split(plain, rows, chunk_sizes(COLUMNS, chunk))
+    blocked = blocked.replace(index=jnp.full((batch,), PROMPT, jnp.int32))  # one slot per row
     for step in range(STEPS):
-        position = jnp.full((batch, 1), PROMPT + step)
-        want, plain = decode(tokens[:, PROMPT + step : PROMPT + step + 1], position, plain)
+        token, position = tokens[:, PROMPT + step : PROMPT + step + 1], jnp.full((batch, 1), PROMPT + step)
+        want, plain = plain_step(token, position, plain)
         chunks = -(-(PROMPT + step + 1) // chunk)
-        got, view = decode(tokens[:, PROMPT + step : PROMPT + step + 1], position, blocked.view(len(rows), chunks))
+        got, view = slot_step(token, position, blocked.view(len(rows), chunks))
         blocked = blocked.merge(view)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for layer in range(CFG.n_layers):
@@ -103,7 +108,7 @@ def test_decode_steps_over_a_blocked_cache_equal_the_plain_caches(kv_cache, rows
         np.testing.assert_allclose(_join(blocked.v[layer], 2), plain.v[layer], rtol=1e-5, atol=1e-5)
         if kv_cache:
             np.testing.assert_allclose(_join(blocked.k_scale[layer], 2), plain.k_scale[layer], rtol=1e-6)
-    assert int(blocked.index) == int(plain.index) == PROMPT + STEPS
+    assert np.asarray(blocked.index).tolist() == [PROMPT + STEPS] * batch == [int(plain.index)] * batch
 
 
 def test_rows_past_the_busy_ones_in_a_block_write_nothing():

@@ -228,7 +228,7 @@ def test_sharded_generation_equals_single_device(params, lm, shape):
         seeds=np.zeros(3, np.uint32),
         eos_id=np.full(3, -1),
     )
-    for cached in jax.tree.leaves((run._state.cache.k[0], run._state.cache.v[0])):  # one layer's blocks
+    for cached in (run._state.cache.k[0], run._state.cache.v[0]):  # one layer's keys and values
         assert cached.sharding.spec[:2] == (("data", "fsdp"), "model")
 
 
@@ -261,13 +261,11 @@ def test_the_decode_loop_updates_the_cache_in_place(params, batch):
     )
     with partitioning.sharding_scope(decoder.mesh, decoder.rules):
         hlo = (
-            decoder._decode.lower(decoder.params, run._state, np.int32(4), np.zeros(batch, bool), False, 1)
+            decoder._decode.lower(decoder.params, run._state, np.int32(4), np.zeros(batch, bool), False)
             .compile()
             .as_text()
         )
-    cache_shapes = {
-        f"f32[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves((run._state.cache.k, run._state.cache.v))
-    }
+    cache_shapes = {f"f32[{','.join(map(str, a.shape))}]" for a in (*run._state.cache.k, *run._state.cache.v)}
     copies = [
         line
         for line in hlo.splitlines()

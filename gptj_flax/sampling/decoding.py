@@ -25,7 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import ModelConfig
-from gptj_flax.model import GPTJ, BlockedKVCache, KVCache, chunk_sizes, token_log_probs, unstack_layers
+from gptj_flax.model import GPTJ, KVCache, token_log_probs, unstack_layers
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, next_tokens, top_bucket, top_logprobs
 
@@ -37,8 +37,8 @@ FINISH_REASON_OF_CODE = {EOS: "eos", LENGTH: "length", STOPPED: "stop"}
 
 MIN_BUCKET = 16
 
-# Columns per chunk of a decoding cache (model.BlockedKVCache), by platform. On the CPU a step reads
-# whole 64-column buffers fastest, and slicing a larger buffer copies the slice first.
+# Columns per chunk of the decode slots' cache (model.BlockedKVCache), by platform. On the CPU a step
+# reads whole 64-column buffers fastest, and slicing a larger buffer copies the slice first.
 CHUNK_COLUMNS = {"cpu": 64}
 DEFAULT_CHUNK_COLUMNS = 256
 
@@ -64,7 +64,7 @@ def chunk_buckets(total: int) -> list[int]:
 class DecodeState:
     """Everything the decode loop carries, on the device. Rows are batch entries."""
 
-    cache: BlockedKVCache  # one row block; column chunks, of which each decode call reads those written
+    cache: KVCache
     tokens: Array  # int32 [B, N]: generated ids (0 where nothing was generated)
     logprobs: Array  # float32 [B, N]: the model's log-probability of each generated id
     # int32 / float32 [B, N, K]: at each step the K most likely ids and their log-probabilities
@@ -85,7 +85,7 @@ class DecodeState:
     def logical_axes(cls, config: ModelConfig) -> DecodeState:
         rows, table, cube = PartitionSpec("batch"), PartitionSpec("batch", None), PartitionSpec("batch", None, None)
         return cls(
-            cache=BlockedKVCache.logical_axes(config),
+            cache=KVCache.logical_axes(config),
             tokens=table,
             logprobs=table,
             top_ids=cube,
@@ -172,7 +172,7 @@ class Decoder:
         )
         self._decode = jax.jit(
             self._decode_fn,
-            static_argnums=(4, 5),
+            static_argnums=(4,),
             donate_argnums=(1,),
             in_shardings=(param_shardings, state, sharding(), rows),
             out_shardings=state,
@@ -239,7 +239,7 @@ class Decoder:
         rows = jnp.arange(batch)[:, None]
         seen = jnp.zeros((batch, self.config.vocab_size), bool).at[rows, prompt_tokens].max(segment_ids > 0)
         state = DecodeState(
-            cache=BlockedKVCache.split(cache, (batch,), chunk_sizes(prompt_len + new_tokens, self.chunk_columns)),
+            cache=cache,
             tokens=jnp.zeros((batch, new_tokens), jnp.int32),
             logprobs=jnp.zeros((batch, new_tokens), jnp.float32),
             top_ids=jnp.zeros((batch, new_tokens, top_width), jnp.int32),
@@ -256,14 +256,9 @@ class Decoder:
         )
         return self._emit(state, logits[:, -1], original_order)
 
-    def _decode_fn(
-        self, params, state: DecodeState, stop_at, stopped, original_order: bool, chunks: int
-    ) -> DecodeState:
-        """Decode steps until ``stop_at`` (or every row has finished), attending to the first
-        ``chunks`` column chunks of the cache, which must hold every slot those steps write."""
+    def _decode_fn(self, params, state: DecodeState, stop_at, stopped, original_order: bool) -> DecodeState:
         finish = jnp.where(stopped & (state.finish == RUNNING), STOPPED, state.finish)
-        whole = state.cache
-        state = state.replace(finish=finish, cache=whole.view(1, chunks))
+        state = state.replace(finish=finish)
 
         def unfinished(s):
             return (s.step < stop_at) & jnp.any(s.finish == RUNNING)
@@ -282,8 +277,7 @@ class Decoder:
             )
             return self._emit(s.replace(cache=cache), logits[:, -1], original_order)
 
-        state = lax.while_loop(unfinished, step, state)
-        return state.replace(cache=whole.merge(state.cache))
+        return lax.while_loop(unfinished, step, state)
 
     def _score_fn(self, params, tokens, segment_ids, top_width: int) -> tuple[Array, Array, Array]:
         logits = self.model.apply({"params": params}, tokens, segment_ids=segment_ids)[:, :-1]
@@ -371,7 +365,7 @@ class Decoder:
                 original_order,
                 top_bucket(top_logprobs),
             )
-        return DecodeRun(self, state, n, original_order, prompt_len)
+        return DecodeRun(self, state, n, original_order)
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Per-token log-probabilities: ``out[i][j] = log p(seq_i[j+1] | seq_i[:j+1])``.
@@ -420,12 +414,10 @@ class Decoder:
 class DecodeRun:
     """One batch being generated: the device state and the host's view of it."""
 
-    def __init__(self, decoder: Decoder, state: DecodeState, rows: int, original_order: bool, prompt_columns: int):
+    def __init__(self, decoder: Decoder, state: DecodeState, rows: int, original_order: bool):
         self._decoder, self._state, self._rows = decoder, state, rows
         self._original_order = original_order
         self.capacity = state.tokens.shape[1]
-        self._prompt_columns = prompt_columns  # decode step t writes cache column prompt_columns + t - 1
-        self._chunk_counts = chunk_buckets(len(state.cache.k[0][0]))
         self.progress = self._fetch()
 
     def _fetch(self) -> Progress:
@@ -440,12 +432,7 @@ class DecodeRun:
         decoder, rows = self._decoder, self._state.finish.shape[0]
         with partitioning.sharding_scope(decoder.mesh, decoder.rules):
             lowered = decoder._decode.lower(
-                decoder.params,
-                self._state,
-                np.int32(0),
-                np.zeros(rows, bool),
-                self._original_order,
-                self._chunk_counts[-1],
+                decoder.params, self._state, np.int32(0), np.zeros(rows, bool), self._original_order
             )
         text = lowered.compile().as_text()
         assert text is not None  # None only for backends that keep no HLO, which XLA's do
@@ -457,24 +444,15 @@ class DecodeRun:
             raise SamplingError(f"steps must be >= 1, got {steps}")
         stopped = np.zeros(self._state.finish.shape[0], bool)
         stopped[list(stop_rows)] = True
-        step = int(self._step)
-        stop_at = min(step + steps, self.capacity)
-        decoder = self._decoder
-        # One call per window: each attends to the fewest chunks (of the compiled counts) that hold
-        # the columns its steps write, so early steps do not read the columns no step has reached.
-        while step < stop_at:
-            columns = self._prompt_columns + step  # held by the chunks that step ``step`` writes into
-            chunks = min(n for n in self._chunk_counts if n * decoder.chunk_columns >= columns)
-            end = min(stop_at, chunks * decoder.chunk_columns - self._prompt_columns + 1)
-            with partitioning.sharding_scope(decoder.mesh, decoder.rules):
-                self._state = decoder._decode(
-                    decoder.params,
-                    self._state,
-                    to_device(np.int32(end), decoder._scalar),
-                    to_device(stopped, decoder._rows),
-                    self._original_order,
-                    chunks,
-                )
-            step = end
+        stop_at = min(int(self._step) + steps, self.capacity)
+        with partitioning.sharding_scope(self._decoder.mesh, self._decoder.rules):
+            decoder = self._decoder
+            self._state = decoder._decode(
+                decoder.params,
+                self._state,
+                to_device(np.int32(stop_at), decoder._scalar),
+                to_device(stopped, decoder._rows),
+                self._original_order,
+            )
         self.progress = self._fetch()
         return self.progress
