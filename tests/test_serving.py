@@ -605,8 +605,10 @@ def test_serve_benchmark_runs_against_a_running_server(server, capsys):
     assert "4 clients: " in out and "x the generated tokens/s of 1 client" in out
     header = next(line for line in out.splitlines() if line.split()[:2] == ["clients", "requests"])
     assert (
-        header.split() == "clients requests gen tokens/s TTFT p50 s TTFT p99 s ITL p50 ms ITL p99 ms occupancy".split()
+        header.split()
+        == "clients requests gen tokens/s TTFT p50 s TTFT p99 s steady TTFT p99 s ITL p50 ms ITL p99 ms occupancy".split()
     )
     for row in rows:
-        assert float(row[3]) > 0 and float(row[5].replace(",", "")) >= 0  # a real first-token time and a gap
+        assert float(row[3]) > 0 and float(row[6].replace(",", "")) >= 0  # a real first-token time and a gap
+        assert row[5] == "nan"  # steady TTFT leaves out each client's first request, here its only one
         assert row[-1].endswith("%") and 0 < float(row[-1][:-1]) <= 100

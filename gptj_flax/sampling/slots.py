@@ -9,8 +9,8 @@ insert reuses it. Nothing here knows about requests: :mod:`gptj_flax.serving.eng
 
 A row's sequence occupies columns ``0 … n-1`` of its row (prompt first, no padding), so its
 position is its length and a decode step writes each row at a column of its own. The cache is a
-:class:`~gptj_flax.model.BlockedKVCache`: rows in blocks of 1, 1, 2, 4, … (times the data-parallel
-size), columns in chunks. Every step runs the first ``R`` rows only, ``R`` the power of two past the
+:class:`~gptj_flax.model.BlockedKVCache`: rows in blocks of 8, 8, 16, 32, … (each a multiple of the
+data-parallel size), columns in chunks. Every step runs the first ``R`` rows only, ``R`` the power of two past the
 highest busy slot (new sequences take the lowest free one), and attends to the first chunks that
 hold the longest running sequence: whole blocks, read in place. A lone request costs one row and
 short requests cost what a static batch of their lengths would, however many slots and columns the
