@@ -230,14 +230,17 @@ class KVCache:
     @classmethod
     def from_layers(cls, layers: list[LayerKV], segment_ids: Array, index: Array) -> KVCache:
         """The cache of ``layers``' buffers (as :meth:`layer` handed them out, updated)."""
-        return cls(
-            k=tuple(kv.k for kv in layers),
-            v=tuple(kv.v for kv in layers),
-            segment_ids=segment_ids,
-            index=index,
-            k_scale=tuple(kv.k_scale for kv in layers if kv.k_scale is not None),
-            v_scale=tuple(kv.v_scale for kv in layers if kv.v_scale is not None),
-        )
+        return cls(**_layer_fields(layers), segment_ids=segment_ids, index=index)
+
+
+def _layer_fields(layers) -> dict:
+    """A cache's per-layer fields from its layers (``LayerKV`` or ``BlockedLayerKV``)."""
+    return {
+        "k": tuple(kv.k for kv in layers),
+        "v": tuple(kv.v for kv in layers),
+        "k_scale": tuple(kv.k_scale for kv in layers if kv.k_scale is not None),
+        "v_scale": tuple(kv.v_scale for kv in layers if kv.v_scale is not None),
+    }
 
 
 class LayerKV(NamedTuple):
@@ -349,42 +352,11 @@ class BlockedKVCache:
         )
 
     @classmethod
-    def split(cls, cache: KVCache, rows: tuple[int, ...], columns: tuple[int, ...]) -> BlockedKVCache:
-        """``cache``'s arrays cut into row blocks ``rows`` and column chunks ``columns`` (sizes)."""
-
-        def cut(x: Array, column_axis: int) -> Grid:
-            row_starts, column_starts = np.cumsum((0, *rows)), np.cumsum((0, *columns))
-            return tuple(
-                tuple(
-                    lax.slice_in_dim(lax.slice_in_dim(x, r0, r0 + r, axis=0), c0, c0 + c, axis=column_axis)
-                    for c0, c in zip(column_starts, columns)
-                )
-                for r0, r in zip(row_starts, rows)
-            )
-
-        return cls(
-            k=tuple(cut(x, 3) for x in cache.k),
-            v=tuple(cut(x, 2) for x in cache.v),
-            segment_ids=cache.segment_ids,
-            index=cache.index,
-            k_scale=tuple(cut(x, 2) for x in cache.k_scale),
-            v_scale=tuple(cut(x, 2) for x in cache.v_scale),
-        )
-
-    @classmethod
     def logical_axes(cls, config: ModelConfig, index=()) -> BlockedKVCache:
-        """One logical PartitionSpec per layer, a prefix of that layer's whole grid (every block is
-        split alike); ``index``: the index's axes (a scalar's by default)."""
-        P = jax.sharding.PartitionSpec
-        scales = (P(*SCALE_AXES),) * config.n_layers if config.kv_cache is not None else ()
-        return cls(
-            k=(P(*KEY_AXES),) * config.n_layers,
-            v=(P(*VALUE_AXES),) * config.n_layers,
-            segment_ids=P("batch", "length"),
-            index=P(*index),
-            k_scale=scales,
-            v_scale=scales,
-        )
+        """:meth:`KVCache.logical_axes`'s specs, each layer's a prefix of that layer's whole grid
+        (every block is split alike); ``index``: the index's axes (a scalar's by default)."""
+        axes = KVCache.logical_axes(config)
+        return cls(axes.k, axes.v, axes.segment_ids, jax.sharding.PartitionSpec(*index), axes.k_scale, axes.v_scale)
 
     @property
     def rows(self) -> int:
@@ -427,19 +399,12 @@ class BlockedKVCache:
 
     @classmethod
     def from_layers(cls, layers: list[BlockedLayerKV], segment_ids: Array, index: Array) -> BlockedKVCache:
-        return cls(
-            k=tuple(kv.k for kv in layers),
-            v=tuple(kv.v for kv in layers),
-            segment_ids=segment_ids,
-            index=index,
-            k_scale=tuple(kv.k_scale for kv in layers if kv.k_scale is not None),
-            v_scale=tuple(kv.v_scale for kv in layers if kv.v_scale is not None),
-        )
+        return cls(**_layer_fields(layers), segment_ids=segment_ids, index=index)
 
 
 class BlockedLayerKV(NamedTuple):
-    """One layer's :class:`BlockedKVCache` grids and the slot new tokens are written at (a scalar, or
-    int32 [rows], one per row); an int8 layer's scale grids besides."""
+    """One layer's :class:`BlockedKVCache` grids and the slot each row's new token is written at,
+    int32 [rows]; an int8 layer's scale grids besides."""
 
     k: Grid
     v: Grid
@@ -568,8 +533,7 @@ def _blocked_decode_attention(
     before the matmuls read it, so XLA keeps no old copy of the chunk. The row blocks may hold more
     rows than the B given: the rest attend to nothing and write nothing.
     """
-    batch = q.shape[0]
-    index = jnp.broadcast_to(kv.index, (batch,))
+    batch, index = q.shape[0], kv.index
     padding = sum(row[0].shape[0] for row in kv.k) - batch
     if padding:
         q, k, v, mask = (jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, mask))

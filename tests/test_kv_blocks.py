@@ -49,6 +49,29 @@ def test_column_chunks_and_the_chunk_counts_programs_are_compiled_for():
         assert len(counts) <= 2 * total.bit_length()
 
 
+def split(cache: KVCache, rows: tuple[int, ...], columns: tuple[int, ...]) -> BlockedKVCache:
+    """``cache``'s arrays cut into row blocks ``rows`` and column chunks ``columns`` (sizes)."""
+    row_starts, column_starts = np.cumsum((0, *rows)), np.cumsum((0, *columns))
+
+    def cut(x, column_axis: int):
+        return tuple(
+            tuple(
+                jax.lax.slice_in_dim(x[r0 : r0 + r], c0, c0 + c, axis=column_axis)
+                for c0, c in zip(column_starts, columns)
+            )
+            for r0, r in zip(row_starts, rows)
+        )
+
+    return BlockedKVCache(
+        k=tuple(cut(x, 3) for x in cache.k),
+        v=tuple(cut(x, 2) for x in cache.v),
+        segment_ids=cache.segment_ids,
+        index=cache.index,
+        k_scale=tuple(cut(x, 2) for x in cache.k_scale),
+        v_scale=tuple(cut(x, 2) for x in cache.v_scale),
+    )
+
+
 def _random_cache(config, rows: int, columns: int) -> KVCache:
     rng = np.random.default_rng(1)
     cache = KVCache.empty(config, rows, columns)
@@ -57,7 +80,7 @@ def _random_cache(config, rows: int, columns: int) -> KVCache:
 
 def test_split_view_and_merge_keep_every_value_in_its_place():
     cache = _random_cache(CFG, 6, COLUMNS)
-    blocked = BlockedKVCache.split(cache, (2, 4), (16, 16, 8))
+    blocked = split(cache, (2, 4), (16, 16, 8))
     assert (blocked.rows, blocked.columns) == (6, 40)
     view = blocked.view(1, 2)
     assert (view.rows, view.columns) == (2, 32)
@@ -94,7 +117,7 @@ def test_decode_slot_steps_over_a_blocked_cache_equal_the_plain_caches_steps(kv_
     )
     prompt_positions = jnp.broadcast_to(jnp.arange(PROMPT), (batch, PROMPT))
     _, plain = plain_step(tokens[:, :PROMPT], prompt_positions, KVCache.empty(config, batch, COLUMNS))
-    blocked = BlockedKVCache.split(plain, rows, chunk_sizes(COLUMNS, chunk))
+    blocked = split(plain, rows, chunk_sizes(COLUMNS, chunk))
     blocked = blocked.replace(index=jnp.full((batch,), PROMPT, jnp.int32))  # one slot per row
     for step in range(STEPS):
         token, position = tokens[:, PROMPT + step : PROMPT + step + 1], jnp.full((batch, 1), PROMPT + step)
@@ -116,14 +139,14 @@ def test_rows_past_the_busy_ones_in_a_block_write_nothing():
     busy row's logits are those of the same step run alone, and the idle rows' blocks are unchanged."""
     model = GPTJ(CFG)
     params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
-    cache = BlockedKVCache.split(_random_cache(CFG, 4, 16), (4,), (16,))
+    cache = split(_random_cache(CFG, 4, 16), (4,), (16,))
     cache = cache.replace(index=jnp.array([3, 5, 7, 9], jnp.int32), segment_ids=jnp.ones((4, 16), jnp.int32))
     step = jax.jit(
         lambda t, pos, active, c: model.apply({"params": params}, t, pos, active, c, method=GPTJ.decode_slots)
     )
     token, active = jnp.array([[7]]), jnp.array([True])
     lone, after = step(token, cache.index[:1, None], active, cache)
-    alone = BlockedKVCache.split(_random_cache(CFG, 4, 16), (1, 3), (16,))
+    alone = split(_random_cache(CFG, 4, 16), (1, 3), (16,))
     alone = alone.replace(index=cache.index, segment_ids=cache.segment_ids)
     want, _ = step(token, cache.index[:1, None], active, alone.view(1, 1))
     np.testing.assert_allclose(lone, want, rtol=1e-5, atol=1e-5)

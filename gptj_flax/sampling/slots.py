@@ -146,6 +146,7 @@ class Slots:
         # the cache's row blocks and column chunks (sizes): see the module's docstring
         self.row_blocks = block_sizes(self.slots, multiple * -(-MIN_ROW_BLOCK // multiple))
         self.columns = chunk_sizes(length, decoder.chunk_columns)
+        self._chunk_counts = chunk_buckets(len(self.columns))  # those a step may attend to
         self._model = GPTJ(self.config)
         mesh, rules = decoder.mesh, decoder.rules
         self._rows = partitioning.named_sharding(mesh, ("batch",), rules)
@@ -472,7 +473,7 @@ class Slots:
         """The column chunks a step attends to when sequences have at most ``longest`` tokens: the
         fewest that hold them, rounded up to a count in :func:`chunk_buckets` (fewer programs)."""
         needed = -(-min(longest, self.length) // self.decoder.chunk_columns)
-        return min(n for n in chunk_buckets(len(self.columns)) if n >= needed)
+        return min(n for n in self._chunk_counts if n >= needed)
 
     def busy_rows(self, highest: int) -> int:
         """The rows a decode step runs when ``highest`` is the highest busy slot: a power of two (and
@@ -515,7 +516,7 @@ class Slots:
                 self.prefill_chunk(prefill)
                 self.insert(prefill, self.slots)
         for rows in sorted({self.busy_rows(s) for s in range(self.slots)}):
-            for chunks in chunk_buckets(len(self.columns)):
+            for chunks in self._chunk_counts:
                 self._run([], 1, chunks, rows)
 
     def compilations(self) -> int:
