@@ -215,6 +215,36 @@ def warp(logits: Array, params: SamplingParams, original_order: bool = False) ->
     return logits
 
 
+def categorical(keys: Array, logits: Array) -> Array:
+    """One draw per row from ``softmax(logits)`` [B, V], with that row's key: int32 [B].
+
+    An inverse-CDF draw in two levels: the vocabulary is cut into blocks of about sqrt(V) ids, a
+    first uniform number picks a block in proportion to its probability mass, a second picks an id
+    within it. The draw is exact (up to float32 rounding) and needs two random numbers per row,
+    where the Gumbel-max trick of ``jax.random.categorical`` draws one per vocabulary entry, which
+    costs more than the model's own work at a few rows on a CPU. Ids of probability 0 (logits of
+    -inf, as the filters leave them) are never drawn.
+    """
+    batch, vocab = logits.shape
+    size = 1 << max(0, math.isqrt(vocab - 1)).bit_length()  # a power of two >= sqrt(vocab)
+    blocks = -(-vocab // size)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    probs = jnp.pad(probs, ((0, 0), (0, blocks * size - vocab))).reshape(batch, blocks, size)
+    uniform = jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys)
+
+    def pick(weights: Array, u: Array) -> Array:
+        """Each row's first index whose running sum of ``weights`` [B, n] exceeds ``u`` [B] × the row's total."""
+        running = jnp.cumsum(weights, axis=-1)
+        index = jnp.sum(running <= (u * running[:, -1])[:, None], axis=-1)
+        # rounding can leave u × total at the sum's very end: fall back on the last id that can occur
+        last = jnp.max(jnp.where(weights > 0, jnp.arange(weights.shape[-1]), 0), axis=-1)
+        return jnp.minimum(index, last).astype(jnp.int32)
+
+    block = pick(probs.sum(axis=-1), uniform[:, 0])
+    within = jnp.take_along_axis(probs, block[:, None, None], axis=1)[:, 0]
+    return block * size + pick(within, uniform[:, 1])
+
+
 def next_tokens(
     logits: Array, params: SamplingParams, seen: Array, keys: Array, valid_vocab: int, original_order: bool = False
 ) -> Array:
@@ -234,11 +264,7 @@ def next_tokens(
     greedy = first_argmax(logits)
 
     def draw(logits):
-        warped = warp(logits, params, original_order)
-        # jax.random.categorical's own draw (the argmax of logits plus Gumbel noise), with the argmax
-        # taken by first_argmax: the variadic reduction jnp.argmax lowers to is slow on XLA's CPU backend.
-        noise = jax.vmap(lambda key: jax.random.gumbel(key, warped.shape[1:], warped.dtype))(keys)
-        sampled = first_argmax(warped + noise)
+        sampled = categorical(keys, warp(logits, params, original_order))
         return jnp.where(params.temperature > 0, sampled, greedy)
 
     return lax.cond(jnp.all(params.temperature == 0), lambda _: greedy, draw, logits)
