@@ -1,11 +1,13 @@
 """``bench.py serve``: generated tokens/s, time to first token, inter-token latency and decode-slot
 occupancy of a running server, by concurrency.
 
-Each of N concurrent clients streams ``/v1/completions`` requests one after another for
-``--seconds`` (sampling at temperature 0.8, its own seed and a ``max_tokens`` drawn from
-``--new-tokens`` each time); tokens are counted and timed as they arrive, the occupancy read from
-the server's ``/metrics``. At each concurrency an unmeasured round of one request per client comes
-first.
+Each of N concurrent clients streams ``/v1/completions`` requests one after another (sampling at
+temperature 0.8, its own seed and a ``max_tokens`` drawn from ``--new-tokens`` each time); tokens
+are counted and timed as they arrive. The figures are those of a window of ``--seconds`` that opens
+after ``--warmup`` seconds of the same load, so that they show the server in its steady state: the
+burst of every client's first request (all sent at the same moment) falls in the warm-up, and the
+tail after the window, where clients stop sending and the slots empty, is not counted. The
+occupancy is read from the server's ``/metrics`` as the window opens and closes.
 
 With ``--url`` it measures that server. Without it, it builds a ~25M-parameter random GPT-J and a
 byte-level BPE trained on the standard library's sources in a temporary directory, starts
@@ -45,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated client counts (default 1,8,32,64)")
     parser.add_argument("--seconds", type=float, default=20, help="measured time per concurrency (default 20)")
     parser.add_argument(
+        "--warmup",
+        type=float,
+        default=5,
+        help="seconds the clients run at each concurrency before the measured window opens (default 5)",
+    )
+    parser.add_argument(
         "--new-tokens",
         default="8,128",
         help="max_tokens of each request: N, or MIN,MAX drawn uniformly per request (default 8,128)",
@@ -57,13 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclasses.dataclass
 class Round:
     clients: int
-    requests: int
-    seconds: float
-    tokens: int
-    ttft: list[float]  # per request: time to its first token
-    steady_ttft: list[float]  # the same, less each client's first request (which all start at once)
-    itl: list[float]  # per generated token after the first: time since the previous one
-    occupancy: float  # mean busy fraction of the server's decode slots (nan: no such metrics)
+    requests: int  # requests sent inside the window
+    seconds: float  # the window's length
+    tokens: int  # tokens that arrived inside the window
+    ttft: list[float]  # per request sent inside the window: time to its first token
+    itl: list[float]  # per token that arrived inside the window after its request's first: time since the previous one
+    occupancy: float  # mean busy fraction of the server's decode slots in the window (nan: no such metrics)
 
     @staticmethod
     def percentile(values: list[float], q: float) -> float:
@@ -91,14 +98,29 @@ def _lengths(spec: str) -> tuple[int, int]:
     return parts[0], parts[-1]
 
 
-async def _stream(http: httpx.AsyncClient, body: dict) -> tuple[float, list[float], int]:
-    """One streamed completion: (time to first token, gaps between tokens, tokens), timed as it arrives.
+@dataclasses.dataclass
+class _Timed:
+    """One streamed completion as it arrived: when it was sent, and when each of its tokens came."""
+
+    sent: float
+    arrivals: list[float]  # one per token (a chunk of k tokens gives k equal times)
+    gaps: list[float]  # per token after the first: the wait since the previous token
+    ended: float = float("nan")  # when the stream closed
+
+    @property
+    def first(self) -> float:
+        """When the first token came (the end of the stream, for one that brought none)."""
+        return self.arrivals[0] if self.arrivals else self.ended
+
+
+async def _stream(http: httpx.AsyncClient, body: dict) -> _Timed:
+    """One streamed completion, timed as it arrives.
 
     ``logprobs: 0`` makes every chunk carry its tokens, so tokens are counted and timed one by one
     (a chunk of k tokens counts k gaps of a k-th of the wait each).
     """
     sent = last = time.perf_counter()
-    first, gaps, tokens = None, [], 0
+    timed = _Timed(sent, [], [])
     async with http.stream("POST", "/v1/completions", json={**body, "stream": True, "logprobs": 0}) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -109,25 +131,28 @@ async def _stream(http: httpx.AsyncClient, body: dict) -> tuple[float, list[floa
             if not n:
                 continue
             now = time.perf_counter()
-            if first is None:
-                first = now - sent
-                gaps += [(now - last) / n] * (n - 1)
-            else:
-                gaps += [(now - last) / n] * n
-            last, tokens = now, tokens + n
-    return (time.perf_counter() - sent if first is None else first), gaps, tokens
+            timed.gaps += [(now - last) / n] * (n - 1 if not timed.arrivals else n)
+            timed.arrivals += [now] * n
+            last = now
+    timed.ended = time.perf_counter()
+    return timed
 
 
-async def _round(http: httpx.AsyncClient, clients: int, seconds: float, lengths: tuple[int, int], seed: int) -> Round:
-    """Each client streams requests one after another until ``seconds`` have passed (at least one)."""
-    ttft: list[float] = []
-    steady: list[float] = []
-    itl: list[float] = []
-    tokens = 0
-    deadline = time.perf_counter() + seconds
+async def _round(
+    http: httpx.AsyncClient, clients: int, warmup: float, seconds: float, lengths: tuple[int, int], seed: int
+) -> Round:
+    """Clients stream requests one after another from the start; what happens in the window of
+    ``seconds`` that opens ``warmup`` seconds later is measured.
+
+    The warm-up takes in every client's first request (all of which are sent at the same moment)
+    and lets the mix of request lengths settle; after the window each client finishes the request it
+    is on (unmeasured), so neither the start nor the end of the round counts, only the steady state.
+    """
+    results: list[_Timed] = []
+    start = time.perf_counter()
+    opens, closes = start + warmup, start + warmup + seconds
 
     async def client(c: int) -> None:
-        nonlocal tokens
         draws = random.Random(seed * 7919 + c)
         for r in itertools.count():
             body = {
@@ -136,36 +161,43 @@ async def _round(http: httpx.AsyncClient, clients: int, seconds: float, lengths:
                 "temperature": 0.8,
                 "seed": (seed + 1000 * c + r) % 2**31,
             }
-            first, gaps, n = await _stream(http, body)
-            ttft.append(first)
-            if r:
-                steady.append(first)
-            itl.extend(gaps)
-            tokens += n
-            if time.perf_counter() >= deadline:
+            results.append(await _stream(http, body))
+            if time.perf_counter() >= closes:
                 return
 
-    before = _slot_steps((await http.get("/metrics")).text)
-    start = time.perf_counter()
+    async def slot_steps_at(moment: float) -> tuple[float, float]:
+        await asyncio.sleep(max(0.0, moment - time.perf_counter()))
+        return _slot_steps((await http.get("/metrics")).text)
+
+    window = asyncio.gather(slot_steps_at(opens), slot_steps_at(closes))
     await asyncio.gather(*(client(c) for c in range(clients)))
-    elapsed = time.perf_counter() - start
-    after = _slot_steps((await http.get("/metrics")).text)
+    before, after = await window
     slot_steps = after[1] - before[1]
     occupancy = (after[0] - before[0]) / slot_steps if slot_steps else float("nan")
-    return Round(clients, len(ttft), elapsed, tokens, ttft, steady, itl, occupancy)
+    return _window(results, clients, opens, closes, occupancy)
+
+
+def _window(results: list[_Timed], clients: int, opens: float, closes: float, occupancy: float) -> Round:
+    """The figures of the requests sent, and the tokens that arrived, in ``[opens, closes)``."""
+    inside = [r for r in results if opens <= r.sent < closes]
+    tokens, itl = 0, []
+    for r in results:
+        for i, at in enumerate(r.arrivals):
+            if opens <= at < closes:
+                tokens += 1
+                if i:
+                    itl.append(r.gaps[i - 1])
+    ttft = [r.first - r.sent for r in inside]
+    return Round(clients, len(inside), closes - opens, tokens, ttft, itl, occupancy)
 
 
 async def _measure(
-    url: str, api_key: str | None, concurrency: list[int], seconds: float, lengths: tuple[int, int]
+    url: str, api_key: str | None, concurrency: list[int], warmup: float, seconds: float, lengths: tuple[int, int]
 ) -> list[Round]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(concurrency))
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as http:
-        rounds = []
-        for i, clients in enumerate(concurrency):
-            await _round(http, clients, 0, lengths, seed=10**6 * (i + 1))  # unmeasured: one request each
-            rounds.append(await _round(http, clients, seconds, lengths, seed=i))
-        return rounds
+        return [await _round(http, clients, warmup, seconds, lengths, seed=i) for i, clients in enumerate(concurrency)]
 
 
 def _write_model(directory: str) -> str:
@@ -238,8 +270,8 @@ def _start_server(checkpoint: str, max_batch: int) -> tuple[subprocess.Popen, st
 def run(args: argparse.Namespace) -> None:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     lengths = _lengths(args.new_tokens)
-    if min(concurrency) < 1 or args.seconds < 0:
-        raise SystemExit("error: --concurrency must be >= 1 and --seconds >= 0")
+    if min(concurrency) < 1 or not args.seconds > 0 or not args.warmup >= 0:
+        raise SystemExit("error: --concurrency must be >= 1, --seconds > 0 and --warmup >= 0")
     if args.url and args.max_batch is not None:
         raise SystemExit("error: --max-batch sets up the server the benchmark starts; with --url the server is yours")
     max_batch = 32 if args.max_batch is None else args.max_batch
@@ -248,7 +280,7 @@ def run(args: argparse.Namespace) -> None:
         machine = f"clients' {machine} (the server's may differ)"
 
     def measure(url: str, api_key: str | None) -> list[Round]:
-        return asyncio.run(_measure(url, api_key, concurrency, args.seconds, lengths))
+        return asyncio.run(_measure(url, api_key, concurrency, args.warmup, args.seconds, lengths))
 
     if args.url:
         target = f"server {args.url}"
@@ -268,9 +300,9 @@ def run(args: argparse.Namespace) -> None:
     spread = f"{lengths[0]}" if lengths[0] == lengths[1] else f"{lengths[0]} to {lengths[1]} (uniform)"
     print(
         f"{target}\n/v1/completions, streamed: prompts of ~12 tokens, max_tokens {spread}, temperature 0.8; each "
-        f"client sends its next request when answered, for {args.seconds:g} s per row; TTFT: time to a request's "
-        f"first token (steady: less each client's first request, all of which are sent at once); ITL: time between its "
-        f"tokens; occupancy: the mean share of busy decode slots\n"
+        f"client sends its next request when answered; measured: a {args.seconds:g} s window that opens after "
+        f"{args.warmup:g} s of the same load (requests sent, and tokens that arrived, inside it); TTFT: time to a "
+        f"request's first token; ITL: time between its tokens; occupancy: the mean share of busy decode slots\n"
     )
     header = (
         "clients",
@@ -278,7 +310,6 @@ def run(args: argparse.Namespace) -> None:
         "gen tokens/s",
         "TTFT p50 s",
         "TTFT p99 s",
-        "steady TTFT p99 s",
         "ITL p50 ms",
         "ITL p99 ms",
         "occupancy",
@@ -291,7 +322,6 @@ def run(args: argparse.Namespace) -> None:
             f"{r.tokens / r.seconds:,.0f}",
             f"{pct(r.ttft, 0.5):.3f}",
             f"{pct(r.ttft, 0.99):.3f}",
-            f"{pct(r.steady_ttft, 0.99):.3f}",
             f"{1000 * pct(r.itl, 0.5):.1f}",
             f"{1000 * pct(r.itl, 0.99):.1f}",
             f"{r.occupancy:.0%}",
@@ -302,12 +332,11 @@ def run(args: argparse.Namespace) -> None:
     for line in (header, ["-" * w for w in widths], *body):
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
     single = next((r for r in rounds if r.clients == 1), None)
-    if single is not None:
+    if single is not None and single.tokens:
         lone_ttft = pct(single.ttft, 0.5)
         for r in rounds:
             if r.clients > 1:
                 print(
-                    f"{r.clients} clients: {(r.tokens / r.seconds) / (single.tokens / single.seconds):.1f}x the "
-                    f"generated tokens/s of 1 client; TTFT p99 {pct(r.ttft, 0.99) / lone_ttft:.1f}x a lone "
-                    f"request's (p50 of 1 client), steady {pct(r.steady_ttft, 0.99) / lone_ttft:.1f}x"
+                    f"{r.clients} clients: {r.tokens / single.tokens:.1f}x the generated tokens/s of 1 client; "
+                    f"TTFT p99 {pct(r.ttft, 0.99) / lone_ttft:.1f}x a lone request's (p50 of 1 client)"
                 )

@@ -596,19 +596,35 @@ def test_serve_benchmark_runs_against_a_running_server(server, capsys):
     parser = argparse.ArgumentParser()
     serve_benchmark.add_arguments(parser)
     args = parser.parse_args(
-        ["--url", server.url, "--api-key", KEYS[0], "--concurrency", "1,4", "--seconds", "0", "--new-tokens", "8"]
+        ["--url", server.url, "--api-key", KEYS[0], "--concurrency", "1,4", "--warmup", "0.5", "--seconds", "1"]
+        + ["--new-tokens", "8"]
     )
     serve_benchmark.run(args)
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+\d+\s", line)]
-    assert [(row[0], row[1]) for row in rows] == [("1", "1"), ("4", "4")]  # with --seconds 0: one request each
+    assert [row[0] for row in rows] == ["1", "4"]
     assert "4 clients: " in out and "x the generated tokens/s of 1 client" in out
     header = next(line for line in out.splitlines() if line.split()[:2] == ["clients", "requests"])
     assert (
-        header.split()
-        == "clients requests gen tokens/s TTFT p50 s TTFT p99 s steady TTFT p99 s ITL p50 ms ITL p99 ms occupancy".split()
+        header.split() == "clients requests gen tokens/s TTFT p50 s TTFT p99 s ITL p50 ms ITL p99 ms occupancy".split()
     )
     for row in rows:
-        assert float(row[3]) > 0 and float(row[6].replace(",", "")) >= 0  # a real first-token time and a gap
-        assert row[5] == "nan"  # steady TTFT leaves out each client's first request, here its only one
+        assert int(row[1]) >= 1 and float(row[2].replace(",", "")) > 0
+        assert float(row[3]) > 0 and float(row[5]) >= 0  # a real first-token time and a gap
         assert row[-1].endswith("%") and 0 < float(row[-1][:-1]) <= 100
+
+
+def test_serve_benchmark_counts_only_the_window():
+    """Requests sent before the window and tokens that came after it are left out; a token inside
+    counts whoever sent it."""
+    timed = serve_benchmark._Timed
+    results = [
+        timed(sent=0.0, arrivals=[0.5, 1.5, 2.5], gaps=[1.0, 1.0], ended=2.6),  # sent before: 2 tokens inside
+        timed(sent=1.2, arrivals=[1.3, 1.4, 3.5], gaps=[0.1, 2.1], ended=3.6),  # inside: 2 tokens inside
+        timed(sent=2.9, arrivals=[], gaps=[], ended=3.9),  # inside, no token: TTFT until it ended
+        timed(sent=3.2, arrivals=[3.4], gaps=[], ended=3.5),  # after the window
+    ]
+    r = serve_benchmark._window(results, clients=2, opens=1.0, closes=3.0, occupancy=0.5)
+    assert (r.requests, r.tokens, r.seconds) == (2, 4, 2.0)
+    assert r.ttft == pytest.approx([0.1, 1.0])
+    assert sorted(r.itl) == pytest.approx([0.1, 1.0, 1.0])  # 1.5 and 2.5 of the first, 1.4 of the second
