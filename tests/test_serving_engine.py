@@ -119,7 +119,7 @@ def test_a_long_prompt_is_prefilled_chunk_by_chunk_between_decode_steps(lm, serv
     short_prompt = prompt_of(lm, 3, 301)
     calls: list[str] = []
     slots = server.service.worker.slots
-    chunk, decode = slots.prefill_chunk, slots.decode
+    chunk, decode = slots.prefill_chunk, slots.dispatch_decode
 
     def record(name, fn):
         def wrapped(*args, **kwargs):
@@ -128,7 +128,7 @@ def test_a_long_prompt_is_prefilled_chunk_by_chunk_between_decode_steps(lm, serv
 
         return wrapped
 
-    slots.prefill_chunk, slots.decode = record("chunk", chunk), record("decode", decode)
+    slots.prefill_chunk, slots.dispatch_decode = record("chunk", chunk), record("decode", decode)
     held.step_delay_s = 0.02  # the short request is still decoding when the long one arrives
     try:
 
@@ -143,7 +143,7 @@ def test_a_long_prompt_is_prefilled_chunk_by_chunk_between_decode_steps(lm, serv
 
         short_answer, long_answer = asyncio.run(both())
     finally:
-        del slots.prefill_chunk, slots.decode
+        del slots.prefill_chunk, slots.dispatch_decode
         held.step_delay_s = 0.0
     assert short_answer.status_code == long_answer.status_code == 200, (short_answer.text, long_answer.text)
     first, last = calls.index("chunk"), len(calls) - 1 - calls[::-1].index("chunk")

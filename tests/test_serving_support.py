@@ -254,18 +254,18 @@ class _HeldSlots:
         self._holder._enter([[0]])
         self._slots.warm_up()
 
-    def admit(self, requests, slots):
+    def dispatch_admit(self, requests, slots):
         self._holder._enter([r.tokens for r in requests])
-        return self._slots.admit(requests, slots)
+        return self._slots.dispatch_admit(requests, slots)
 
     def start_prefill(self, request):
         self._holder._enter([request.tokens])
         return self._slots.start_prefill(request)
 
-    def decode(self, *args, **kwargs):
+    def dispatch_decode(self, *args, **kwargs):
         self._holder.decode_calls += 1
         time.sleep(self._holder.step_delay_s)
-        return self._slots.decode(*args, **kwargs)
+        return self._slots.dispatch_decode(*args, **kwargs)
 
 
 def wait_until(condition, timeout_s: float = 30.0, what: str = "condition", interval_s: float = 0.02) -> None:

@@ -117,9 +117,16 @@ class Prefill:
         return self.next_column >= self.tokens.shape[1]
 
 
-def _host_tokens(out: Tokens, rows: int) -> Tokens:
-    host = to_host(out)
-    return jax.tree.map(lambda x: x[:rows], host)
+@dataclasses.dataclass
+class Pending:
+    """The tokens of a device call that has been dispatched and may still be running."""
+
+    out: Tokens
+    rows: int  # the rows of ``out`` that are real
+
+    def result(self) -> Tokens:
+        """Wait for the call and bring its tokens to the host."""
+        return jax.tree.map(lambda x: x[: self.rows], to_host(self.out))
 
 
 class Slots:
@@ -421,6 +428,10 @@ class Slots:
 
     def admit(self, requests: list[Request], slots: list[int]) -> Tokens:
         """Prefill short prompts (at most ``chunk`` columns) together and insert them into ``slots``."""
+        return self.dispatch_admit(requests, slots).result()
+
+    def dispatch_admit(self, requests: list[Request], slots: list[int]) -> Pending:
+        """:meth:`admit`, returning as soon as the call is queued on the device."""
         rows = bucket(len(requests), 1)
         columns = max(self.prompt_columns(len(r.tokens)) for r in requests)
         tokens = np.zeros((rows, columns), np.int32)
@@ -432,7 +443,7 @@ class Slots:
             self.state, first = self._admit(
                 self.decoder.params, self.state, tokens, lengths, *self._settings(requests, rows, slots)
             )
-        return _host_tokens(first, len(requests))
+        return Pending(first, len(requests))
 
     def start_prefill(self, request: Request) -> Prefill:
         """A long prompt's prefill, to be advanced with :meth:`prefill_chunk` until done."""
@@ -457,6 +468,10 @@ class Slots:
 
     def insert(self, prefill: Prefill, slot: int) -> Tokens:
         """Insert a finished :class:`Prefill` into ``slot`` and choose its first token."""
+        return self.dispatch_insert(prefill, slot).result()
+
+    def dispatch_insert(self, prefill: Prefill, slot: int) -> Pending:
+        """:meth:`insert`, returning as soon as the call is queued on the device."""
         request = prefill.request
         with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
             self.state, first = self._insert(
@@ -467,7 +482,7 @@ class Slots:
                 np.array([len(request.tokens)], np.int32),
                 *self._settings([request], 1, [slot]),
             )
-        return _host_tokens(first, 1)
+        return Pending(first, 1)
 
     def chunks_for(self, longest: int) -> int:
         """The column chunks a step attends to when sequences have at most ``longest`` tokens: the
@@ -488,18 +503,27 @@ class Slots:
         ``highest``: the highest busy slot (default: the last). Returns the first
         :meth:`busy_rows` rows' tokens.
         """
+        return self.dispatch_decode(release, steps, longest, highest).result()
+
+    def dispatch_decode(self, release: list[int], steps: int, longest: int, highest: int | None = None) -> Pending:
+        """:meth:`decode`, returning as soon as the call is queued on the device: the host may work
+        on the last call's tokens while this one runs."""
         highest = self.slots - 1 if highest is None else highest
         steps = min(steps, self.steps)
         return self._run(release, steps, self.chunks_for(longest + steps), self.busy_rows(highest))
 
-    def _run(self, release: list[int], steps: int, chunks: int, rows: int) -> Tokens:
+    def wait(self) -> None:
+        """Block until every call dispatched so far has finished."""
+        self.state.finish.block_until_ready()
+
+    def _run(self, release: list[int], steps: int, chunks: int, rows: int) -> Pending:
         stop = np.zeros(self.slots, bool)
         stop[release] = True
         with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
             self.state, out = self._decode(
                 self.decoder.params, self.state, to_device(stop, self._rows), np.int32(steps), chunks, rows
             )
-        return _host_tokens(out, rows)
+        return Pending(out, rows)
 
     def warm_up(self) -> None:
         """Compile every program a request can need: nothing compiles once requests come."""
@@ -517,7 +541,7 @@ class Slots:
                 self.insert(prefill, self.slots)
         for rows in sorted({self.busy_rows(s) for s in range(self.slots)}):
             for chunks in self._chunk_counts:
-                self._run([], 1, chunks, rows)
+                self._run([], 1, chunks, rows).result()
 
     def compilations(self) -> int:
         """Programs compiled so far, for checking that nothing recompiles as requests come and go."""

@@ -11,6 +11,11 @@ its stream). Between decode steps the engine thread
   length;
 - hands each job its new text (streaming) or, once all its rows are done, its completions.
 
+The host's share of a step (detokenising, stop strings, streaming) runs while the device computes
+the next one: the engine waits for the step in flight to end, admits waiting rows (sending their
+first tokens), queues the next step, and only then works through the tokens of the step that ended. So a row's end (or its stop
+string) is seen one step later than the device knows it, and its slot is reused one step later.
+
 Every program is compiled during the warm-up, for every prompt bucket, prefill batch and attention
 window, so requests coming and going never compile anything.
 """
@@ -27,7 +32,7 @@ import time
 from gptj_flax.sampling.api import Completion, LanguageModel, Piece
 from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING
 from gptj_flax.sampling.samplers import SamplingParams
-from gptj_flax.sampling.slots import MAX_PREFILL_ROWS, Prefill, Request, Slots, Tokens
+from gptj_flax.sampling.slots import MAX_PREFILL_ROWS, Pending, Prefill, Request, Slots, Tokens
 from gptj_flax.sampling.stopping import TextTracker
 from gptj_flax.serving.metrics import Metrics
 from gptj_flax.serving.worker import FAILED, READY, STOPPED, WARMING_UP, Job, NotAccepting, Prompt, QueueFull, StreamEnd
@@ -69,6 +74,16 @@ class _Row:
         return len(self.prompt.tokens) + len(self.tokens)
 
 
+@dataclasses.dataclass
+class _Step:
+    """A decode step queued on the device: its tokens, and the rows that were running when it was."""
+
+    pending: Pending
+    rows: list[_Row]
+    queued_at: float
+    ended_at: float | None = None
+
+
 class Engine:
     """Owns the model: warms it up, then runs queued jobs' rows in decode slots until stopped.
 
@@ -103,6 +118,8 @@ class Engine:
         self._occupied: dict[int, _Row] = {}  # slot → row
         self._release: set[int] = set()  # slots to stop at the next decode call
         self._prefill: tuple[Prefill, _Row, int] | None = None  # a long prompt and its reserved slot
+        self._in_flight: _Step | None = None  # the decode step queued last, its tokens not yet read
+        self._first: list[tuple[list[_Row], Pending]] = []  # admitted rows whose first tokens are not yet read
         self._step_seconds = 0.05  # running mean of one decode step, for Retry-After
         self._thread = threading.Thread(target=self._run, name="gptj-engine", daemon=True)
 
@@ -181,7 +198,7 @@ class Engine:
 
     def _wait_for_work(self) -> bool:
         with self._cond:
-            while not (self._waiting or self._occupied or self._prefill):
+            while not (self._waiting or self._occupied or self._prefill or self._in_flight or self._first):
                 if self._stopping:
                     return False
                 self._cond.wait()
@@ -190,14 +207,25 @@ class Engine:
     def _iterate(self) -> None:
         slots = self.slots
         assert slots is not None
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            slots.wait()  # the step has ended: what comes next can be queued behind it at once
+            step.ended_at = time.monotonic()
         for slot, row in list(self._occupied.items()):  # clients that went away free their slots now
             if row.job.cancelled:
                 self._free(slot)
         if self._prefill is not None:
             self._advance_prefill()
         self._admit()
+        # New rows' first tokens go out before the next step is queued: their clients wait for
+        # nothing else, and the step's dispatch would only delay them.
+        first, self._first = self._first, []
+        for rows, pending in first:
+            self._read_first(rows, pending)
         if any(row.finish is None for row in self._occupied.values()):
-            self._decode()
+            self._dispatch_decode()
+        if step is not None:
+            self._read_step(step)
         self.metrics.busy_slots.set(len(self._occupied))
 
     def _free_slots(self) -> list[int]:
@@ -266,12 +294,13 @@ class Engine:
             self._advance_prefill()
             return
         try:
-            first = slots.admit([self._request(r) for r in rows], free[: len(rows)])
+            pending = slots.dispatch_admit([self._request(r) for r in rows], free[: len(rows)])
         except Exception as e:
             self._answer_error({id(r.job): r.job for r in rows}.values(), e)
             raise
-        for i, row in enumerate(rows):
-            self._place(row, free[i], first, i)
+        for row, slot in zip(rows, free, strict=False):
+            self._occupy(row, slot)
+        self._first.append((rows, pending))
 
     def _advance_prefill(self) -> None:
         assert self.slots is not None and self._prefill is not None
@@ -282,39 +311,58 @@ class Engine:
         self.slots.prefill_chunk(prefill)
         if prefill.done:
             self._prefill = None
-            self._place(row, slot, self.slots.insert(prefill, slot), 0)
+            pending = self.slots.dispatch_insert(prefill, slot)
+            self._occupy(row, slot)
+            self._first.append(([row], pending))
 
-    def _place(self, row: _Row, slot: int, first: Tokens, i: int) -> None:
-        """Row's first token has been chosen in ``slot``: it is ``first``'s row ``i``."""
-        now = time.monotonic()
-        self.metrics.time_to_first_token.observe(now - row.job.submitted_at)
-        row.slot, row.last_token_at = slot, now
+    def _occupy(self, row: _Row, slot: int) -> None:
+        """``row``'s sequence is being inserted into ``slot``; its first token comes with the insert."""
+        row.slot = slot
         self._occupied[slot] = row
         self._release.discard(slot)  # the slot holds a new sequence: a pending stop is for the old one
-        self._extend(row, first, i, 1)
 
-    def _decode(self) -> None:
+    def _read_first(self, rows: list[_Row], pending: Pending) -> None:
+        """The first tokens of admitted rows (``rows[i]`` is the call's row ``i``)."""
+        first = pending.result()
+        now = time.monotonic()
+        for i, row in enumerate(rows):
+            if row.finish is not None or self._occupied.get(row.slot) is not row:
+                continue  # its client went away in the meantime
+            self.metrics.time_to_first_token.observe(now - row.job.submitted_at)
+            row.last_token_at = now
+            self._extend(row, first, i, 1)
+
+    def _dispatch_decode(self) -> None:
         slots = self.slots
         assert slots is not None
         running = [row for row in self._occupied.values() if row.finish is None]
         release, self._release = sorted(self._release), set()
-        start = time.monotonic()
         # One step per call: a row that ends, a stop string, a client that leaves or one that
-        # arrives is dealt with before the next step.
-        out = slots.decode(release, 1, max(row.length for row in running), max(self._occupied))
-        seconds = time.monotonic() - start
-        done = int(max(out.num_generated[row.slot] - len(row.tokens) for row in running))
-        self._step_seconds = 0.9 * self._step_seconds + 0.1 * seconds / max(done, 1)
+        # arrives is dealt with before the step after next. The host's lengths may lag the
+        # device's by the step that has just ended, hence the + 1.
+        pending = slots.dispatch_decode(release, 1, max(row.length for row in running) + 1, max(self._occupied))
+        self._in_flight = _Step(pending, running, time.monotonic())
+
+    def _read_step(self, step: _Step) -> None:
+        """The tokens of a decode step that has ended, for the rows that were running in it."""
+        slots = self.slots
+        assert slots is not None and step.ended_at is not None
+        out = step.pending.result()
+        done = int(max((out.num_generated[row.slot] - len(row.tokens) for row in step.rows), default=0))
+        self._step_seconds = 0.9 * self._step_seconds + 0.1 * (step.ended_at - step.queued_at) / max(done, 1)
         self.metrics.decode_steps.inc(done)
         self.metrics.slot_steps.inc(done * slots.slots)
-        for row in running:
+        now = time.monotonic()
+        for row in step.rows:
+            if row.finish is not None or self._occupied.get(row.slot) is not row:
+                continue  # ended (or its client left) after the step was queued: its token is dropped
             slot = row.slot
             assert slot is not None
             n = int(out.num_generated[slot]) - len(row.tokens)
             self.metrics.busy_slot_steps.inc(n)
             if n:
-                self.metrics.inter_token_latency.observe((time.monotonic() - (row.last_token_at or start)) / n)
-                row.last_token_at = time.monotonic()
+                self.metrics.inter_token_latency.observe((now - (row.last_token_at or step.queued_at)) / n)
+                row.last_token_at = now
             self._extend(row, out, slot, n)
 
     def _extend(self, row: _Row, out: Tokens, i: int, n: int) -> None:
@@ -387,6 +435,7 @@ class Engine:
         self._occupied.clear()
         self._prefill = None
         self._release = set()
+        self._in_flight, self._first = None, []
         assert self.slots is not None
         self.slots.reset()  # the failed call may have consumed the state it was given
         self._answer_error({id(r.job): r.job for r in rows}.values(), error)
