@@ -1020,7 +1020,8 @@ def chunked_loss_sums(
     """:func:`loss_sums` of ``LMHead(hidden)``, computed ``chunk`` positions at a time.
 
     The full float32 logits of a training batch (batch × length × vocab) never exist at once: each chunk's logits are made, reduced to three
-    sums and dropped, and the backward pass makes them again (``jax.checkpoint``).
+    sums and dropped, and the backward pass makes them again (``jax.checkpoint``). A sequence of one
+    chunk is computed directly, without the loop: its logits exist once either way.
     """
     length = hidden.shape[1]
     chunk = min(chunk, length)
@@ -1034,9 +1035,12 @@ def chunked_loss_sums(
     def split(x):  # [B, n·c, …] → [n, B, c, …]
         return jnp.swapaxes(x.reshape(x.shape[0], n_chunks, chunk, *x.shape[2:]), 0, 1)
 
-    @jax.checkpoint
     def sums(h, t, w):
         return loss_sums(project_to_vocab(h, head["kernel"], head["bias"]), t, w, z_loss)
+
+    if n_chunks == 1:
+        return sums(hidden, targets, weights)
+    sums = jax.checkpoint(sums)
 
     def body(totals, xs):
         return jax.tree.map(jnp.add, totals, sums(*xs)), None
