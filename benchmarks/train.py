@@ -3,6 +3,11 @@
 Both sides run one optimiser step per batch (forward, backward, clip to norm 1, AdamW) in float32
 on the same weights and tokens; the figures are tokens/s measured side by side in one process,
 plus achieved FLOP/s against a large matmul timed in the same run (the machine's practical ceiling).
+
+With ``--profile`` it also traces one step (operation time by part of the model) and times the
+step's parts as programs of their own, forward and backward, each against the ceiling: one block,
+the LM head with the loss, and the optimiser update. What the step takes beyond the sum of its
+parts is the cost of running them as one program (and the embedding and gradient clipping).
 """
 
 from __future__ import annotations
@@ -11,16 +16,18 @@ import dataclasses
 import os
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from benchmarks import profile
 from benchmarks.common import BENCH_MODEL, hf_gptj_config, machine_summary
 from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig, TrainConfig
 from gptj_flax.data import Batch
-from gptj_flax.model import GPTJ
+from gptj_flax.model import GPTJ, Block, attention_mask, chunked_loss_sums, rotary_tables
 from gptj_flax.training import optimizer, steps
 
 
@@ -74,6 +81,64 @@ def ours(
         return seconds, profile.profile(run, hlo, calls=1)
 
 
+def _best(fn, repeats: int) -> float:
+    """Best seconds of ``fn()`` over ``repeats`` calls, after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def parts(config: ModelConfig, batch: int, seq_len: int, repeats: int) -> list[tuple[str, float, float]]:
+    """(part, best seconds, FLOPs) of the train step's parts, each compiled and run on its own,
+    forward and backward: one block, the LM head with the loss, the optimiser update."""
+    rng = np.random.default_rng(1)
+    hidden = jnp.asarray(rng.normal(size=(batch, seq_len, config.d_model)), jnp.float32)
+    cotangent = jnp.asarray(rng.normal(size=hidden.shape), jnp.float32)
+    sin, cos = rotary_tables(jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len)), config.rotary_dim)
+    mask = attention_mask(jnp.ones((batch, seq_len), jnp.int32))
+    block = Block(config)
+    block_params = nn.meta.unbox(block.init(jax.random.key(0), hidden, sin, cos, mask))
+
+    def block_loss(p, h):
+        return jnp.sum(block.apply(p, h, sin, cos, mask)[0] * cotangent)
+
+    block_grad = jax.jit(jax.grad(block_loss, argnums=(0, 1)))
+    head = {
+        "kernel": jnp.asarray(rng.normal(size=(config.d_model, config.vocab_size)) * 0.02, jnp.float32),
+        "bias": jnp.zeros((config.vocab_size,), jnp.float32),
+    }
+    targets = jnp.asarray(rng.integers(0, config.vocab_size, (batch, seq_len)), jnp.int32)
+    weights = jnp.ones((batch, seq_len), jnp.float32)
+
+    def head_loss(h, p):
+        return chunked_loss_sums(h, p, targets, weights)[0]
+
+    head_grad = jax.jit(jax.value_and_grad(head_loss, argnums=(0, 1)))
+    train = TrainConfig(batch_size=batch, warmup_steps=0, lr=1e-4, end_lr=1e-4)
+    tx = optimizer.make_optimizer(train)
+    params = nn.meta.unbox(GPTJ(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def update(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    tokens = batch * seq_len
+    d, f = config.d_model, config.ff_dim
+    block_flops = 3 * tokens * (2 * (4 * d * d + 2 * d * f) + 4 * seq_len * d)
+    head_flops = 3 * tokens * 2 * d * config.vocab_size
+    return [
+        ("one block", _best(lambda: jax.block_until_ready(block_grad(block_params, hidden)), repeats), block_flops),
+        ("LM head + loss", _best(lambda: jax.block_until_ready(head_grad(hidden, head)), repeats), head_flops),
+        ("optimiser update", _best(lambda: jax.block_until_ready(update(params, opt_state, params)), repeats), 0.0),
+    ]
+
+
 def huggingface(config: ModelConfig, tokens: np.ndarray, repeats: int) -> float:
     import torch
     from transformers import GPTJForCausalLM
@@ -111,6 +176,7 @@ def measure(
     flops = config.flops_per_token(seq_len) * n_tokens
     jax_mm, torch_mm = matmul_flops(matmul_size)
     ours_s, rows = ours(config, tokens, repeats, traced=traced)
+    step_parts = parts(config, batch_size, seq_len, repeats) if traced else None
     hf_s = huggingface(config, tokens, repeats)
     return {
         "params": config.param_count(),
@@ -126,6 +192,8 @@ def measure(
         "flops_per_token": config.flops_per_token(seq_len),
         "torch_matmul_flops": torch_mm,
         "profile": rows,
+        "parts": step_parts,
+        "n_layers": config.n_layers,
     }
 
 
@@ -139,6 +207,25 @@ def report(r: dict) -> str:
             "where gptj_flax's step goes (one jax.profiler trace; operation ms per step):",
             profile.format_rows(r["profile"], step_ms, threads),
         ]
+    if r.get("parts"):
+        ceiling, step_ms = r["jax_matmul_flops"], r["batch"] * r["seq_len"] / r["ours_tokens_per_s"] * 1e3
+        layers = r["n_layers"]
+        traced.append("the step's parts compiled on their own, forward and backward (best of the repeats):")
+        total = 0.0
+        for name, seconds, flops in r["parts"]:
+            times = layers if name == "one block" else 1
+            total += times * seconds * 1e3
+            rate = (
+                f", {flops / seconds / 1e9:.1f} GFLOP/s = {100 * flops / seconds / ceiling:.0f}% of the ceiling"
+                if flops
+                else ""
+            )
+            count = f" (x{times}: {times * seconds * 1e3:.0f} ms)" if times > 1 else ""
+            traced.append(f"    {name}: {seconds * 1e3:.1f} ms{count}{rate}")
+        traced.append(
+            f"    their sum {total:.0f} ms against the step's {step_ms:.0f} ms: {step_ms - total:.0f} ms for the"
+            " embedding, gradient clipping and running the parts as one program"
+        )
     return "\n".join(
         [
             f"train step, {r['params'] / 1e6:.1f}M-parameter GPT-J, batch {r['batch']} x {r['seq_len']} tokens, float32, AdamW",
