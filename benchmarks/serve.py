@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -91,9 +92,17 @@ def _slot_steps(metrics: str) -> tuple[float, float]:
     return values[0], values[1]
 
 
+def _counts(spec: str) -> list[int] | None:
+    """The comma-separated whole numbers of ``spec``, or None if it holds anything else."""
+    try:
+        return [int(x) for x in spec.split(",")]
+    except ValueError:
+        return None
+
+
 def _lengths(spec: str) -> tuple[int, int]:
-    parts = [int(x) for x in spec.split(",")]
-    if len(parts) not in (1, 2) or min(parts) < 1 or parts[0] > parts[-1]:
+    parts = _counts(spec)
+    if parts is None or len(parts) not in (1, 2) or min(parts) < 1 or parts[0] > parts[-1]:
         raise SystemExit(f"error: --new-tokens must be N or MIN,MAX with 1 <= MIN <= MAX, got {spec!r}")
     return parts[0], parts[-1]
 
@@ -268,10 +277,12 @@ def _start_server(checkpoint: str, max_batch: int) -> tuple[subprocess.Popen, st
 
 
 def run(args: argparse.Namespace) -> None:
-    concurrency = [int(c) for c in args.concurrency.split(",")]
+    concurrency = _counts(args.concurrency)
+    if concurrency is None or min(concurrency) < 1:
+        raise SystemExit(f"error: --concurrency must be client counts >= 1, such as 1,8,32; got {args.concurrency!r}")
     lengths = _lengths(args.new_tokens)
-    if min(concurrency) < 1 or not args.seconds > 0 or not args.warmup >= 0:
-        raise SystemExit("error: --concurrency must be >= 1, --seconds > 0 and --warmup >= 0")
+    if not (0 < args.seconds < math.inf and 0 <= args.warmup < math.inf):
+        raise SystemExit("error: --seconds must be a finite number > 0 and --warmup a finite number >= 0")
     if args.url and args.max_batch is not None:
         raise SystemExit("error: --max-batch sets up the server the benchmark starts; with --url the server is yours")
     max_batch = 32 if args.max_batch is None else args.max_batch

@@ -185,6 +185,29 @@ def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
     assert "2 clients: " in out
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--concurrency", "1,x"], "--concurrency must be client counts >= 1"),
+        (["--concurrency", "0"], "--concurrency must be client counts >= 1"),
+        (["--new-tokens", "8,two"], "--new-tokens must be N or MIN,MAX"),
+        (["--seconds", "inf"], "--seconds must be a finite number > 0"),
+        (["--seconds", "nan"], "--seconds must be a finite number > 0"),
+        (["--warmup", "-1"], "--warmup a finite number >= 0"),
+    ],
+)
+def test_serve_benchmark_refuses_bad_arguments_in_one_line(repo_root, tmp_path, args, message):
+    done = subprocess.run(
+        [sys.executable, str(repo_root / "scripts" / "bench.py"), "serve", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("error: ") and message in done.stderr, done.stderr
+
+
 def test_pipeline_benchmark_returns_throughputs(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 3000)
