@@ -81,20 +81,19 @@ def ours(
         return seconds, profile.profile(run, hlo, calls=1)
 
 
-def _best(fn, repeats: int) -> float:
-    """Best seconds of ``fn()`` over ``repeats`` calls, after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """A part of the train step, timed as a program of its own (forward and backward)."""
+
+    name: str
+    seconds: float  # median of the repeats, as the whole step is timed
+    flops: float  # 0 where the part does no matmul work
+    count: int = 1  # how many times the step runs it
 
 
-def parts(config: ModelConfig, batch: int, seq_len: int, repeats: int) -> list[tuple[str, float, float]]:
-    """(part, best seconds, FLOPs) of the train step's parts, each compiled and run on its own,
-    forward and backward: one block, the LM head with the loss, the optimiser update."""
+def parts(config: ModelConfig, batch: int, seq_len: int, repeats: int) -> list[Part]:
+    """The train step's parts, each compiled and run on its own, forward and backward: one block
+    (run by every layer), the LM head with the loss, the optimiser update."""
     rng = np.random.default_rng(1)
     hidden = jnp.asarray(rng.normal(size=(batch, seq_len, config.d_model)), jnp.float32)
     cotangent = jnp.asarray(rng.normal(size=hidden.shape), jnp.float32)
@@ -128,14 +127,19 @@ def parts(config: ModelConfig, batch: int, seq_len: int, repeats: int) -> list[t
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
+    # the step's own FLOP count (the figure its ceiling share is of), split into the head and the layers
     tokens = batch * seq_len
-    d, f = config.d_model, config.ff_dim
-    block_flops = 3 * tokens * (2 * (4 * d * d + 2 * d * f) + 4 * seq_len * d)
-    head_flops = 3 * tokens * 2 * d * config.vocab_size
+    head_flops = 6.0 * tokens * config.d_model * config.vocab_size
+    block_flops = (tokens * config.flops_per_token(seq_len) - head_flops) / config.n_layers
     return [
-        ("one block", _best(lambda: jax.block_until_ready(block_grad(block_params, hidden)), repeats), block_flops),
-        ("LM head + loss", _best(lambda: jax.block_until_ready(head_grad(hidden, head)), repeats), head_flops),
-        ("optimiser update", _best(lambda: jax.block_until_ready(update(params, opt_state, params)), repeats), 0.0),
+        Part(
+            "one block",
+            _timed(lambda: jax.block_until_ready(block_grad(block_params, hidden)), repeats),
+            block_flops,
+            config.n_layers,
+        ),
+        Part("LM head + loss", _timed(lambda: jax.block_until_ready(head_grad(hidden, head)), repeats), head_flops),
+        Part("optimiser update", _timed(lambda: jax.block_until_ready(update(params, opt_state, params)), repeats), 0),
     ]
 
 
@@ -193,7 +197,6 @@ def measure(
         "torch_matmul_flops": torch_mm,
         "profile": rows,
         "parts": step_parts,
-        "n_layers": config.n_layers,
     }
 
 
@@ -209,19 +212,13 @@ def report(r: dict) -> str:
         ]
     if r.get("parts"):
         ceiling, step_ms = r["jax_matmul_flops"], r["batch"] * r["seq_len"] / r["ours_tokens_per_s"] * 1e3
-        layers = r["n_layers"]
-        traced.append("the step's parts compiled on their own, forward and backward (best of the repeats):")
-        total = 0.0
-        for name, seconds, flops in r["parts"]:
-            times = layers if name == "one block" else 1
-            total += times * seconds * 1e3
-            rate = (
-                f", {flops / seconds / 1e9:.1f} GFLOP/s = {100 * flops / seconds / ceiling:.0f}% of the ceiling"
-                if flops
-                else ""
-            )
-            count = f" (x{times}: {times * seconds * 1e3:.0f} ms)" if times > 1 else ""
-            traced.append(f"    {name}: {seconds * 1e3:.1f} ms{count}{rate}")
+        traced.append("the step's parts compiled on their own, forward and backward (median of the repeats):")
+        for part in r["parts"]:
+            rate = part.flops / part.seconds
+            share = f", {rate / 1e9:.1f} GFLOP/s = {100 * rate / ceiling:.0f}% of the ceiling" if part.flops else ""
+            count = f" (x{part.count}: {part.count * part.seconds * 1e3:.0f} ms)" if part.count > 1 else ""
+            traced.append(f"    {part.name}: {part.seconds * 1e3:.1f} ms{count}{share}")
+        total = sum(part.count * part.seconds for part in r["parts"]) * 1e3
         traced.append(
             f"    their sum {total:.0f} ms against the step's {step_ms:.0f} ms: {step_ms - total:.0f} ms for the"
             " embedding, gradient clipping and running the parts as one program"
