@@ -178,9 +178,15 @@ async def _round(
         await asyncio.sleep(max(0.0, moment - time.perf_counter()))
         return _slot_steps((await http.get("/metrics")).text)
 
-    window = asyncio.gather(slot_steps_at(opens), slot_steps_at(closes))
-    await asyncio.gather(*(client(c) for c in range(clients)))
-    before, after = await window
+    # a task group: on an error or Ctrl-C every task is cancelled and awaited, none left behind
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            at_open, at_close = tasks.create_task(slot_steps_at(opens)), tasks.create_task(slot_steps_at(closes))
+            for c in range(clients):
+                tasks.create_task(client(c))
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None  # the first failure, named as it was raised
+    before, after = at_open.result(), at_close.result()
     slot_steps = after[1] - before[1]
     occupancy = (after[0] - before[0]) / slot_steps if slot_steps else float("nan")
     return _window(results, clients, opens, closes, occupancy)
@@ -204,7 +210,9 @@ async def _measure(
     url: str, api_key: str | None, concurrency: list[int], warmup: float, seconds: float, lengths: tuple[int, int]
 ) -> list[Round]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max(concurrency))
+    # one connection per client, and one more for the /metrics reads that open and close the window:
+    # sharing the clients' connections, those reads waited for a free one and could miss the window
+    limits = httpx.Limits(max_connections=max(concurrency) + 1)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as http:
         return [await _round(http, clients, warmup, seconds, lengths, seed=i) for i, clients in enumerate(concurrency)]
 
