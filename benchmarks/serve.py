@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-batch", type=int, help="--max-batch of the server it starts (not with --url; default 32)"
     )
+    parser.add_argument(
+        "--prefill",
+        choices=("beside", "between"),
+        help="--prefill of the server it starts (not with --url; default between; with beside the server "
+        "process gets two CPU devices, one for the decode slots and one to prefill on)",
+    )
 
 
 @dataclasses.dataclass
@@ -249,7 +255,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_server(checkpoint: str, max_batch: int) -> tuple[subprocess.Popen, str]:
+def _start_server(checkpoint: str, max_batch: int, prefill: str) -> tuple[subprocess.Popen, str]:
     """``serve()`` of this checkout in a child process (no GIL shared with the clients), configured by
     environment variables as a deployment would be."""
     from gptj_flax.serving.settings import env_name
@@ -259,10 +265,14 @@ def _start_server(checkpoint: str, max_batch: int) -> tuple[subprocess.Popen, st
         "checkpoint": checkpoint,
         "port": port,
         "max_batch": max_batch,
+        "prefill": prefill,
         "log_level": "warning",
     }
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": python_path, **{env_name(name): str(v) for name, v in settings.items()}}
+    if prefill == "beside":  # on the CPU, a spare device to prefill on; the decode slots keep the first
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2".strip()
     process = subprocess.Popen(
         [
             sys.executable,
@@ -291,9 +301,12 @@ def run(args: argparse.Namespace) -> None:
     lengths = _lengths(args.new_tokens)
     if not (0 < args.seconds < math.inf and 0 <= args.warmup < math.inf):
         raise SystemExit("error: --seconds must be a finite number > 0 and --warmup a finite number >= 0")
-    if args.url and args.max_batch is not None:
-        raise SystemExit("error: --max-batch sets up the server the benchmark starts; with --url the server is yours")
+    if args.url and (args.max_batch is not None or args.prefill is not None):
+        raise SystemExit(
+            "error: --max-batch and --prefill set up the server the benchmark starts; with --url the server is yours"
+        )
     max_batch = 32 if args.max_batch is None else args.max_batch
+    prefill = args.prefill or "between"
     machine = machine_summary()  # before the server it starts adds its own load
     if args.url:
         machine = f"clients' {machine} (the server's may differ)"
@@ -308,8 +321,10 @@ def run(args: argparse.Namespace) -> None:
         with tempfile.TemporaryDirectory(prefix="bench-serve-") as directory:
             start = time.perf_counter()
             target = _write_model(directory)
-            process, url = _start_server(directory, max_batch)
-            target += f"; server --max-batch {max_batch}, ready in {time.perf_counter() - start:.0f} s"
+            process, url = _start_server(directory, max_batch, prefill)
+            target += (
+                f"; server --max-batch {max_batch} --prefill {prefill}, ready in {time.perf_counter() - start:.0f} s"
+            )
             try:
                 rounds = measure(url, None)
             finally:

@@ -177,7 +177,7 @@ def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
         "--max-batch",
         "2",
     )
-    assert "random GPT-J, 27.3M parameters" in out and "server --max-batch 2" in out
+    assert "random GPT-J, 27.3M parameters" in out and "server --max-batch 2 --prefill between" in out
     rows = re.findall(rf"^\s+(\d+)\s+(\d+)\s+({NUMBER})\s+({NUMBER})\s", out, re.MULTILINE)
     assert [row[0] for row in rows] == ["1", "2"], out
     assert all(int(row[1]) >= 1 and float(row[2].replace(",", "")) > 0 for row in rows), out
@@ -194,6 +194,7 @@ def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
         (["--seconds", "inf"], "--seconds must be a finite number > 0"),
         (["--seconds", "nan"], "--seconds must be a finite number > 0"),
         (["--warmup", "-1"], "--warmup a finite number >= 0"),
+        (["--url", "http://127.0.0.1:9", "--prefill", "beside"], "with --url the server is yours"),
     ],
 )
 def test_serve_benchmark_refuses_bad_arguments_in_one_line(repo_root, tmp_path, args, message):

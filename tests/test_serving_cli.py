@@ -55,6 +55,14 @@ def test_the_kv_cache_setting_is_a_flag_and_a_variable():
     assert parse(["--checkpoint", "c"], {"GPTJ_FLAX_KV_CACHE": "int8"}).kv_cache == "int8"
 
 
+def test_the_prefill_setting_is_between_unless_told_and_refuses_other_places():
+    assert parse(["--checkpoint", "c"], {}).prefill == "between"
+    assert parse(["--checkpoint", "c", "--prefill", "beside"], {}).prefill == "beside"
+    assert parse(["--checkpoint", "c"], {"GPTJ_FLAX_PREFILL": "beside"}).prefill == "beside"
+    with pytest.raises(SettingsError, match=re.escape("--prefill (or GPTJ_FLAX_PREFILL) must be one of")):
+        parse(["--checkpoint", "c"], {"GPTJ_FLAX_PREFILL": "sideways"})
+
+
 def test_the_dtype_takes_either_spelling_and_keeps_the_canonical_name():
     assert parse(["--checkpoint", "/runs/a", "--dtype", "bf16"], {}).dtype == "bfloat16"
     assert parse(["--checkpoint", "/runs/a"], {"GPTJ_FLAX_DTYPE": "fp32"}).dtype == "float32"

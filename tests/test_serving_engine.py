@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import re
+import threading
 import time
 
 import httpx
@@ -37,9 +38,12 @@ def held(lm):
     return HeldModel(lm)
 
 
-@pytest.fixture(scope="module")
-def server(held):
-    with RunningServer(held, max_batch=SLOTS, queue_size=64, prefill_chunk=16) as running:
+@pytest.fixture(scope="module", params=["beside", "between"])
+def server(held, request):
+    """A server that prefills on a spare device beside the decode steps, or between them on its own
+    (the one-device default)."""
+    with RunningServer(held, max_batch=SLOTS, queue_size=64, prefill_chunk=16, prefill=request.param) as running:
+        assert (running.service.worker.prefill_mesh is not None) == (request.param == "beside")
         yield running
 
 
@@ -113,17 +117,19 @@ def test_rows_with_different_settings_share_the_steps_and_each_equals_generate(l
         assert response.json()["choices"][0]["text"] == reference.text, settings
 
 
-def test_a_long_prompt_is_prefilled_chunk_by_chunk_between_decode_steps(lm, server, held):
+def test_a_long_prompt_is_prefilled_chunk_by_chunk_while_others_decode(lm, server, held):
     long_prompt = prompt_of(lm, 50, 300)
     assert len(lm.encode(long_prompt)) > 4 * 16  # several 16-token chunks
     short_prompt = prompt_of(lm, 3, 301)
     calls: list[str] = []
+    threads: set[tuple[str, str]] = set()
     slots = server.service.worker.slots
     chunk, decode = slots.prefill_chunk, slots.dispatch_decode
 
     def record(name, fn):
         def wrapped(*args, **kwargs):
             calls.append(name)
+            threads.add((name, threading.current_thread().name))
             return fn(*args, **kwargs)
 
         return wrapped
@@ -149,8 +155,12 @@ def test_a_long_prompt_is_prefilled_chunk_by_chunk_between_decode_steps(lm, serv
     first, last = calls.index("chunk"), len(calls) - 1 - calls[::-1].index("chunk")
     chunks = calls[first : last + 1]
     assert chunks.count("chunk") >= 4
-    # the short request kept decoding: a decode step between every two chunks of the long prompt
-    assert all(a != b for a, b in zip(chunks, chunks[1:])), chunks
+    if server.settings.prefill == "beside":
+        # the chunks run on the prefill thread (and device), the decode steps go on beside them
+        assert threads == {("chunk", "gptj-prefill"), ("decode", "gptj-engine")}, threads
+    else:
+        # the short request kept decoding: a decode step between every two chunks of the long prompt
+        assert all(a != b for a, b in zip(chunks, chunks[1:])), chunks
     assert short_answer.json()["choices"][0]["text"] == alone(lm, short_prompt, 100, temperature=0).text
     assert long_answer.json()["choices"][0]["text"] == alone(lm, long_prompt, 8, temperature=0).text
 
@@ -208,7 +218,10 @@ def test_a_client_that_disconnects_frees_its_slot_within_one_step(lm, server, he
                 with pytest.raises(httpx.ReadTimeout):
                     http.post("/v1/completions", json=body, timeout=0.5)
                 steps = metric(http.get("/metrics").text, "gptj_decode_steps_total")
-            # leaving the block (or the timeout) closed the connection
+            # leaving the block (or the timeout) closed the connection; once the server has seen it
+            # go, the row may still be placed (a first token comes before its slot, with a prefill
+            # device), but it is freed at the next step
+            wait_until(lambda: server.service.in_flight == 0, 30, "the server to see the client go")
             wait_until(lambda: metric(http.get("/metrics").text, "gptj_busy_slots") == 0, 30, "the slot to be freed")
             text = http.get("/metrics").text
             assert metric(text, "gptj_decode_steps_total") - steps <= 2  # the step in flight, and the next

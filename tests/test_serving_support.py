@@ -258,6 +258,10 @@ class _HeldSlots:
         self._holder._enter([r.tokens for r in requests])
         return self._slots.dispatch_admit(requests, slots)
 
+    def dispatch_prefill(self, requests):
+        self._holder._enter([r.tokens for r in requests])
+        return self._slots.dispatch_prefill(requests)
+
     def start_prefill(self, request):
         self._holder._enter([request.tokens])
         return self._slots.start_prefill(request)

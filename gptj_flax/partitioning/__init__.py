@@ -8,6 +8,7 @@ from gptj_flax.partitioning.mesh import (
     make_mesh,
     mesh_config,
     mesh_shape,
+    spare_mesh,
 )
 from gptj_flax.partitioning.rules import DEFAULT_RULES, LAYOUTS, MESH_AXES, Rules
 from gptj_flax.partitioning.sharding import (
@@ -43,4 +44,5 @@ __all__ = [
     "sharding_rows",
     "sharding_scope",
     "sharding_table",
+    "spare_mesh",
 ]

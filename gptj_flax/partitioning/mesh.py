@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from gptj_flax.config import ConfigError, MeshConfig
@@ -75,6 +76,20 @@ def make_mesh(spec: MeshSpec = None, devices=None) -> Mesh:
             len(devices) - n,
         )
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:n])
+
+
+def spare_mesh(mesh: Mesh) -> Mesh | None:
+    """A mesh of ``mesh``'s shape over this process's next devices outside it, or None where there
+    are too few (or several processes: each would need spares of its own)."""
+    if jax.process_count() > 1:
+        return None
+    used = set(mesh.devices.flat)
+    spare = [d for d in jax.local_devices(backend=mesh.devices.flat[0].platform) if d not in used]
+    if len(spare) < mesh.devices.size:
+        return None
+    return Mesh(
+        np.array(spare[: mesh.devices.size]).reshape(mesh.devices.shape), mesh.axis_names, axis_types=mesh.axis_types
+    )
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:

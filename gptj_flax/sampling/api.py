@@ -331,10 +331,35 @@ class LanguageModel:
         return decode(self.tokenizer, tokens)
 
     # -- generation ------------------------------------------------------------------------
-    def slots(self, *, slots: int, length: int, chunk: int = 128, steps: int = 1, top_logprobs: int = 5) -> Slots:
+    def slots(
+        self,
+        *,
+        slots: int,
+        length: int,
+        chunk: int = 128,
+        steps: int = 1,
+        top_logprobs: int = 5,
+        prefill_mesh: Mesh | None = None,
+    ) -> Slots:
         """Decode slots over this model's parameters, for continuous batching (see
-        :class:`gptj_flax.sampling.slots.Slots`): ``slots`` sequences of up to ``length`` tokens each."""
-        return Slots(self.decoder, slots=slots, length=length, chunk=chunk, steps=steps, top_logprobs=top_logprobs)
+        :class:`gptj_flax.sampling.slots.Slots`): ``slots`` sequences of up to ``length`` tokens each.
+
+        ``prefill_mesh``: devices other than the model's, to prefill new prompts on beside the decode
+        steps (the parameters are copied there); default: prefill between steps on the model's own.
+        """
+        prefill = None
+        if prefill_mesh is not None:
+            d = self.decoder
+            prefill = Decoder(d.config, d.params, prefill_mesh, valid_vocab=d.valid_vocab, rules=d.rules)
+        return Slots(
+            self.decoder,
+            slots=slots,
+            length=length,
+            chunk=chunk,
+            steps=steps,
+            top_logprobs=top_logprobs,
+            prefill=prefill,
+        )
 
     def _start(
         self,

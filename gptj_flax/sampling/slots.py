@@ -16,6 +16,11 @@ hold the longest running sequence: whole blocks, read in place. A lone request c
 short requests cost what a static batch of their lengths would, however many slots and columns the
 cache has.
 
+With a *prefill decoder* (the same parameters on a mesh of other devices), new prompts are
+prefilled there, beside the decode step running here, and their first tokens chosen there
+(:meth:`Slots.dispatch_prefill`); :meth:`Slots.place` then moves the prefilled rows into free slots
+between two steps, which costs a copy, not a prefill.
+
 Draws are those of :meth:`Decoder.start`: a row's ``n``-th token uses ``fold_in(key(seed), n)``,
 so a sequence comes out the same in a slot as in a batch of its own.
 """
@@ -30,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gptj_flax import partitioning
 from gptj_flax.model import GPTJ, BlockedKVCache, KVCache, block_sizes, chunk_sizes, token_log_probs
@@ -129,6 +134,22 @@ class Pending:
         return jax.tree.map(lambda x: x[: self.rows], to_host(self.out))
 
 
+@dataclasses.dataclass
+class Prefilled:
+    """Prompts prefilled on the prefill mesh, their first tokens chosen, waiting to be placed in slots."""
+
+    requests: list[Request]
+    tokens: np.ndarray  # int32 [b, P]: the prompts, left-padded (rows past the requests are padding)
+    lengths: np.ndarray  # int32 [b]
+    cache: KVCache  # on the prefill mesh
+    first: Tokens  # on the prefill mesh
+    seen: Array  # bool [b, V]: each prompt's ids and its first token
+
+    @property
+    def pending(self) -> Pending:
+        return Pending(self.first, len(self.requests))
+
+
 class Slots:
     """Compiled programs over one slot cache, for a :class:`Decoder`'s model and parameters.
 
@@ -139,14 +160,29 @@ class Slots:
       chunk: prompts longer than this are prefilled in chunks of this many tokens (a power of two).
       steps: the most decode steps one :meth:`decode` call runs.
       top_logprobs: how many alternatives a row that asks for them gets for each token.
+      prefill: the same model on other devices, to prefill new prompts on beside the decode steps
+        (:meth:`dispatch_prefill`, :meth:`place`); without one, :meth:`admit` prefills between them.
     """
 
-    def __init__(self, decoder: Decoder, *, slots: int, length: int, chunk: int, steps: int, top_logprobs: int):
+    def __init__(
+        self,
+        decoder: Decoder,
+        *,
+        slots: int,
+        length: int,
+        chunk: int,
+        steps: int,
+        top_logprobs: int,
+        prefill: Decoder | None = None,
+    ):
         if chunk < 16 or chunk & (chunk - 1):
             raise ValueError(f"the prefill chunk must be a power of two >= 16, got {chunk}")
         if not 1 <= length <= decoder.config.max_len:
             raise ValueError(f"the slot length must be in [1, {decoder.config.max_len}] (the context), got {length}")
-        self.decoder, self.config = decoder, decoder.config
+        if prefill is not None and set(prefill.mesh.devices.flat) & set(decoder.mesh.devices.flat):
+            raise ValueError("the prefill decoder's devices must be other than the decode slots'")
+        self.decoder, self.config, self.prefill = decoder, decoder.config, prefill
+        self._prefiller = decoder if prefill is None else prefill  # where prompts are prefilled
         multiple = decoder.batch_multiple
         self.slots = -(-slots // multiple) * multiple
         self.length, self.chunk, self.steps, self.top = length, chunk, steps, top_logprobs
@@ -162,17 +198,32 @@ class Slots:
         # decoder and shape shares them, as its Decoder's programs are shared: a new server on a
         # loaded model compiles nothing new, and no compiled program is freed while one compiles.
         programs = decoder.slot_programs
-        key = (self.slots, length, chunk, steps, top_logprobs)
+        key = (self.slots, length, chunk, steps, top_logprobs, None if prefill is None else prefill.mesh)
         if key not in programs:
+            # a long prompt's cache starts on the devices that prefill it
+            new_cache = None if prefill is None else NamedSharding(prefill.mesh, PartitionSpec())
             programs[key] = (
                 jax.jit(self._decode_fn, static_argnums=(4, 5), donate_argnums=(1,)),
                 jax.jit(self._admit_fn, donate_argnums=(1,)),
                 jax.jit(self._chunk_fn, donate_argnums=(1,)),
-                jax.jit(self._new_cache_fn, static_argnums=(0,)),
+                jax.jit(self._new_cache_fn, static_argnums=(0,), out_shardings=new_cache),
                 jax.jit(self._insert_fn, donate_argnums=(0,)),
                 jax.jit(self._empty_fn, out_shardings=self._state_sharding),
+                jax.jit(self._prefill_fn),
+                jax.jit(self._first_fn),
+                jax.jit(self._place_fn, donate_argnums=(0,)),
             )
-        self._decode, self._admit, self._chunk, self._new_cache, self._insert, self._build = programs[key]
+        (
+            self._decode,
+            self._admit,
+            self._chunk,
+            self._new_cache,
+            self._insert,
+            self._build,
+            self._prefill,
+            self._first,
+            self._place,
+        ) = programs[key]
         self.reset()
 
     def reset(self) -> None:
@@ -275,8 +326,8 @@ class Slots:
             finish=s.finish, num_generated=s.num_generated
         )
 
-    def _admit_fn(self, params, state, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top):
-        """Prefill short prompts [b, P] (left-padded) at once and insert them into rows ``slots``."""
+    def _prompt_fn(self, params, tokens, lengths) -> tuple[KVCache, Array]:
+        """Prefill short prompts [b, P] (left-padded) at once: their cache and last logits."""
         columns = jnp.arange(tokens.shape[1])[None, :]
         padding = (tokens.shape[1] - lengths)[:, None]
         segments, positions = (columns >= padding).astype(jnp.int32), jnp.maximum(columns - padding, 0)
@@ -284,9 +335,18 @@ class Slots:
         logits, cache = self._model.apply(
             {"params": params}, tokens, positions, segments, cache, last_logits_only=True, method=GPTJ.decode
         )
-        return self._insert_fn(
-            state, cache, logits[:, -1], tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top
-        )
+        return cache, logits[:, -1]
+
+    def _admit_fn(self, params, state, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top):
+        """Prefill short prompts [b, P] (left-padded) at once and insert them into rows ``slots``."""
+        cache, logits = self._prompt_fn(params, tokens, lengths)
+        return self._insert_fn(state, cache, logits, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top)
+
+    def _prefill_fn(self, params, tokens, lengths, max_new, eos_id, seeds, sampling, want_top):
+        """Prefill short prompts as :meth:`_admit_fn` does, and choose their first tokens, without
+        touching the slots (on the prefill mesh)."""
+        cache, logits = self._prompt_fn(params, tokens, lengths)
+        return (cache, *self._first_fn(logits, tokens, lengths, max_new, eos_id, seeds, sampling, want_top))
 
     def _new_cache_fn(self, columns: int) -> KVCache:
         return KVCache.empty(self.config, 1, columns)
@@ -323,9 +383,39 @@ class Slots:
         sampling,
         want_top,
     ) -> tuple[SlotState, Tokens]:
-        """Move prefilled prompts into rows ``slots`` (real tokens first) and choose their first tokens.
+        """Move prefilled prompts into rows ``slots`` and choose their first tokens."""
+        first, seen = self._first_fn(logits, tokens, lengths, max_new, eos_id, seeds, sampling, want_top)
+        state = self._place_fn(
+            state, cache, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top, first, seen
+        )
+        return state, first
 
-        Rows whose slot is out of range (batch padding) change nothing.
+    def _first_fn(self, logits, tokens, lengths, max_new, eos_id, seeds, sampling, want_top) -> tuple[Tokens, Array]:
+        """The first tokens of prefilled prompts [b, P] (left-padded), and the ids each row has seen."""
+        b, columns = tokens.shape
+        real = jnp.arange(columns)[None, :] >= (columns - lengths)[:, None]
+        seen = jnp.zeros((b, self.config.vocab_size), bool).at[jnp.arange(b)[:, None], tokens].max(real)
+        token, logprob, top_ids, top_values = self._choose(
+            logits, sampling, seen, seeds, jnp.zeros((b,), jnp.int32), want_top
+        )
+        seen = seen.at[jnp.arange(b), token].set(True)
+        finish = jnp.where(token == eos_id, EOS, jnp.where(max_new <= 1, LENGTH, RUNNING)).astype(jnp.int32)
+        first = Tokens(
+            tokens=token[:, None],
+            logprobs=logprob[:, None],
+            top_ids=top_ids[:, None],
+            top_logprobs=top_values[:, None],
+            finish=finish,
+            num_generated=jnp.ones((b,), jnp.int32),
+        )
+        return first, seen
+
+    def _place_fn(
+        self, state, cache, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top, first, seen
+    ) -> SlotState:
+        """Write prefilled prompts (real tokens first) and their first tokens into rows ``slots``.
+
+        Rows whose slot is out of range (batch padding, or a row not to be placed) change nothing.
         """
         b, columns = tokens.shape
         kept = min(columns, self.length)  # a prompt never needs more columns than a row has
@@ -339,11 +429,11 @@ class Slots:
 
         def put_grid(grid, new: Array, axis: int):
             """Write rows ``rotated(new)`` into slots ``slots`` of a layer's grid (columns at ``axis``)."""
-            new, out, first = rotated(new, axis), [], 0
+            new, out, top = rotated(new, axis), [], 0
             for row in grid:
                 n = row[0].shape[0]
-                local = jnp.where((slots >= first) & (slots < first + n), slots - first, n)  # else: dropped
-                first, column, chunks = first + n, 0, []
+                local = jnp.where((slots >= top) & (slots < top + n), slots - top, n)  # else: dropped
+                top, column, chunks = top + n, 0, []
                 for chunk in row:
                     width = min(chunk.shape[axis], kept - column)
                     if width > 0:
@@ -363,18 +453,11 @@ class Slots:
         k_scale = tuple(put_grid(grid, new, 2) for grid, new in zip(old.k_scale, cache.k_scale, strict=True))
         v_scale = tuple(put_grid(grid, new, 2) for grid, new in zip(old.v_scale, cache.v_scale, strict=True))
         row_segments = (jnp.arange(self.length)[None, :] < lengths[:, None]).astype(jnp.int32)
-        real = jnp.arange(columns)[None, :] >= (columns - lengths)[:, None]
-        seen = jnp.zeros((b, self.config.vocab_size), bool).at[jnp.arange(b)[:, None], tokens].max(real)
-        token, logprob, top_ids, top_values = self._choose(
-            logits, sampling, seen, seeds, jnp.zeros((b,), jnp.int32), want_top
-        )
-        seen = seen.at[jnp.arange(b), token].set(True)
-        finish = jnp.where(token == eos_id, EOS, jnp.where(max_new <= 1, LENGTH, RUNNING)).astype(jnp.int32)
 
         def put(big, rows):
             return big.at[slots].set(rows.astype(big.dtype), mode="drop")
 
-        state = state.replace(
+        return state.replace(
             cache=BlockedKVCache(
                 k=k,
                 v=v,
@@ -383,25 +466,16 @@ class Slots:
                 k_scale=k_scale,
                 v_scale=v_scale,
             ),
-            last=put(state.last, token),
+            last=put(state.last, first.tokens[:, 0]),
             num_generated=put(state.num_generated, jnp.ones((b,), jnp.int32)),
             max_new_tokens=put(state.max_new_tokens, max_new),
-            finish=put(state.finish, finish),
+            finish=put(state.finish, first.finish),
             eos_id=put(state.eos_id, eos_id),
             seeds=put(state.seeds, seeds),
             seen=put(state.seen, seen),
             want_top=put(state.want_top, want_top),
             sampling=jax.tree.map(put, state.sampling, sampling),
         )
-        first = Tokens(
-            tokens=token[:, None],
-            logprobs=logprob[:, None],
-            top_ids=top_ids[:, None],
-            top_logprobs=top_values[:, None],
-            finish=finish,
-            num_generated=jnp.ones((b,), jnp.int32),
-        )
-        return state, first
 
     # -- host side ---------------------------------------------------------------------------
     def prompt_columns(self, n: int) -> int:
@@ -430,8 +504,8 @@ class Slots:
         """Prefill short prompts (at most ``chunk`` columns) together and insert them into ``slots``."""
         return self.dispatch_admit(requests, slots).result()
 
-    def dispatch_admit(self, requests: list[Request], slots: list[int]) -> Pending:
-        """:meth:`admit`, returning as soon as the call is queued on the device."""
+    def _prompts(self, requests: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """Short prompts left-padded into [rows, columns] (rows a power of two), and their lengths."""
         rows = bucket(len(requests), 1)
         columns = max(self.prompt_columns(len(r.tokens)) for r in requests)
         tokens = np.zeros((rows, columns), np.int32)
@@ -439,11 +513,56 @@ class Slots:
         for i, r in enumerate(requests):
             tokens[i, columns - len(r.tokens) :] = r.tokens
             lengths[i] = len(r.tokens)
+        return tokens, lengths
+
+    def dispatch_admit(self, requests: list[Request], slots: list[int]) -> Pending:
+        """:meth:`admit`, returning as soon as the call is queued on the device."""
+        tokens, lengths = self._prompts(requests)
         with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
             self.state, first = self._admit(
-                self.decoder.params, self.state, tokens, lengths, *self._settings(requests, rows, slots)
+                self.decoder.params, self.state, tokens, lengths, *self._settings(requests, len(tokens), slots)
             )
         return Pending(first, len(requests))
+
+    def dispatch_prefill(self, requests: list[Request]) -> Prefilled:
+        """Prefill short prompts together on the prefill decoder and choose their first tokens
+        (``.pending``), leaving the slots as they are: :meth:`place` puts them in."""
+        if self.prefill is None:
+            raise ValueError("these slots have no prefill decoder: admit() prefills between decode steps")
+        tokens, lengths = self._prompts(requests)
+        _, *settings = self._settings(requests, len(tokens), [self.slots] * len(requests))
+        with partitioning.sharding_scope(self.prefill.mesh, self.prefill.rules):
+            cache, first, seen = self._prefill(self.prefill.params, tokens, lengths, *settings)
+        return Prefilled(requests, tokens, lengths, cache, first, seen)
+
+    def dispatch_first(self, prefill: Prefill) -> Prefilled:
+        """A long prompt prefilled chunk by chunk on the prefill decoder: its first token, to :meth:`place`."""
+        if self.prefill is None:
+            raise ValueError("these slots have no prefill decoder: insert() finishes a prefill between decode steps")
+        requests = [prefill.request]
+        lengths = np.array([len(prefill.request.tokens)], np.int32)
+        _, *settings = self._settings(requests, 1, [self.slots])
+        with partitioning.sharding_scope(self.prefill.mesh, self.prefill.rules):
+            first, seen = self._first(prefill.logits, prefill.tokens, lengths, *settings)
+        return Prefilled(requests, prefill.tokens, lengths, prefill.cache, first, seen)
+
+    def place(self, prefilled: Prefilled, slots: list[int | None]) -> None:
+        """Put prefilled prompts into ``slots`` (one per request; None: not placed, as for a row that
+        ended at its first token or whose client left), queued behind the decode step in flight."""
+        mesh, rules = self.decoder.mesh, self.decoder.rules
+        moved = jax.device_put((prefilled.cache, prefilled.first, prefilled.seen), NamedSharding(mesh, PartitionSpec()))
+        cache, first, seen = moved
+        targets = [self.slots if s is None else s for s in slots]
+        with partitioning.sharding_scope(mesh, rules):
+            self.state = self._place(
+                self.state,
+                cache,
+                prefilled.tokens,
+                prefilled.lengths,
+                *self._settings(prefilled.requests, len(prefilled.tokens), targets),
+                first,
+                seen,
+            )
 
     def start_prefill(self, request: Request) -> Prefill:
         """A long prompt's prefill, to be advanced with :meth:`prefill_chunk` until done."""
@@ -451,14 +570,14 @@ class Slots:
         tokens = np.zeros((1, columns), np.int32)
         tokens[0, columns - len(request.tokens) :] = request.tokens
         first = (columns - len(request.tokens)) // self.chunk * self.chunk  # chunks of padding only are skipped
-        with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
+        with partitioning.sharding_scope(self._prefiller.mesh, self._prefiller.rules):
             cache = self._new_cache(columns)
         return Prefill(request, tokens, first, cache)
 
     def prefill_chunk(self, prefill: Prefill) -> None:
-        with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
+        with partitioning.sharding_scope(self._prefiller.mesh, self._prefiller.rules):
             prefill.cache, prefill.logits = self._chunk(
-                self.decoder.params,
+                self._prefiller.params,
                 prefill.cache,
                 prefill.tokens,
                 np.int32(len(prefill.request.tokens)),
@@ -534,15 +653,23 @@ class Slots:
             request = dataclasses.replace(dummy, tokens=[0] * min(columns, self.length))
             if columns <= self.chunk:
                 for rows in {min(1 << i, MAX_PREFILL_ROWS, self.slots) for i in range(MAX_PREFILL_ROWS.bit_length())}:
-                    self.admit([request] * rows, nowhere[:rows])
+                    if self.prefill is None:
+                        self.admit([request] * rows, nowhere[:rows])
+                    else:
+                        self.place(self.dispatch_prefill([request] * rows), [None] * rows)
             else:
                 prefill = self.start_prefill(request)
                 self.prefill_chunk(prefill)
-                self.insert(prefill, self.slots)
+                if self.prefill is None:
+                    self.insert(prefill, self.slots)
+                else:
+                    self.place(self.dispatch_first(prefill), [None])
+            self.wait()
         for rows in sorted({self.busy_rows(s) for s in range(self.slots)}):
             for chunks in self._chunk_counts:
                 self._run([], 1, chunks, rows).result()
 
     def compilations(self) -> int:
         """Programs compiled so far, for checking that nothing recompiles as requests come and go."""
-        return sum(f._cache_size() for f in (self._decode, self._admit, self._chunk, self._new_cache, self._insert))
+        programs = (self._decode, self._admit, self._chunk, self._new_cache, self._insert)
+        return sum(f._cache_size() for f in (*programs, self._prefill, self._first, self._place))

@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware.cors import CORSMiddleware
 
+from gptj_flax import partitioning
 from gptj_flax.serving import legacy, schemas
 from gptj_flax.serving.auth import KeyStore, KeysUnavailable, bearer_token, key_id
 from gptj_flax.serving.engine import Engine
@@ -82,6 +83,29 @@ SSE_EVENT = {
 }
 
 
+def prefill_mesh(mesh, place: str):
+    """The devices new prompts are prefilled on beside decoding on ``mesh`` (``--prefill beside``), or None."""
+    if place == "between":
+        return None
+    spare = partitioning.spare_mesh(mesh)
+    if spare is None:
+        n, platform = mesh.devices.size, mesh.devices.flat[0].platform
+        hint = (
+            f"; on CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count={2 * n}"
+            if platform == "cpu"
+            else ""
+        )
+        raise ServingError(
+            f"--prefill beside needs {n} spare device(s) outside the model's mesh of {n} in this process{hint}"
+        )
+    logger.info("prefilling on %s, beside the decode slots on %s", _devices(spare), _devices(mesh))
+    return spare
+
+
+def _devices(mesh) -> str:
+    return ", ".join(str(d) for d in mesh.devices.flat)
+
+
 class Service:
     """What one app serves with: the model, its worker, keys, metrics, request log, and drain state."""
 
@@ -113,6 +137,7 @@ class Service:
             chunk=settings.prefill_chunk,
             metrics=self.metrics,
             top_logprobs=schemas.MAX_LOGPROBS,
+            prefill_mesh=prefill_mesh(model.mesh, settings.prefill),
         )
         self.scorer = PromptScorer(model, max_rows=settings.queue_size)
         # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest.

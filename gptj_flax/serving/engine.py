@@ -11,6 +11,12 @@ its stream). Between decode steps the engine thread
   length;
 - hands each job its new text (streaming) or, once all its rows are done, its completions.
 
+Given a prefill mesh (devices beside the decode slots'), a second thread prefills there instead:
+it takes waiting rows as slots come free, prefills them while the decode step runs, and sends
+their first tokens at once; the engine thread then only places the prefilled rows into free slots
+between two steps. A request's first token then waits for its own prefill, not for the step in
+flight and the admissions queued before it.
+
 The host's share of a step (detokenising, stop strings, streaming) runs while the device computes
 the next one: the engine waits for the step in flight to end, admits waiting rows (sending their
 first tokens), queues the next step, and only then works through the tokens of the step that ended. So a row's end (or its stop
@@ -29,10 +35,12 @@ import math
 import threading
 import time
 
+from jax.sharding import Mesh
+
 from gptj_flax.sampling.api import Completion, LanguageModel, Piece
 from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING
 from gptj_flax.sampling.samplers import SamplingParams
-from gptj_flax.sampling.slots import MAX_PREFILL_ROWS, Pending, Prefill, Request, Slots, Tokens
+from gptj_flax.sampling.slots import MAX_PREFILL_ROWS, Pending, Prefill, Prefilled, Request, Slots, Tokens
 from gptj_flax.sampling.stopping import TextTracker
 from gptj_flax.serving.metrics import Metrics
 from gptj_flax.serving.worker import FAILED, READY, STOPPED, WARMING_UP, Job, NotAccepting, Prompt, QueueFull, StreamEnd
@@ -93,6 +101,8 @@ class Engine:
       length: the longest prompt + completion of one row (each slot's cache columns).
       chunk: prompts longer than this many tokens are prefilled in chunks of it.
       top_logprobs: the most alternatives a row may ask for at each token.
+      prefill_mesh: devices to prefill new prompts on, beside the decode steps (see the module's
+        docstring); default: prefill between steps, on the model's own devices.
     """
 
     def __init__(
@@ -105,10 +115,13 @@ class Engine:
         chunk: int,
         metrics: Metrics,
         top_logprobs: int = 5,
+        prefill_mesh: Mesh | None = None,
     ):
-        self.model, self.metrics = model, metrics
+        self.model, self.metrics, self.prefill_mesh = model, metrics, prefill_mesh
         self.max_batch, self.queue_size, self.length = slots, queue_size, length
-        self._slot_args = dict(slots=slots, length=length, chunk=chunk, steps=1, top_logprobs=top_logprobs)
+        self._slot_args = dict(
+            slots=slots, length=length, chunk=chunk, steps=1, top_logprobs=top_logprobs, prefill_mesh=prefill_mesh
+        )
         self.slots: Slots | None = None
         self.state = WARMING_UP
         self.error: str | None = None
@@ -122,6 +135,14 @@ class Engine:
         self._first: list[tuple[list[_Row], Pending]] = []  # admitted rows whose first tokens are not yet read
         self._step_seconds = 0.05  # running mean of one decode step, for Retry-After
         self._thread = threading.Thread(target=self._run, name="gptj-engine", daemon=True)
+        # with a prefill mesh: the thread that prefills there, the rows it holds, and those it has
+        # prefilled (their first tokens sent) that wait for a slot
+        self._prefiller: threading.Thread | None = None
+        if prefill_mesh is not None:
+            self._prefiller = threading.Thread(target=self._run_prefill, name="gptj-prefill", daemon=True)
+        self._prefilling = 0
+        self._ready: list[tuple[list[_Row], Prefilled]] = []
+        metrics.busy_slots.set_function(self._held_slots)
 
     # -- event-loop side -----------------------------------------------------------------------
     def start(self) -> None:
@@ -131,6 +152,8 @@ class Engine:
         previous = threading.stack_size(ENGINE_STACK_BYTES)
         try:
             self._thread.start()
+            if self._prefiller is not None:
+                self._prefiller.start()
         finally:
             threading.stack_size(previous)
 
@@ -140,6 +163,8 @@ class Engine:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout)
+        if self._prefiller is not None:
+            self._prefiller.join(timeout)
 
     @property
     def queued_rows(self) -> int:
@@ -184,25 +209,38 @@ class Engine:
             )
         except Exception as e:  # a model that cannot generate cannot serve: report it on /health
             logger.exception("warm-up failed")
-            self.error, self.state = f"warm-up failed: {e}", FAILED
+            self.error = f"warm-up failed: {e}"
+            self._set_state(FAILED)
             return
         self.metrics.slots.set(self.slots.slots)
-        self.state = READY
+        self._set_state(READY)
         while self._wait_for_work():
             try:
                 self._iterate()
             except Exception as e:
                 logger.exception("generation failed")
                 self._fail_all(e)
-        self.state = STOPPED
+        self._set_state(STOPPED)
+
+    def _set_state(self, state: str) -> None:
+        with self._cond:  # the prefill thread waits for the engine to be ready, or to end
+            self.state = state
+            self._cond.notify_all()
 
     def _wait_for_work(self) -> bool:
         with self._cond:
-            while not (self._waiting or self._occupied or self._prefill or self._in_flight or self._first):
-                if self._stopping:
+            while not self._has_work():
+                if self._stopping and not (self._waiting or self._prefilling or self._ready):
                     return False
                 self._cond.wait()
             return True
+
+    def _has_work(self) -> bool:
+        """Whether the engine thread has something to do now (waiting rows are the prefill thread's, if any)."""
+        running = self._occupied or self._in_flight or self._ready
+        if self._prefiller is not None:
+            return bool(running)
+        return bool(running or self._waiting or self._prefill or self._first)
 
     def _iterate(self) -> None:
         slots = self.slots
@@ -214,6 +252,8 @@ class Engine:
         for slot, row in list(self._occupied.items()):  # clients that went away free their slots now
             if row.job.cancelled:
                 self._free(slot)
+        if self._prefiller is not None:
+            self._place_ready()
         if self._prefill is not None:
             self._advance_prefill()
         self._admit()
@@ -226,7 +266,9 @@ class Engine:
             self._dispatch_decode()
         if step is not None:
             self._read_step(step)
-        self.metrics.busy_slots.set(len(self._occupied))
+        if self._prefiller is not None:
+            with self._cond:  # slots may have come free: the prefill thread may take more rows
+                self._cond.notify_all()
 
     def _free_slots(self) -> list[int]:
         assert self.slots is not None
@@ -276,7 +318,7 @@ class Engine:
         slots = self.slots
         assert slots is not None
         free = self._free_slots()
-        if not free or not self._waiting:
+        if not free or not self._waiting or self._prefiller is not None:
             return
         rows = self._take(min(len(free), MAX_PREFILL_ROWS))
         if not rows:
@@ -301,6 +343,90 @@ class Engine:
         for row, slot in zip(rows, free, strict=False):
             self._occupy(row, slot)
         self._first.append((rows, pending))
+
+    # -- prefill thread (with a prefill mesh) ---------------------------------------------------
+    def _run_prefill(self) -> None:
+        while True:
+            with self._cond:
+                while not (self.state == READY and self._waiting and self._room() > 0):
+                    if self.state in (FAILED, STOPPED) or (self._stopping and not self._waiting):
+                        self._cond.notify_all()  # the engine thread may be waiting for this one to end
+                        return
+                    self._cond.wait()
+                rows = self._take(min(self._room(), MAX_PREFILL_ROWS))
+                self._prefilling = len(rows)
+            if rows:
+                self._prefill_rows(rows)
+
+    def _held_slots(self) -> int:
+        """Slots that a row holds, is being prefilled for (beside), or has been prefilled for and waits for."""
+        with self._cond:
+            ready = sum(1 for rows, _ in self._ready for row in rows if row.finish is None and not row.job.cancelled)
+            return len(self._occupied) + self._prefilling + ready
+
+    def _room(self) -> int:
+        """Slots that no row holds, is being prefilled for, or waits for."""
+        assert self.slots is not None
+        return self.slots.slots - self._held_slots()
+
+    def _prefill_rows(self, rows: list[_Row]) -> None:
+        """Prefill ``rows`` on the prefill mesh, send their first tokens, and queue them for slots."""
+        slots = self.slots
+        assert slots is not None
+        now = time.monotonic()
+        for row in rows:
+            self.metrics.queue_wait.observe(now - row.job.submitted_at)
+        try:
+            if len(rows) == 1 and slots.prompt_columns(len(rows[0].prompt.tokens)) > slots.chunk:
+                prefill = slots.start_prefill(self._request(rows[0]))
+                while not prefill.done:
+                    slots.prefill_chunk(prefill)
+                prefilled = slots.dispatch_first(prefill)
+            else:
+                prefilled = slots.dispatch_prefill([self._request(r) for r in rows])
+            first = prefilled.pending.result()
+        except Exception as e:
+            logger.exception("prefill failed")
+            self._answer_error({id(r.job): r.job for r in rows}.values(), e)
+            with self._cond:
+                self._prefilling = 0
+                self._cond.notify_all()
+            return
+        now = time.monotonic()
+        for i, row in enumerate(rows):
+            if row.job.cancelled:
+                row.finish = "length"  # never placed; nobody reads it
+                continue
+            self.metrics.time_to_first_token.observe(now - row.job.submitted_at)
+            row.last_token_at = now
+            self._extend(row, first, i, 1)
+        with self._cond:
+            self._ready.append((rows, prefilled))
+            self._prefilling = 0
+            self._cond.notify_all()
+
+    def _place_ready(self) -> None:
+        """Place prefilled rows that are still running into free slots (engine thread)."""
+        assert self.slots is not None
+        placed: list[tuple[Prefilled, list[int | None]]] = []
+        with self._cond:  # a row is always counted as held: waiting for a slot, or in one
+            free, kept = self._free_slots(), []
+            for rows, prefilled in self._ready:
+                live = [row for row in rows if row.finish is None and not row.job.cancelled]
+                if len(live) > len(free):
+                    kept.append((rows, prefilled))
+                    continue
+                targets: list[int | None] = []
+                for row in rows:
+                    slot = free.pop(0) if row in live else None
+                    if slot is not None:
+                        self._occupy(row, slot)
+                    targets.append(slot)
+                if live:
+                    placed.append((prefilled, targets))
+            self._ready = kept
+        for prefilled, targets in placed:
+            self.slots.place(prefilled, targets)
 
     def _advance_prefill(self) -> None:
         assert self.slots is not None and self._prefill is not None
@@ -386,7 +512,8 @@ class Engine:
                 self._stream(row, text)
             if row.tracker.stopped:
                 row.finish = "stop"
-                self._release.add(row.slot)
+                if row.slot is not None:
+                    self._release.add(row.slot)
         if ended and row.finish is None:
             row.finish = FINISH_REASON_OF_CODE[finish]
         if row.finish is not None:
@@ -406,8 +533,8 @@ class Engine:
             row.job.send(pieces)
 
     def _finish(self, row: _Row) -> None:
-        assert row.slot is not None
-        self._occupied.pop(row.slot, None)
+        if row.slot is not None:  # else it ended at its first token, before it had a slot
+            self._occupied.pop(row.slot, None)
         n = row.tracker.num_tokens if row.finish == "stop" else len(row.tokens)
         job = row.job
         job.outputs[row.index] = Completion(
@@ -419,7 +546,9 @@ class Engine:
             logprobs=row.logprobs[:n],
             top_logprobs=row.top[:n] if row.wants_top else None,
         )
-        if all(c is not None for c in job.outputs):
+        with self._cond:  # a job's rows may end on the engine and the prefill thread at once
+            answered, job.answered = job.answered, all(c is not None for c in job.outputs)
+        if job.answered and not answered:
             if job.stream:
                 job.send(StreamEnd(finish_reasons=tuple(c.finish_reason for c in job.outputs)))
             else:
@@ -432,6 +561,9 @@ class Engine:
     def _fail_all(self, error: BaseException) -> None:
         """A device call failed: every job in the slots or the prefill gets the error; the queue goes on."""
         rows = list(self._occupied.values()) + ([self._prefill[1]] if self._prefill else [])
+        with self._cond:
+            rows += [row for ready, _ in self._ready for row in ready if row.finish is None]
+            self._ready = []
         self._occupied.clear()
         self._prefill = None
         self._release = set()

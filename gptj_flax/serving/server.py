@@ -10,9 +10,10 @@ import socket
 
 import uvicorn
 
+from gptj_flax import partitioning
 from gptj_flax.convert.hf import HF_PREFIX
 from gptj_flax.sampling import load
-from gptj_flax.serving.app import Service, create_app, open_keys, open_request_log
+from gptj_flax.serving.app import Service, create_app, open_keys, open_request_log, prefill_mesh
 from gptj_flax.serving.settings import ServeSettings, ServingError
 from gptj_flax.serving.worker import FAILED
 
@@ -99,6 +100,8 @@ def serve(settings: ServeSettings) -> int:
     if settings.adapter is not None and "://" not in settings.adapter and not os.path.exists(settings.adapter):
         raise ServingError(f"adapter not found: {settings.adapter} (set --adapter or GPTJ_FLAX_ADAPTER)")
     keys = open_keys(settings)
+    if settings.prefill == "beside":  # before the model loads, which can take minutes
+        prefill_mesh(partitioning.make_mesh(settings.mesh or partitioning.ONE_DEVICE), settings.prefill)
     with contextlib.ExitStack() as cleanup:
         sock = listening_socket(settings.host, settings.port)
         cleanup.callback(sock.close)

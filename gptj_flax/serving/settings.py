@@ -24,6 +24,7 @@ from gptj_flax.errors import GptjFlaxError
 logger = logging.getLogger(__name__)
 
 LOG_FORMATS = ("jsonl", "transcript")
+PREFILL_PLACES = ("between", "beside")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "GPTJ_FLAX_"
 # The GPT-4chan server's own settings, which its deployments set without a prefix.
@@ -110,6 +111,14 @@ class ServeSettings:
         "prompts longer than this are prefilled in chunks of this many tokens, one chunk between two "
         "decode steps, so a long prompt never holds the others up for longer (a power of two >= 16)",
     )
+    prefill: str = _setting(
+        "between",
+        str,
+        "where new prompts are prefilled: between = on the mesh's own devices, between two decode steps; "
+        "beside = on as many spare devices outside the mesh (with a copy of the parameters), while the "
+        "decode step runs, so a first token does not wait for the step",
+        PREFILL_PLACES,
+    )
     pre_prompt_length: int = _setting(512, int, "tokens of /complete's pre_prompt that are kept (its first ones)")
     model_name: str | None = _setting(
         None, str, "model id in /v1/models and responses (default: the checkpoint directory's name)"
@@ -165,6 +174,7 @@ class ServeSettings:
         check(self.quantize is None or self.quantize in QUANTIZATIONS, "quantize", f"one of {list(QUANTIZATIONS)}")
         check(self.kv_cache is None or self.kv_cache in KV_CACHE_DTYPES, "kv_cache", f"one of {list(KV_CACHE_DTYPES)}")
         check(self.log_format in LOG_FORMATS, "log_format", f"one of {list(LOG_FORMATS)}")
+        check(self.prefill in PREFILL_PLACES, "prefill", f"one of {list(PREFILL_PLACES)}")
         check(self.log_max_bytes >= 0, "log_max_bytes", ">= 0")
         check(self.log_backups >= 0, "log_backups", ">= 0")
         check(self.log_level in LOG_LEVELS, "log_level", f"one of {list(LOG_LEVELS)}")

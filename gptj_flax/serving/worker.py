@@ -67,6 +67,7 @@ class Job:
         self.cancelled = False
         self.submitted_at = time.monotonic()
         self.outputs: list = [None] * len(self.rows)  # each row's Completion, filled in by the engine
+        self.answered = False  # the engine has sent its completions (or its stream's end)
 
     def _call(self, fn, *args) -> None:
         try:
