@@ -91,6 +91,21 @@ def test_a_row_placed_nowhere_changes_no_slot(lm):
         np.testing.assert_array_equal(x, y)
 
 
+def test_every_server_on_one_model_prefills_with_one_copy_of_it(lm):
+    # one copy of the parameters on the prefill devices, and one set of programs, however many servers
+    spare = partitioning.spare_mesh(lm.mesh)
+    copy = lm.decoder.on(spare)
+    assert copy is not lm.decoder and copy.mesh == spare
+    assert lm.decoder.on(partitioning.spare_mesh(lm.mesh)) is copy
+    assert lm.decoder.on(lm.mesh) is lm.decoder
+    first = lm.slots(slots=8, length=64, chunk=16, prefill_mesh=spare)
+    first.warm_up()
+    compiled = first.compilations()
+    second = lm.slots(slots=8, length=64, chunk=16, prefill_mesh=spare)
+    second.warm_up()
+    assert second.compilations() == compiled
+
+
 def test_the_prefill_devices_must_be_others_than_the_slots(lm):
     with pytest.raises(ValueError, match="other than the decode slots"):
         lm.slots(slots=8, length=64, chunk=16, prefill_mesh=lm.mesh)

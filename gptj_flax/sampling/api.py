@@ -347,10 +347,6 @@ class LanguageModel:
         ``prefill_mesh``: devices other than the model's, to prefill new prompts on beside the decode
         steps (the parameters are copied there); default: prefill between steps on the model's own.
         """
-        prefill = None
-        if prefill_mesh is not None:
-            d = self.decoder
-            prefill = Decoder(d.config, d.params, prefill_mesh, valid_vocab=d.valid_vocab, rules=d.rules)
         return Slots(
             self.decoder,
             slots=slots,
@@ -358,7 +354,7 @@ class LanguageModel:
             chunk=chunk,
             steps=steps,
             top_logprobs=top_logprobs,
-            prefill=prefill,
+            prefill=None if prefill_mesh is None else self.decoder.on(prefill_mesh),
         )
 
     def _start(

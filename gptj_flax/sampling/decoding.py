@@ -155,6 +155,7 @@ class Decoder:
         self.batch_multiple = partitioning.data_parallel_size(mesh, rules)
         self.chunk_columns = CHUNK_COLUMNS.get(mesh.devices.flat[0].platform, DEFAULT_CHUNK_COLUMNS)
         self.slot_programs: dict[tuple, tuple] = {}  # decode slots' compiled programs, by shape (sampling.slots)
+        self._copies: dict[Mesh, Decoder] = {}
 
         def sharding(*axes):
             return partitioning.named_sharding(mesh, axes, rules)
@@ -289,6 +290,15 @@ class Decoder:
         return token_log_probs(logits, tokens[:, 1:]), ids, lps
 
     # -- host side ---------------------------------------------------------------------------
+    def on(self, mesh: Mesh) -> Decoder:
+        """This model and its parameters on ``mesh``: one copy per mesh, kept while this decoder
+        lives, so a second server on a loaded model copies no parameters again."""
+        if mesh == self.mesh:
+            return self
+        if mesh not in self._copies:
+            self._copies[mesh] = Decoder(self.config, self.params, mesh, valid_vocab=self.valid_vocab, rules=self.rules)
+        return self._copies[mesh]
+
     def padded_batch(self, n: int) -> int:
         """Rows actually run for ``n`` requests: a power of two, a multiple of the data-parallel size."""
         return -(-bucket(n, 1) // self.batch_multiple) * self.batch_multiple
