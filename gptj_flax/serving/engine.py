@@ -146,9 +146,9 @@ class Engine:
 
     # -- event-loop side -----------------------------------------------------------------------
     def start(self) -> None:
-        # XLA compiles the engine's programs on this thread and its compiler can recurse deeply; a
-        # compile on a default-sized thread stack (the process's limit, often 8 MiB) once died of
-        # SIGSEGV in a full test run, so the thread gets a large one.
+        # XLA compiles the engine's programs on this thread and its compiler's recursion grows with
+        # the program; a stack costs only address space until it is touched, so the thread gets a
+        # generous one rather than the process default (often 8 MiB).
         previous = threading.stack_size(ENGINE_STACK_BYTES)
         try:
             self._thread.start()
