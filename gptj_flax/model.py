@@ -234,7 +234,7 @@ class KVCache:
 
 
 def _layer_fields(layers) -> dict:
-    """A cache's per-layer fields from its layers (``LayerKV`` or ``BlockedLayerKV``)."""
+    """A cache's per-layer fields from its layers (``LayerKV`` or ``PagedLayerKV``)."""
     return {
         "k": tuple(kv.k for kv in layers),
         "v": tuple(kv.v for kv in layers),
@@ -283,108 +283,102 @@ def write_layer_kv(kv: LayerKV, k: Array, v: Array) -> LayerKV:
     )
 
 
-# One layer's cache split into blocks: a tuple of row blocks, each a tuple of column chunks.
-Grid = tuple[tuple[Array, ...], ...]
+# One layer's pages of a paged cache, in pool blocks: a tuple of buffers [pages, …] (see PagedKVCache).
+Pool = tuple[Array, ...]
 
 
-def block_sizes(total: int, first: int) -> tuple[int, ...]:
-    """Row blocks ``first, first, 2·first, 4·first, …`` covering ``total`` rows (the last cut short):
-    the first ``k`` blocks hold exactly the ``first · 2^(k-1)`` rows a power-of-two count asks for."""
+def pool_blocks(pages: int, first: int) -> tuple[int, ...]:
+    """Pool blocks covering ``pages`` pages: ``first, first, 2·first, 4·first, …``, doubling up to
+    the largest such size within a quarter of the pool, then blocks of that size (the last cut
+    short). The first ``k`` blocks hold ``first · 2^(k-1)`` pages while they double, so a step that
+    reads the fewest blocks holding its pages reads less than twice as many pages as it needs (or
+    ``first``), in a handful of blocks whatever the pool's size."""
+    largest = first
+    while largest * 2 <= pages // 4:
+        largest *= 2
     sizes, covered = [], 0
-    while covered < total:
-        size = min(max(first, covered), total - covered)
+    while covered < pages:
+        size = min(max(first, covered), largest, pages - covered)
         sizes.append(size)
         covered += size
     return tuple(sizes)
 
 
-def chunk_sizes(total: int, chunk: int) -> tuple[int, ...]:
-    """Column chunks of ``chunk`` covering ``total`` columns (the last cut short)."""
-    return tuple(min(chunk, total - start) for start in range(0, total, chunk))
-
-
 @flax.struct.dataclass
-class BlockedKVCache:
-    """A decoding cache whose every layer is a grid of buffers: row blocks × column chunks.
+class PagedKVCache:
+    """The decode slots' cache: every sequence's keys and values in pages of ``page`` slots, drawn
+    from one pool that all rows share, so a step reads the pages that sequences hold and no more.
 
-    A decode step that runs only the first rows and attends only to the first columns passes just
-    those blocks to its matmuls (:meth:`view`), whole buffers each, and hands the rest through
-    untouched. Slicing one large buffer instead makes XLA copy the slice at every step, which on the
-    CPU costs more than reading the whole buffer; and one large buffer read whole reads the columns
-    no sequence has reached yet.
+    Row ``r``'s sequence lies in the pages a page table names (``table[r, i]`` holds its slots
+    ``i·page … (i+1)·page − 1``; the table is the caller's, passed to each step), and ``index[r]`` is
+    its length. Each layer's pool is a tuple of buffers (pool blocks) of pages: a step that only
+    needs the first pages passes just those blocks to its matmuls, whole buffers read and written in
+    place (slicing a window out of one large buffer makes XLA:CPU copy it at every step).
 
-    Fields as :class:`KVCache`'s, with each layer's ``k``, ``v`` (and an int8 cache's scales) a
-    :data:`Grid` of blocks shaped like that layer's KVCache arrays; ``segment_ids`` and ``index``
-    stay whole (they are small).
+    Fields, per layer, shaped as :class:`KVCache`'s are with the page in the batch axis:
+      k: pool blocks of keys [pages, heads, head_dim, page].
+      v: pool blocks of values [pages, heads, page, head_dim].
+      index: int32 [rows]: each row's length, the slot its next token is written at.
+      k_scale, v_scale: an int8 cache's scales, pool blocks [pages, heads, page]; empty for a float cache.
     """
 
-    k: tuple[Grid, ...]
-    v: tuple[Grid, ...]
-    segment_ids: Array
+    k: tuple[Pool, ...]
+    v: tuple[Pool, ...]
     index: Array
-    k_scale: tuple[Grid, ...] = ()
-    v_scale: tuple[Grid, ...] = ()
+    k_scale: tuple[Pool, ...] = ()
+    v_scale: tuple[Pool, ...] = ()
 
     @classmethod
-    def empty(
-        cls, config: ModelConfig, rows: tuple[int, ...], columns: tuple[int, ...], index: Array
-    ) -> BlockedKVCache:
-        """A zero cache of row blocks ``rows`` and column chunks ``columns`` (sizes), written next at ``index``."""
-        heads, head_dim, n = config.n_heads, config.head_dim, config.n_layers
+    def empty(cls, config: ModelConfig, blocks: tuple[int, ...], page: int, rows: int) -> PagedKVCache:
+        """A zero pool of blocks of ``blocks`` pages (sizes) of ``page`` slots, for ``rows`` sequences."""
+        heads, head_dim = config.n_heads, config.head_dim
         int8 = config.kv_cache is not None
         dtype = jnp.int8 if int8 else config.compute_dtype
 
-        def grid(shape, dtype):
-            return tuple(tuple(tuple(jnp.zeros(shape(r, c), dtype) for c in columns) for r in rows) for _ in range(n))
+        def pool(shape, dtype):
+            return tuple(tuple(jnp.zeros(shape(n), dtype) for n in blocks) for _ in range(config.n_layers))
 
         scales = {}
         if int8:
             scales = {
-                "k_scale": grid(lambda r, c: (r, heads, c), jnp.float32),
-                "v_scale": grid(lambda r, c: (r, heads, c), jnp.float32),
+                "k_scale": pool(lambda n: (n, heads, page), jnp.float32),
+                "v_scale": pool(lambda n: (n, heads, page), jnp.float32),
             }
         return cls(
-            k=grid(lambda r, c: (r, heads, head_dim, c), dtype),
-            v=grid(lambda r, c: (r, heads, c, head_dim), dtype),
-            segment_ids=jnp.zeros((sum(rows), sum(columns)), jnp.int32),
-            index=index,
+            k=pool(lambda n: (n, heads, head_dim, page), dtype),
+            v=pool(lambda n: (n, heads, page, head_dim), dtype),
+            index=jnp.zeros((rows,), jnp.int32),
             **scales,
         )
 
     @classmethod
-    def logical_axes(cls, config: ModelConfig, index=()) -> BlockedKVCache:
-        """:meth:`KVCache.logical_axes`'s specs, each layer's a prefix of that layer's whole grid
-        (every block is split alike); ``index``: the index's axes (a scalar's by default)."""
+    def logical_axes(cls, config: ModelConfig) -> PagedKVCache:
+        """:meth:`KVCache.logical_axes`'s specs, each layer's a prefix of that layer's pool (every
+        block split alike: pages over the data-parallel axes, as rows are; heads over ``model``)."""
         axes = KVCache.logical_axes(config)
-        return cls(axes.k, axes.v, axes.segment_ids, jax.sharding.PartitionSpec(*index), axes.k_scale, axes.v_scale)
+        return cls(axes.k, axes.v, jax.sharding.PartitionSpec("batch"), axes.k_scale, axes.v_scale)
 
     @property
-    def rows(self) -> int:
-        return sum(row[0].shape[0] for row in self.k[0])
+    def page(self) -> int:
+        return self.k[0][0].shape[-1]
 
     @property
-    def columns(self) -> int:
-        return sum(chunk.shape[-1] for chunk in self.k[0][0])
+    def pages(self) -> int:
+        return sum(block.shape[0] for block in self.k[0])
 
-    def view(self, row_blocks: int, chunks: int) -> BlockedKVCache:
-        """The first ``row_blocks`` row blocks and ``chunks`` column chunks of every layer."""
+    def view(self, blocks: int) -> PagedKVCache:
+        """The first ``blocks`` pool blocks of every layer."""
 
-        def cut(grids):
-            return tuple(tuple(row[:chunks] for row in grid[:row_blocks]) for grid in grids)
+        def cut(pools):
+            return tuple(pool[:blocks] for pool in pools)
 
         return self.replace(k=cut(self.k), v=cut(self.v), k_scale=cut(self.k_scale), v_scale=cut(self.v_scale))
 
-    def merge(self, view: BlockedKVCache) -> BlockedKVCache:
+    def merge(self, view: PagedKVCache) -> PagedKVCache:
         """This cache with the blocks of ``view`` (as :meth:`view` cut them, updated) put back."""
 
-        def put(grids, parts):
-            merged = []
-            for grid, part in zip(grids, parts, strict=True):
-                rows = list(grid)
-                for r, part_row in enumerate(part):
-                    rows[r] = (*part_row, *grid[r][len(part_row) :])
-                merged.append(tuple(rows))
-            return tuple(merged)
+        def put(pools, parts):
+            return tuple((*part, *pool[len(part) :]) for pool, part in zip(pools, parts, strict=True))
 
         return view.replace(
             k=put(self.k, view.k),
@@ -393,24 +387,60 @@ class BlockedKVCache:
             v_scale=put(self.v_scale, view.v_scale),
         )
 
-    def layer(self, i: int, index: Array) -> BlockedLayerKV:
+    def layer(self, i: int, layout: PageLayout) -> PagedLayerKV:
         scales = (self.k_scale[i], self.v_scale[i]) if self.k_scale else (None, None)
-        return BlockedLayerKV(self.k[i], self.v[i], index, *scales)
+        return PagedLayerKV(self.k[i], self.v[i], layout, *scales)
 
     @classmethod
-    def from_layers(cls, layers: list[BlockedLayerKV], segment_ids: Array, index: Array) -> BlockedKVCache:
-        return cls(**_layer_fields(layers), segment_ids=segment_ids, index=index)
+    def from_layers(cls, layers: list[PagedLayerKV], index: Array) -> PagedKVCache:
+        return cls(**_layer_fields(layers), index=index)
 
 
-class BlockedLayerKV(NamedTuple):
-    """One layer's :class:`BlockedKVCache` grids and the slot each row's new token is written at,
-    int32 [rows]; an int8 layer's scale grids besides."""
+class PageLayout(NamedTuple):
+    """What one decode step over a paged cache's first pages needs to know of its page table,
+    worked out once for all layers (:func:`page_layout`)."""
 
-    k: Grid
-    v: Grid
-    index: Array
-    k_scale: Grid | None = None
-    v_scale: Grid | None = None
+    write_page: Array  # int32 [B]: the page each row writes its new token into (out of range: none)
+    write_slot: Array  # int32 [B]: the slot in that page
+    owner: Array  # int32 [P]: the row each page belongs to (-1: none)
+    visible: Array  # bool [P, page]: the slots of each page its row attends to, the new token's included
+
+
+def page_layout(table: Array, index: Array, active: Array, pages: int, page: int) -> PageLayout:
+    """The :class:`PageLayout` of rows ``table`` [B, per_row] (page ids; ids ≥ ``pages`` name no page
+    in view) of lengths ``index`` [B] for a step over the first ``pages`` pages of ``page`` slots.
+
+    Inactive rows write nothing and see nothing.
+    """
+    rows, per_row = table.shape
+    nowhere = jnp.int32(pages)
+    which = jnp.minimum(index // page, per_row - 1)
+    target = jnp.take_along_axis(table, which[:, None], axis=1)[:, 0]
+    write_page = jnp.where(active & (index < per_row * page), target, nowhere)
+    ids = table.reshape(-1)
+    owner = (
+        jnp.full((pages,), -1, jnp.int32)
+        .at[ids]
+        .set(jnp.repeat(jnp.arange(rows, dtype=jnp.int32), per_row), mode="drop")
+    )
+    position = (
+        jnp.zeros((pages,), jnp.int32).at[ids].set(jnp.tile(jnp.arange(per_row, dtype=jnp.int32), rows), mode="drop")
+    )
+    mine = jnp.maximum(owner, 0)
+    slot = position[:, None] * page + jnp.arange(page)[None, :]
+    visible = (owner >= 0)[:, None] & active[mine][:, None] & (slot <= index[mine][:, None])
+    return PageLayout(write_page, index % page, owner, visible)
+
+
+class PagedLayerKV(NamedTuple):
+    """One layer's :class:`PagedKVCache` pools and the step's :class:`PageLayout`; an int8 layer's
+    scale pools besides."""
+
+    k: Pool
+    v: Pool
+    layout: PageLayout
+    k_scale: Pool | None = None
+    v_scale: Pool | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -497,86 +527,91 @@ def _decode_attention(
     return out, write_layer_kv(kv, k, v)
 
 
-def _put_column(buffer: Array, new: Array, slot_axis: int, column: Array) -> Array:
-    """Write ``new`` (one slot per row, at ``slot_axis``) into ``buffer`` at each row's ``column``;
-    rows whose column lies outside the buffer write nothing."""
-    updates = jnp.take(new, 0, axis=slot_axis).astype(buffer.dtype)
-    inside = (column >= 0) & (column < buffer.shape[slot_axis])
-    rows = jnp.where(inside, jnp.arange(new.shape[0]), buffer.shape[0])  # past the last row: dropped
-    column = jnp.clip(column, 0, buffer.shape[slot_axis] - 1)
+def _put_slots(buffer: Array, pages: Array, slots: Array | None, new: Array, slot_axis: int) -> Array:
+    """Write ``new[i]`` into page ``pages[i]`` of ``buffer`` [pages, …]: at slot ``slots[i]`` along
+    ``slot_axis`` (``new`` without that axis), or as the whole page where ``slots`` is None. A page
+    id past the buffer's end writes nothing."""
+    new = new.astype(buffer.dtype)
     if new.shape[0] == 1:
         # XLA rewrites a scatter of one update into a dynamic-update-slice, which makes it copy the
         # buffer at every step; a second update that is always dropped keeps it a scatter, in place.
-        updates = jnp.concatenate([updates, updates])
-        rows, column = jnp.append(rows, buffer.shape[0]), jnp.append(column, 0)
-    index = (rows, *[slice(None)] * (slot_axis - 1), column)
-    return buffer.at[index].set(updates, mode="drop")
+        new = jnp.concatenate([new, new])
+        pages = jnp.append(pages, buffer.shape[0])
+        slots = None if slots is None else jnp.append(slots, 0)
+    if slots is None:
+        return buffer.at[pages].set(new, mode="drop")
+    return buffer.at[(pages, *[slice(None)] * (slot_axis - 1), slots)].set(new, mode="drop")
 
 
-def _write_chunks(chunks: tuple[Array, ...], new: Array, slot_axis: int, index: Array) -> tuple[Array, ...]:
-    """One row block's column chunks with each row's ``new`` entry written at its column ``index``."""
+def write_pool(pool: Pool, pages: Array, slots: Array | None, new: Array, slot_axis: int) -> Pool:
+    """:func:`_put_slots` into the pool blocks that hold ``pages`` (pool-wide page ids)."""
     written, start = [], 0
-    for chunk in chunks:
-        written.append(_put_column(chunk, new, slot_axis, index - start))
-        start += chunk.shape[slot_axis]
+    for block in pool:
+        n = block.shape[0]
+        local = jnp.where((pages >= start) & (pages < start + n), pages - start, n)  # else: dropped
+        written.append(_put_slots(block, local, slots, new, slot_axis))
+        start += n
     return tuple(written)
 
 
-def _blocked_decode_attention(
-    cfg: ModelConfig, q: Array, k: Array, v: Array, mask: Array, kv: BlockedLayerKV
-) -> tuple[Array, BlockedLayerKV]:
-    """One new token per row over a :class:`BlockedKVCache` layer: each row block writes its new
-    key and value into its column chunks, then attends to those chunks (``mask`` [B, 1, 1, W] covers
-    them all, the new token's own slot included).
+def _paged_decode_attention(
+    cfg: ModelConfig, q: Array, k: Array, v: Array, kv: PagedLayerKV
+) -> tuple[Array, PagedLayerKV]:
+    """One new token per row over a :class:`PagedKVCache` layer: each row writes its new key and
+    value into its page, then attends to its pages.
 
-    Unlike :func:`_decode_attention` the writes come first: a scatter into a chunk is done in place
-    before the matmuls read it, so XLA keeps no old copy of the chunk. The row blocks may hold more
-    rows than the B given: the rest attend to nothing and write nothing.
+    Every page in view is scored against its row's query (gathered by ``owner``), the softmax runs
+    over each row's pages, and the pages' weighted values are summed per row (a product with the
+    one-hot [pages, rows]); the gather and the sums are small beside the pages themselves. The
+    writes come first: a scatter into a page is done in place before the matmuls read it.
     """
-    batch, index = q.shape[0], kv.index
-    padding = sum(row[0].shape[0] for row in kv.k) - batch
-    if padding:
-        q, k, v, mask = (jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, mask))
-        index = jnp.pad(index, (0, padding), constant_values=-1)  # before every column: writes nothing
-    q = q / np.sqrt(cfg.head_dim).astype(q.dtype)  # once, rather than every chunk's scores
+    layout, rows = kv.layout, q.shape[0]
+    q = q[:, 0] / np.sqrt(cfg.head_dim).astype(q.dtype)  # [B, heads, head_dim], scaled once
+    new_k, new_v = k[..., 0], v[:, :, 0]  # [B, heads, head_dim] each
     int8 = kv.k_scale is not None
+    k_scales: tuple = (None,) * len(kv.k)
+    v_scales: tuple = (None,) * len(kv.v)
+    scales = {}
     if int8:
-        (k, k_scale), (v, v_scale) = quantize_kv(k, axis=2), quantize_kv(v, axis=3)
-    outs: list[Array] = []
-    grids: dict[str, list[tuple[Array, ...]]] = {"k": [], "v": [], "k_scale": [], "v_scale": []}
-    start = 0
-    for r, (k_row, v_row) in enumerate(zip(kv.k, kv.v, strict=True)):
-        n = k_row[0].shape[0]
-        rows, at = slice(start, start + n), index[start : start + n]
+        assert kv.k_scale is not None and kv.v_scale is not None
+        (new_k, new_k_scale), (new_v, new_v_scale) = quantize_kv(new_k, axis=2), quantize_kv(new_v, axis=2)
+        k_scales = write_pool(kv.k_scale, layout.write_page, layout.write_slot, new_k_scale, 2)
+        v_scales = write_pool(kv.v_scale, layout.write_page, layout.write_slot, new_v_scale, 2)
+        scales = {"k_scale": k_scales, "v_scale": v_scales}
+    k_pool = write_pool(kv.k, layout.write_page, layout.write_slot, new_k, 3)
+    v_pool = write_pool(kv.v, layout.write_page, layout.write_slot, new_v, 2)
+
+    mine = jnp.maximum(layout.owner, 0)
+    queries = q[mine]  # [P, heads, head_dim]
+    parts, start = [], 0
+    for block, scale in zip(k_pool, k_scales, strict=True):
+        n = block.shape[0]
+        s = jnp.einsum(
+            "phd,phdc->phc", queries[start : start + n], block.astype(q.dtype), preferred_element_type=jnp.float32
+        )
+        parts.append(s if scale is None else s * scale)
         start += n
-        k_row, v_row = _write_chunks(k_row, k[rows], 3, at), _write_chunks(v_row, v[rows], 2, at)
-        k_scales: tuple = (None,) * len(k_row)
-        v_scales: tuple = (None,) * len(v_row)
-        if int8:
-            assert kv.k_scale is not None and kv.v_scale is not None
-            k_scales = _write_chunks(kv.k_scale[r], k_scale[rows], 2, at)
-            v_scales = _write_chunks(kv.v_scale[r], v_scale[rows], 2, at)
-            grids["k_scale"].append(k_scales)
-            grids["v_scale"].append(v_scales)
-        grids["k"].append(k_row)
-        grids["v"].append(v_row)
-        qr, scores = q[rows], []
-        for chunk, scale in zip(k_row, k_scales, strict=True):
-            s = jnp.einsum("bqhd,bhdk->bhqk", qr, chunk.astype(qr.dtype), preferred_element_type=jnp.float32)
-            scores.append(s if scale is None else s * scale[:, :, None, :])
-        scores = jnp.concatenate(scores, axis=-1)  # [n, H, 1, W]
-        probs = attention_probs(scores, mask[rows, ..., : scores.shape[-1]], cfg.compute_dtype)
-        out, column = None, 0
-        for chunk, scale in zip(v_row, v_scales, strict=True):
-            p = probs[..., column : column + chunk.shape[2]]
-            column += chunk.shape[2]
-            if scale is not None:
-                p = (p * scale[:, :, None, :]).astype(cfg.compute_dtype)
-            term = jnp.einsum("bhqk,bhkd->bqhd", p, chunk.astype(cfg.compute_dtype))
-            out = term if out is None else out + term
-        outs.append(out)
-    scales = {"k_scale": tuple(grids["k_scale"]), "v_scale": tuple(grids["v_scale"])} if int8 else {}
-    return jnp.concatenate(outs, axis=0)[:batch], kv._replace(k=tuple(grids["k"]), v=tuple(grids["v"]), **scales)
+    scores = jnp.concatenate(parts)  # [P, heads, page]
+    visible = layout.visible[:, None, :]
+    belongs = layout.owner[:, None] == jnp.arange(rows)[None, :]  # [P, B]
+    page_max = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1)  # [P, heads]
+    row_max = jnp.max(jnp.where(belongs[:, :, None], page_max[:, None, :], -jnp.inf), axis=0)  # [B, heads]
+    weights = jnp.where(visible, jnp.exp(scores - row_max[mine][:, :, None]), 0.0)
+    total = jnp.einsum("ph,pb->bh", weights.sum(axis=-1), belongs.astype(jnp.float32))
+    probs = weights / jnp.where(total > 0, total, 1.0)[mine][:, :, None]  # a row without pages sees nothing
+
+    outs, start = [], 0
+    for block, scale in zip(v_pool, v_scales, strict=True):
+        n = block.shape[0]
+        p = probs[start : start + n]
+        if scale is not None:
+            p = p * scale  # each value's scale folded into its probability
+        outs.append(jnp.einsum("phc,phcd->phd", p.astype(cfg.compute_dtype), block.astype(cfg.compute_dtype)))
+        start += n
+    out = jnp.einsum(
+        "phd,pb->bhd", jnp.concatenate(outs), belongs.astype(cfg.compute_dtype), preferred_element_type=jnp.float32
+    )
+    return out.astype(cfg.compute_dtype)[:, None], kv._replace(k=k_pool, v=v_pool, **scales)
 
 
 # --------------------------------------------------------------------------------------------
@@ -632,12 +667,13 @@ class Attention(nn.Module):
         x: Array,
         sin: Array,
         cos: Array,
-        mask: Array | attention.SegmentMask,
-        kv: LayerKV | BlockedLayerKV | None = None,
-    ) -> tuple[Array, LayerKV | BlockedLayerKV | None]:
+        mask: Array | attention.SegmentMask | None,
+        kv: LayerKV | PagedLayerKV | None = None,
+    ) -> tuple[Array, LayerKV | PagedLayerKV | None]:
         """Self-attention of ``x``: ``mask`` is a boolean mask (the XLA path) or the segment ids a
         fused kernel takes; with ``kv`` the new keys/values are cached and the queries attend to
-        every cached slot ``mask`` allows. Returns (output, updated ``kv``)."""
+        every cached slot ``mask`` allows (a paged layer's own layout says which; it takes no mask).
+        Returns (output, updated ``kv``)."""
         cfg = self.config
 
         # Kernels stay 3-D ([embed, heads, kv] and [heads, kv, embed]) so each dim has its own name.
@@ -663,8 +699,8 @@ class Attention(nn.Module):
         # Cached calls (the prefill and each decode step) always take the XLA path: a decode step's
         # scores are only [B, heads, 1, S], nothing a fused kernel saves, and a prefill writes into
         # the cache at a slot known only at run time, which the kernels' static masks cannot express.
-        if isinstance(kv, BlockedLayerKV):
-            out, kv = _blocked_decode_attention(cfg, q, k, v, mask, kv)
+        if isinstance(kv, PagedLayerKV):
+            out, kv = _paged_decode_attention(cfg, q, k, v, kv)
         elif kv is not None and x.shape[1] == 1:
             out, kv = _decode_attention(cfg, q, k, v, mask, kv)
         elif isinstance(mask, attention.SegmentMask):
@@ -745,9 +781,9 @@ class Block(nn.Module):
         h: Array,
         sin: Array,
         cos: Array,
-        mask: Array | attention.SegmentMask,
-        kv: LayerKV | BlockedLayerKV | None = None,
-    ) -> tuple[Array, LayerKV | BlockedLayerKV | None]:
+        mask: Array | attention.SegmentMask | None,
+        kv: LayerKV | PagedLayerKV | None = None,
+    ) -> tuple[Array, LayerKV | PagedLayerKV | None]:
         h = nn.with_logical_constraint(h, RESIDUAL_AXES)
         x = layer_norm(self.config, "ln_1")(h)
         attn, kv = Attention(self.config, self.lora, name="attn")(x, sin, cos, mask, kv)
@@ -889,12 +925,13 @@ class GPTJ(nn.Module):
         return logits, KVCache.from_layers(layers, key_segments, cache.index + tokens.shape[1])
 
     def decode_slots(
-        self, tokens: Array, positions: Array, active: Array, cache: BlockedKVCache
-    ) -> tuple[Array, BlockedKVCache]:
-        """One decode step of independent sequences, one per cache row (a decode slot): the first B
-        rows of ``cache`` (a :meth:`BlockedKVCache.view` of the busy row blocks) take ``tokens`` [B, 1], row
-        ``r`` writing its token at slot ``cache.index[r]`` and attending to the slots of its sequence,
-        which lie in the view's columns. Rows where ``active`` [B] is False write a padding slot.
+        self, tokens: Array, positions: Array, active: Array, cache: PagedKVCache, table: Array
+    ) -> tuple[Array, PagedKVCache]:
+        """One decode step of independent sequences, one per row of ``cache.index`` (a decode slot):
+        row ``r`` takes ``tokens[r]`` [B, 1], writes it at slot ``cache.index[r]`` of the pages that
+        ``table[r]`` names, and attends to the slots of its sequence. ``cache`` is a
+        :meth:`PagedKVCache.view` that holds every page the rows have; rows where ``active`` [B] is
+        False write and read nothing.
 
         Returns ``(logits [B, 1, V], updated cache)``; each active row's index moves on by one.
         """
@@ -902,21 +939,17 @@ class GPTJ(nn.Module):
         if cfg.scan_layers:
             raise ValueError("decode slots run the unrolled layers: use scan_layers=False and unstack_layers(params)")
         sin, cos = rotary_tables(positions, cfg.rotary_dim)
-        rows, window = tokens.shape[0], cache.columns
-        if rows > cache.rows:
-            raise ValueError(f"{rows} tokens for a cache view of {cache.rows} rows")
-        index = cache.index[:rows]
-        key_segments = cache.segment_ids.at[jnp.arange(rows), index].set(active.astype(jnp.int32))
-        mask = (key_segments[:rows, None, None, :window] != 0) & active[:, None, None, None]
+        rows = tokens.shape[0]
+        if rows > cache.index.shape[0]:
+            raise ValueError(f"{rows} tokens for a cache of {cache.index.shape[0]} rows")
+        layout = page_layout(table, cache.index[:rows], active, cache.pages, cache.page)
         h = self._embed(tokens)
         layers = []
         for i in range(cfg.n_layers):
-            h, kv = getattr(self, f"layer_{i}")(h, sin, cos, mask, cache.layer(i, index))
+            h, kv = getattr(self, f"layer_{i}")(h, sin, cos, None, cache.layer(i, layout))
             layers.append(kv)
         logits = self.lm_head(self.ln_f(h))
-        return logits, BlockedKVCache.from_layers(
-            layers, key_segments, cache.index.at[:rows].add(active.astype(jnp.int32))
-        )
+        return logits, PagedKVCache.from_layers(layers, cache.index.at[:rows].add(active.astype(jnp.int32)))
 
     def _defaults(self, tokens, positions, segment_ids):
         if positions is None:

@@ -89,8 +89,9 @@ def test_int8_gptj_6b_serving_fits_one_v5e_chip_and_bf16_does_not(repo_root):
     blocks = L * (4 * d * d + 2 * d * f)
     scales = L * (3 * d + d + f + d)  # q/k/v: heads x head_dim; out_proj, fc_out: d_model; fc_in: d_ff
     rest = L * (2 * d + f + d) + 2 * d + 2 * v * d + v  # LayerNorms, biases, embedding, head
-    # keys and values of 8 slots + the prefill chunk's row in bf16, their int32 segment ids and indices
-    cache = 2 * L * (8 + 1) * 2048 * d * 2 + (8 + 1) * 2048 * 4 + (8 + 1) * 4
+    # keys and values of 8 slots + the prefill chunk's row in bf16, that row's int32 segment ids, and
+    # the int32 indices (a length per slot, the prefill's one)
+    cache = 2 * L * (8 + 1) * 2048 * d * 2 + 2048 * 4 + (8 + 1) * 4
     for topology, hbm in (("v5e:1x1", 16), ("v4:1x1x1", 32)):
         q = serving_fit(int8, topology, batch=8, cache_len=2048)
         assert (q.param_bytes, q.cache_bytes, q.hbm_bytes) == (blocks + 4 * scales + 2 * rest, cache, hbm * 2**30)

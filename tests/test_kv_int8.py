@@ -143,8 +143,7 @@ def test_decode_slots_with_an_int8_cache_give_generates_tokens(int8_one_device):
     assert chunks >= 2  # the long prompt really was prefilled in chunks
     got[3] = [int(slots.insert(prefill, 3).tokens[0, 0])]
     for _ in range(n - 1):
-        longest = max(len(p) + len(got[r]) for r, p in enumerate(prompts))
-        out = slots.decode([], 1, longest)
+        out = slots.decode([], 1)
         for r in range(4):
             got[r].append(int(out.tokens[r, 0]))
     for r, prompt in enumerate(prompts):
@@ -173,7 +172,7 @@ def test_serving_fit_counts_the_int8_cache_and_its_scales():
     float_fit = serving_fit(Config(model=CFG), "v5e:1x1", batch=4, cache_len=32, chunk=16)
     fit = serving_fit(config, "v5e:1x1", batch=4, cache_len=32, chunk=16)
     rows, layers, d, h = 4 + 1, CFG.n_layers, CFG.d_model, CFG.n_heads  # the slots and the prefill chunk's row
-    index_and_segments = rows * 32 * 4 + rows * 4
+    index_and_segments = 32 * 4 + rows * 4  # the prefill row's segment ids; every row's index
     assert float_fit.cache_bytes == 2 * layers * rows * 32 * d * 4 + index_and_segments
     assert fit.cache_bytes == layers * rows * 32 * (2 * d + 2 * h * 4) + index_and_segments
     assert fit.kv_cache == "int8" and "(int8 KV cache)" in fit.format()

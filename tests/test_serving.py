@@ -182,6 +182,7 @@ def test_health_models_and_metrics(client, server):
         "gptj_queue_depth 0.0",
         f"gptj_slots {float(MAX_BATCH)}",
         "gptj_busy_slots 0.0",
+        "gptj_kv_pages_used 0.0",
         "gptj_time_to_first_token_seconds_count",
         "gptj_inter_token_latency_seconds_count",
         "gptj_slot_steps_total",

@@ -225,6 +225,7 @@ def test_a_client_that_disconnects_frees_its_slot_within_one_step(lm, server, he
             wait_until(lambda: metric(http.get("/metrics").text, "gptj_busy_slots") == 0, 30, "the slot to be freed")
             text = http.get("/metrics").text
             assert metric(text, "gptj_decode_steps_total") - steps <= 2  # the step in flight, and the next
+            assert metric(text, "gptj_kv_pages_used") == 0 < metric(text, "gptj_kv_pages")  # its pages too
             calls = held.decode_calls
             time.sleep(0.5)
             assert held.decode_calls == calls

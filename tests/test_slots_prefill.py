@@ -77,7 +77,7 @@ def test_prompts_prefilled_beside_decode_as_those_admitted_between_steps(lm):
     for a, b in zip(first_between, first_beside, strict=True):
         same(a, b)
     for _ in range(9):
-        a, b = between.decode([], 1, 60), beside.decode([], 1, 60)
+        a, b = between.decode([], 1), beside.decode([], 1)
         same(a, b)
     assert np.asarray(b.finish)[[0, 2, 5, 7]].tolist() == [2] * 4  # LENGTH: every row ran its 10 tokens
 

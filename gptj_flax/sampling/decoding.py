@@ -37,27 +37,15 @@ FINISH_REASON_OF_CODE = {EOS: "eos", LENGTH: "length", STOPPED: "stop"}
 
 MIN_BUCKET = 16
 
-# Columns per chunk of the decode slots' cache (model.BlockedKVCache), by platform. On the CPU a step
-# reads whole 64-column buffers fastest, and slicing a larger buffer copies the slice first.
-CHUNK_COLUMNS = {"cpu": 64}
-DEFAULT_CHUNK_COLUMNS = 256
+# Slots per page of the decode slots' cache (model.PagedKVCache), by platform. A sequence holds whole
+# pages, so smaller pages waste fewer slots, and a step runs a few small operations per pool block.
+PAGE_COLUMNS = {"cpu": 64}
+DEFAULT_PAGE_COLUMNS = 256
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     """The power of two ≥ ``n`` (and ≥ ``minimum``) that shapes are padded to."""
     return max(minimum, 1 << max(0, n - 1).bit_length())
-
-
-def chunk_buckets(total: int) -> list[int]:
-    """The counts of a cache's ``total`` column chunks that decode programs attend to: powers of two
-    and 1.5 times them (1, 2, 3, 4, 6, 8, 12 …) up to ``total``, and ``total``: a step reads less than
-    1.5 times the chunks it needs, and a cache of n chunks compiles about 2·log2(n) programs."""
-    counts = {total}
-    power = 1
-    while power < total:
-        counts.update(n for n in (power, power * 3 // 2) if 1 <= n < total)
-        power *= 2
-    return sorted(counts)
 
 
 @flax.struct.dataclass
@@ -153,7 +141,7 @@ class Decoder:
         _, param_shardings = checkpoint.param_targets(config, mesh, rules)
         self.params = jax.device_put(params, param_shardings)
         self.batch_multiple = partitioning.data_parallel_size(mesh, rules)
-        self.chunk_columns = CHUNK_COLUMNS.get(mesh.devices.flat[0].platform, DEFAULT_CHUNK_COLUMNS)
+        self.page_columns = PAGE_COLUMNS.get(mesh.devices.flat[0].platform, DEFAULT_PAGE_COLUMNS)
         self.slot_programs: dict[tuple, tuple] = {}  # decode slots' compiled programs, by shape (sampling.slots)
         self._copies: dict[Mesh, Decoder] = {}
 

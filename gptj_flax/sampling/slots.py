@@ -7,14 +7,14 @@ steps; each decode step then advances every running row by one token, each with 
 settings, seed, stopping rule and length. A row that finishes simply stops running, and the next
 insert reuses it. Nothing here knows about requests: :mod:`gptj_flax.serving.engine` schedules.
 
-A row's sequence occupies columns ``0 … n-1`` of its row (prompt first, no padding), so its
-position is its length and a decode step writes each row at a column of its own. The cache is a
-:class:`~gptj_flax.model.BlockedKVCache`: rows in blocks of 8, 8, 16, 32, … (each a multiple of the
-data-parallel size), columns in chunks. Every step runs the first ``R`` rows only, ``R`` the power of two past the
-highest busy slot (new sequences take the lowest free one), and attends to the first chunks that
-hold the longest running sequence: whole blocks, read in place. A lone request costs one row and
-short requests cost what a static batch of their lengths would, however many slots and columns the
-cache has.
+A row's sequence occupies slots ``0 … n-1`` of its own (prompt first, no padding), so its position
+is its length. The cache is a :class:`~gptj_flax.model.PagedKVCache`: one pool of pages that all
+rows share, a page table (kept here, on the host) naming the pages each row's sequence lies in.
+Pages are handed out lowest first as sequences grow and return to the pool when they end, so the
+pages in use stay at the front of the pool, and each step reads only the pool blocks that hold
+them: the work of a step follows the tokens the running sequences hold, not the longest of them.
+Every step runs the first ``R`` rows only, ``R`` the power of two past the highest busy slot (new
+sequences take the lowest free one), so a lone request costs a few rows, not all of them.
 
 With a *prefill decoder* (the same parameters on a mesh of other devices), new prompts are
 prefilled there, beside the decode step running here, and their first tokens chosen there
@@ -28,6 +28,7 @@ so a sequence comes out the same in a slot as in a batch of its own.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Any
 
 import flax
@@ -38,24 +39,26 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gptj_flax import partitioning
-from gptj_flax.model import GPTJ, BlockedKVCache, KVCache, block_sizes, chunk_sizes, token_log_probs
-from gptj_flax.sampling.decoding import EOS, LENGTH, RUNNING, STOPPED, Decoder, bucket, chunk_buckets
+from gptj_flax.model import GPTJ, KVCache, PagedKVCache, pool_blocks, token_log_probs, write_pool
+from gptj_flax.sampling.decoding import EOS, LENGTH, RUNNING, STOPPED, Decoder, bucket
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingParams, next_tokens, top_logprobs
 
 Array = jax.Array
 
 MAX_PREFILL_ROWS = 8  # prompts prefilled together; more would stall decoding for longer
-# The cache's first row block has at least this many rows: fewer blocks mean fewer, larger attention
-# operations at every step, and a lone request's attention reading a few idle rows costs less.
-MIN_ROW_BLOCK = 8
+# Pages in the first pool block (see model.pool_blocks): a step reads whole blocks, so smaller ones
+# read fewer idle pages, while each block costs a few operations per layer, and a decode program is
+# compiled for each count of blocks (XLA:CPU maps each compiled kernel into memory, and a process
+# may hold only so many maps).
+FIRST_BLOCK = 4
 
 
 @flax.struct.dataclass
 class SlotState:
     """Every slot's sequence and settings, on the device. ``cache.index[r]`` is row r's length."""
 
-    cache: BlockedKVCache
+    cache: PagedKVCache
     last: Array  # int32 [S]: the newest token, fed at the next step
     num_generated: Array  # int32 [S]
     max_new_tokens: Array  # int32 [S]
@@ -70,7 +73,7 @@ class SlotState:
     def logical_axes(cls, config) -> SlotState:
         rows, table = PartitionSpec("batch"), PartitionSpec("batch", None)
         return cls(
-            cache=BlockedKVCache.logical_axes(config, index=("batch",)),
+            cache=PagedKVCache.logical_axes(config),
             last=rows,
             num_generated=rows,
             max_new_tokens=rows,
@@ -150,6 +153,50 @@ class Prefilled:
         return Pending(self.first, len(self.requests))
 
 
+class PageTable:
+    """Which pages of a :class:`~gptj_flax.model.PagedKVCache` each slot's sequence holds, on the host.
+
+    ``ids[s, i]`` is the page that holds slots ``i·page … (i+1)·page − 1`` of slot ``s``'s sequence
+    (``pages``, past the pool's end, where it holds none). Pages are handed out lowest first, so the
+    pages in use stay at the front of the pool. ``reach[s]`` counts the slots that the calls queued so
+    far may have written for slot ``s``'s sequence: its pages cover at least that many.
+    """
+
+    def __init__(self, rows: int, per_row: int, page: int):
+        self.page, self.per_row, self.pages = page, per_row, rows * per_row
+        self.ids = np.full((rows, per_row), self.pages, np.int32)
+        self.held = np.zeros(rows, np.int64)
+        self.reach = np.zeros(rows, np.int64)
+        self._free = list(range(self.pages))  # a heap: the lowest free page first
+
+    def start(self, row: int, length: int) -> None:
+        """Row ``row`` now holds a new sequence of ``length`` slots (its old pages return to the pool)."""
+        self.free(row)
+        self.grow(row, length)
+
+    def grow(self, row: int, slots: int) -> None:
+        """Let row ``row``'s sequence reach ``slots`` more slots (never past its last page)."""
+        self.reach[row] = min(self.reach[row] + slots, self.per_row * self.page)
+        while self.held[row] * self.page < self.reach[row]:
+            self.ids[row, self.held[row]] = heapq.heappop(self._free)
+            self.held[row] += 1
+
+    def free(self, row: int) -> None:
+        for page in self.ids[row, : self.held[row]]:
+            heapq.heappush(self._free, int(page))
+        self.ids[row] = self.pages
+        self.held[row] = self.reach[row] = 0
+
+    def end(self) -> int:
+        """One past the highest page held (0 when none is)."""
+        held = self.ids[self.ids < self.pages]
+        return int(held.max()) + 1 if held.size else 0
+
+    @property
+    def in_use(self) -> int:
+        return int(self.held.sum())
+
+
 class Slots:
     """Compiled programs over one slot cache, for a :class:`Decoder`'s model and parameters.
 
@@ -186,10 +233,10 @@ class Slots:
         multiple = decoder.batch_multiple
         self.slots = -(-slots // multiple) * multiple
         self.length, self.chunk, self.steps, self.top = length, chunk, steps, top_logprobs
-        # the cache's row blocks and column chunks (sizes): see the module's docstring
-        self.row_blocks = block_sizes(self.slots, multiple * -(-MIN_ROW_BLOCK // multiple))
-        self.columns = chunk_sizes(length, decoder.chunk_columns)
-        self._chunk_counts = chunk_buckets(len(self.columns))  # those a step may attend to
+        # the pool: every slot's whole length in pages, in blocks of pages (each a multiple of the
+        # data-parallel size, as the pages are split like rows); see the module's docstring
+        self.page, per_row = decoder.page_columns, -(-length // decoder.page_columns)
+        self.blocks = pool_blocks(self.slots * per_row, multiple * -(-FIRST_BLOCK // multiple))
         self._model = GPTJ(self.config)
         mesh, rules = decoder.mesh, decoder.rules
         self._rows = partitioning.named_sharding(mesh, ("batch",), rules)
@@ -203,7 +250,7 @@ class Slots:
             # a long prompt's cache starts on the devices that prefill it
             new_cache = None if prefill is None else NamedSharding(prefill.mesh, PartitionSpec())
             programs[key] = (
-                jax.jit(self._decode_fn, static_argnums=(4, 5), donate_argnums=(1,)),
+                jax.jit(self._decode_fn, static_argnums=(5, 6), donate_argnums=(1,)),
                 jax.jit(self._admit_fn, donate_argnums=(1,)),
                 jax.jit(self._chunk_fn, donate_argnums=(1,)),
                 jax.jit(self._new_cache_fn, static_argnums=(0,), out_shardings=new_cache),
@@ -228,6 +275,7 @@ class Slots:
 
     def reset(self) -> None:
         """Empty every slot (a fresh cache and state)."""
+        self.table = PageTable(self.slots, -(-self.length // self.page), self.page)
         with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
             self.state: SlotState = self._build()
 
@@ -235,7 +283,7 @@ class Slots:
     def _empty_fn(self) -> SlotState:
         s, cfg = self.slots, self.config
         return SlotState(
-            cache=BlockedKVCache.empty(cfg, self.row_blocks, self.columns, jnp.zeros((s,), jnp.int32)),
+            cache=PagedKVCache.empty(cfg, self.blocks, self.page, s),
             last=jnp.zeros((s,), jnp.int32),
             num_generated=jnp.zeros((s,), jnp.int32),
             max_new_tokens=jnp.zeros((s,), jnp.int32),
@@ -263,12 +311,13 @@ class Slots:
         top_ids, top_values = lax.cond(jnp.any(want_top), alternatives, nothing, logits)
         return token, logprob, top_ids, top_values
 
-    def _decode_fn(self, params, state: SlotState, release, steps, chunks: int, rows: int) -> tuple[SlotState, Tokens]:
-        """Up to ``steps`` steps of the first ``rows`` slots (every busy one), attending to the
-        first ``chunks`` column chunks of the row blocks that hold them."""
+    def _decode_fn(
+        self, params, state: SlotState, release, steps, table, blocks: int, rows: int
+    ) -> tuple[SlotState, Tokens]:
+        """Up to ``steps`` steps of the first ``rows`` slots (every busy one), over the first
+        ``blocks`` pool blocks (every page that ``table`` names for them)."""
         state = state.replace(finish=jnp.where(release & (state.finish == RUNNING), STOPPED, state.finish))
-        blocks = int(np.searchsorted(np.cumsum(self.row_blocks), rows)) + 1
-        cache = state.cache.view(blocks, chunks)  # whole buffers, each read and written in place
+        cache = state.cache.view(blocks)  # whole buffers, each read and written in place
         s = jax.tree.map(lambda x: x[:rows], state.replace(cache=None))
         k_, t_ = self.steps, self.top
         out = Tokens(
@@ -293,6 +342,7 @@ class Slots:
                 cache.index[:rows, None],
                 active,
                 cache,
+                table[:rows],
                 method=GPTJ.decode_slots,
             )
             token, logprob, top_ids, top_values = self._choose(
@@ -337,10 +387,12 @@ class Slots:
         )
         return cache, logits[:, -1]
 
-    def _admit_fn(self, params, state, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top):
+    def _admit_fn(self, params, state, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top, table):
         """Prefill short prompts [b, P] (left-padded) at once and insert them into rows ``slots``."""
         cache, logits = self._prompt_fn(params, tokens, lengths)
-        return self._insert_fn(state, cache, logits, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top)
+        return self._insert_fn(
+            state, cache, logits, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top, table
+        )
 
     def _prefill_fn(self, params, tokens, lengths, max_new, eos_id, seeds, sampling, want_top):
         """Prefill short prompts as :meth:`_admit_fn` does, and choose their first tokens, without
@@ -382,11 +434,12 @@ class Slots:
         seeds,
         sampling,
         want_top,
+        table,
     ) -> tuple[SlotState, Tokens]:
         """Move prefilled prompts into rows ``slots`` and choose their first tokens."""
         first, seen = self._first_fn(logits, tokens, lengths, max_new, eos_id, seeds, sampling, want_top)
         state = self._place_fn(
-            state, cache, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top, first, seen
+            state, cache, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top, first, seen, table
         )
         return state, first
 
@@ -411,70 +464,64 @@ class Slots:
         return first, seen
 
     def _place_fn(
-        self, state, cache, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top, first, seen
+        self, state, cache, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top, first, seen, table
     ) -> SlotState:
-        """Write prefilled prompts (real tokens first) and their first tokens into rows ``slots``.
+        """Write prefilled prompts (real tokens first) and their first tokens into rows ``slots``, the
+        prompts' keys and values into the pages ``table`` names for those rows.
 
         Rows whose slot is out of range (batch padding, or a row not to be placed) change nothing.
         """
         b, columns = tokens.shape
         kept = min(columns, self.length)  # a prompt never needs more columns than a row has
+        pages = -(-kept // self.page)
         # row j's real tokens sit in its last lengths[j] columns: rotate them to the front
         source = (jnp.arange(kept)[None, :] + (columns - lengths)[:, None]) % columns
+        inside = (slots >= 0) & (slots < self.slots)
+        targets = jnp.where(inside[:, None], table[jnp.where(inside, slots, 0), :pages], sum(self.blocks))
 
-        def rotated(new: Array, axis: int) -> Array:
+        def paged(new: Array, axis: int) -> Array:
+            """``new``'s rotated rows cut into pages: [b·pages, …] with the page's slots at ``axis``."""
             shape = [1] * new.ndim
             shape[0], shape[axis] = b, kept
-            return jnp.take_along_axis(new, source.reshape(shape), axis=axis)
+            new = jnp.take_along_axis(new, source.reshape(shape), axis=axis)
+            padding = [(0, 0)] * new.ndim
+            padding[axis] = (0, pages * self.page - kept)
+            new = jnp.pad(new, padding)
+            new = jnp.moveaxis(new.reshape(*new.shape[:axis], pages, self.page, *new.shape[axis + 1 :]), axis, 1)
+            return new.reshape(b * pages, *new.shape[2:])
 
-        def put_grid(grid, new: Array, axis: int):
-            """Write rows ``rotated(new)`` into slots ``slots`` of a layer's grid (columns at ``axis``)."""
-            new, out, top = rotated(new, axis), [], 0
-            for row in grid:
-                n = row[0].shape[0]
-                local = jnp.where((slots >= top) & (slots < top + n), slots - top, n)  # else: dropped
-                top, column, chunks = top + n, 0, []
-                for chunk in row:
-                    width = min(chunk.shape[axis], kept - column)
-                    if width > 0:
-                        index = [local, *[slice(None)] * (chunk.ndim - 1)]
-                        index[axis] = slice(0, width)
-                        piece = lax.slice_in_dim(new, column, column + width, axis=axis).astype(chunk.dtype)
-                        chunk = chunk.at[tuple(index)].set(piece, mode="drop")
-                    chunks.append(chunk)
-                    column += chunk.shape[axis]
-                out.append(tuple(chunks))
-            return tuple(out)
+        def put(pools, new, axis):
+            return tuple(
+                write_pool(pool, targets.reshape(-1), None, paged(x, axis), 0)
+                for pool, x in zip(pools, new, strict=True)
+            )
 
         old = state.cache
-        k = tuple(put_grid(grid, new, 3) for grid, new in zip(old.k, cache.k, strict=True))
-        v = tuple(put_grid(grid, new, 2) for grid, new in zip(old.v, cache.v, strict=True))
-        # an int8 cache's scales, [rows, heads, columns], move with the keys and values they scale
-        k_scale = tuple(put_grid(grid, new, 2) for grid, new in zip(old.k_scale, cache.k_scale, strict=True))
-        v_scale = tuple(put_grid(grid, new, 2) for grid, new in zip(old.v_scale, cache.v_scale, strict=True))
-        row_segments = (jnp.arange(self.length)[None, :] < lengths[:, None]).astype(jnp.int32)
+        row_values = {
+            "last": first.tokens[:, 0],
+            "num_generated": jnp.ones((b,), jnp.int32),
+            "max_new_tokens": max_new,
+            "finish": first.finish,
+            "eos_id": eos_id,
+            "seeds": seeds,
+            "seen": seen,
+            "want_top": want_top,
+        }
 
-        def put(big, rows):
+        def put_rows(big, rows):
             return big.at[slots].set(rows.astype(big.dtype), mode="drop")
 
         return state.replace(
-            cache=BlockedKVCache(
-                k=k,
-                v=v,
-                segment_ids=put(state.cache.segment_ids, row_segments),
-                index=put(state.cache.index, lengths),
-                k_scale=k_scale,
-                v_scale=v_scale,
+            cache=PagedKVCache(
+                k=put(old.k, cache.k, 3),
+                v=put(old.v, cache.v, 2),
+                index=put_rows(old.index, lengths),
+                # an int8 cache's scales, [rows, heads, columns], move with the keys and values they scale
+                k_scale=put(old.k_scale, cache.k_scale, 2),
+                v_scale=put(old.v_scale, cache.v_scale, 2),
             ),
-            last=put(state.last, first.tokens[:, 0]),
-            num_generated=put(state.num_generated, jnp.ones((b,), jnp.int32)),
-            max_new_tokens=put(state.max_new_tokens, max_new),
-            finish=put(state.finish, first.finish),
-            eos_id=put(state.eos_id, eos_id),
-            seeds=put(state.seeds, seeds),
-            seen=put(state.seen, seen),
-            want_top=put(state.want_top, want_top),
-            sampling=jax.tree.map(put, state.sampling, sampling),
+            sampling=jax.tree.map(put_rows, state.sampling, sampling),
+            **{name: put_rows(getattr(state, name), value) for name, value in row_values.items()},
         )
 
     # -- host side ---------------------------------------------------------------------------
@@ -515,12 +562,28 @@ class Slots:
             lengths[i] = len(r.tokens)
         return tokens, lengths
 
+    def _start(self, requests: list[Request], slots: list[int | None]) -> np.ndarray:
+        """Give each of ``slots`` (None or past the last: none) pages for its new request's prompt;
+        the page table, for the call that writes them."""
+        for request, slot in zip(requests, slots, strict=True):
+            if slot is not None and 0 <= slot < self.slots:
+                self.table.start(slot, len(request.tokens))
+        return self.table.ids.copy()  # the call may read it after the host has moved on
+
+    def free(self, slots: list[int]) -> None:
+        """The sequences in ``slots`` have ended: their pages return to the pool. A row that may still
+        be running must be in the ``release`` of the next decode call, which stops it before its
+        step writes anything (so a later call may already have given its pages to another row)."""
+        for slot in slots:
+            self.table.free(slot)
+
     def dispatch_admit(self, requests: list[Request], slots: list[int]) -> Pending:
         """:meth:`admit`, returning as soon as the call is queued on the device."""
         tokens, lengths = self._prompts(requests)
+        table = self._start(requests, slots)
         with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
             self.state, first = self._admit(
-                self.decoder.params, self.state, tokens, lengths, *self._settings(requests, len(tokens), slots)
+                self.decoder.params, self.state, tokens, lengths, *self._settings(requests, len(tokens), slots), table
             )
         return Pending(first, len(requests))
 
@@ -553,6 +616,7 @@ class Slots:
         moved = jax.device_put((prefilled.cache, prefilled.first, prefilled.seen), NamedSharding(mesh, PartitionSpec()))
         cache, first, seen = moved
         targets = [self.slots if s is None else s for s in slots]
+        table = self._start(prefilled.requests, slots)
         with partitioning.sharding_scope(mesh, rules):
             self.state = self._place(
                 self.state,
@@ -562,6 +626,7 @@ class Slots:
                 *self._settings(prefilled.requests, len(prefilled.tokens), targets),
                 first,
                 seen,
+                table,
             )
 
     def start_prefill(self, request: Request) -> Prefill:
@@ -592,6 +657,7 @@ class Slots:
     def dispatch_insert(self, prefill: Prefill, slot: int) -> Pending:
         """:meth:`insert`, returning as soon as the call is queued on the device."""
         request = prefill.request
+        table = self._start([request], [slot])
         with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
             self.state, first = self._insert(
                 self.state,
@@ -600,47 +666,56 @@ class Slots:
                 prefill.tokens,
                 np.array([len(request.tokens)], np.int32),
                 *self._settings([request], 1, [slot]),
+                table,
             )
         return Pending(first, 1)
 
-    def chunks_for(self, longest: int) -> int:
-        """The column chunks a step attends to when sequences have at most ``longest`` tokens: the
-        fewest that hold them, rounded up to a count in :func:`chunk_buckets` (fewer programs)."""
-        needed = -(-min(longest, self.length) // self.decoder.chunk_columns)
-        return min(n for n in self._chunk_counts if n >= needed)
+    def blocks_for(self, pages: int) -> int:
+        """The pool blocks a step reads when the first ``pages`` pages hold every sequence's: the
+        fewest that hold them (at least one)."""
+        return max(1, int(np.searchsorted(np.cumsum(self.blocks), pages)) + 1)
 
     def busy_rows(self, highest: int) -> int:
         """The rows a decode step runs when ``highest`` is the highest busy slot: a power of two (and
-        a multiple of the data-parallel size) above it, so a lone request costs one row, not all."""
+        a multiple of the data-parallel size) above it."""
         multiple = self.decoder.batch_multiple
         return min(self.slots, -(-bucket(highest + 1, 1) // multiple) * multiple)
 
-    def decode(self, release: list[int], steps: int, longest: int, highest: int | None = None) -> Tokens:
+    def decode(self, release: list[int], steps: int, highest: int | None = None) -> Tokens:
         """Stop the rows in ``release``, then run up to ``steps`` decode steps of every running row.
 
-        ``longest``: the longest running sequence (prompt + generated tokens) in tokens;
-        ``highest``: the highest busy slot (default: the last). Returns the first
-        :meth:`busy_rows` rows' tokens.
+        ``highest``: the highest busy slot (default: the last). Returns the first :meth:`busy_rows`
+        rows' tokens.
         """
-        return self.dispatch_decode(release, steps, longest, highest).result()
+        return self.dispatch_decode(release, steps, highest).result()
 
-    def dispatch_decode(self, release: list[int], steps: int, longest: int, highest: int | None = None) -> Pending:
+    def dispatch_decode(self, release: list[int], steps: int, highest: int | None = None) -> Pending:
         """:meth:`decode`, returning as soon as the call is queued on the device: the host may work
         on the last call's tokens while this one runs."""
         highest = self.slots - 1 if highest is None else highest
         steps = min(steps, self.steps)
-        return self._run(release, steps, self.chunks_for(longest + steps), self.busy_rows(highest))
+        # The released rows stop before this call writes anything: their pages may go to others now.
+        self.free(release)
+        for slot in np.flatnonzero(self.table.held):
+            self.table.grow(slot, steps)
+        return self._run(release, steps, self.blocks_for(self.table.end()), self.busy_rows(highest))
 
     def wait(self) -> None:
         """Block until every call dispatched so far has finished."""
         self.state.finish.block_until_ready()
 
-    def _run(self, release: list[int], steps: int, chunks: int, rows: int) -> Pending:
+    def _run(self, release: list[int], steps: int, blocks: int, rows: int) -> Pending:
         stop = np.zeros(self.slots, bool)
         stop[release] = True
         with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
             self.state, out = self._decode(
-                self.decoder.params, self.state, to_device(stop, self._rows), np.int32(steps), chunks, rows
+                self.decoder.params,
+                self.state,
+                to_device(stop, self._rows),
+                np.int32(steps),
+                self.table.ids.copy(),
+                blocks,
+                rows,
             )
         return Pending(out, rows)
 
@@ -666,8 +741,8 @@ class Slots:
                     self.place(self.dispatch_first(prefill), [None])
             self.wait()
         for rows in sorted({self.busy_rows(s) for s in range(self.slots)}):
-            for chunks in self._chunk_counts:
-                self._run([], 1, chunks, rows).result()
+            for blocks in range(1, len(self.blocks) + 1):
+                self._run([], 1, blocks, rows).result()
 
     def compilations(self) -> int:
         """Programs compiled so far, for checking that nothing recompiles as requests come and go."""

@@ -213,6 +213,9 @@ class Engine:
             self._set_state(FAILED)
             return
         self.metrics.slots.set(self.slots.slots)
+        self.metrics.kv_pages.set(self.slots.table.pages)
+        # read on the server's thread while the engine's changes it: a count that may be a step old
+        self.metrics.kv_pages_used.set_function(lambda: self.slots.table.in_use if self.slots else 0)
         self._set_state(READY)
         while self._wait_for_work():
             try:
@@ -464,9 +467,8 @@ class Engine:
         running = [row for row in self._occupied.values() if row.finish is None]
         release, self._release = sorted(self._release), set()
         # One step per call: a row that ends, a stop string, a client that leaves or one that
-        # arrives is dealt with before the step after next. The host's lengths may lag the
-        # device's by the step that has just ended, hence the + 1.
-        pending = slots.dispatch_decode(release, 1, max(row.length for row in running) + 1, max(self._occupied))
+        # arrives is dealt with before the step after next.
+        pending = slots.dispatch_decode(release, 1, max(self._occupied))
         self._in_flight = _Step(pending, running, time.monotonic())
 
     def _read_step(self, step: _Step) -> None:
@@ -533,8 +535,10 @@ class Engine:
             row.job.send(pieces)
 
     def _finish(self, row: _Row) -> None:
-        if row.slot is not None:  # else it ended at its first token, before it had a slot
-            self._occupied.pop(row.slot, None)
+        if row.slot is not None and self._occupied.get(row.slot) is row:  # else: it never had a slot
+            self._occupied.pop(row.slot)
+            assert self.slots is not None
+            self.slots.free([row.slot])  # a stop string's row is released too (see _extend)
         n = row.tracker.num_tokens if row.finish == "stop" else len(row.tokens)
         job = row.job
         job.outputs[row.index] = Completion(
@@ -555,8 +559,11 @@ class Engine:
                 job.resolve(list(job.outputs))
 
     def _free(self, slot: int) -> None:
+        """A client left: its row stops at the next decode call, and its pages are free now."""
+        assert self.slots is not None
         self._occupied.pop(slot, None)
         self._release.add(slot)
+        self.slots.free([slot])
 
     def _fail_all(self, error: BaseException) -> None:
         """A device call failed: every job in the slots or the prefill gets the error; the queue goes on."""

@@ -46,6 +46,8 @@ class Metrics:
         )
         self.slots = Gauge("gptj_slots", "Decode slots: the most prompts generated together", registry=r)
         self.busy_slots = Gauge("gptj_busy_slots", "Decode slots holding a prompt now", registry=r)
+        self.kv_pages = Gauge("gptj_kv_pages", "Pages of the decode slots' KV cache", registry=r)
+        self.kv_pages_used = Gauge("gptj_kv_pages_used", "KV cache pages that sequences hold now", registry=r)
         self.decode_steps = Counter("gptj_decode_steps", "Decode steps run", registry=r)
         # busy / all slot-steps over an interval is the mean occupancy over it
         self.slot_steps = Counter("gptj_slot_steps", "Decode steps run, times the number of slots", registry=r)

@@ -22,7 +22,7 @@ from gptj_flax.config import Config
 from gptj_flax.convert import lora as lora_lib
 from gptj_flax.data import Batch
 from gptj_flax.errors import GptjFlaxError
-from gptj_flax.model import GPTJ, BlockedKVCache, KVCache, abstract_params
+from gptj_flax.model import GPTJ, KVCache, PagedKVCache, abstract_params
 from gptj_flax.training import optimizer, steps
 from gptj_flax.training.metrics import ChipPeak, chip_peak
 
@@ -319,17 +319,18 @@ def serving_fit(
     params, _ = checkpoint.param_targets(mc, mesh)
 
     def targets(shapes, shardings):
-        # shardings: a prefix of shapes (a blocked cache has one sharding per layer's grid)
+        # shardings: a prefix of shapes (a paged cache has one sharding per layer's pool)
         return jax.tree.map(
             lambda sh, sub: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), sub),
             shardings,
             shapes,
         )
 
-    # The decode slots' cache as one block: the same bytes as any blocking of it.
+    # The decode slots' pool as one block of one page per row: the bytes of any paging of
+    # cache_len tokens a row (a whole number of pages).
     slots = targets(
-        jax.eval_shape(lambda: BlockedKVCache.empty(mc, (batch,), (cache_len,), jnp.zeros((batch,), jnp.int32))),
-        partitioning.logical_to_sharding(BlockedKVCache.logical_axes(mc, index=("batch",)), mesh),
+        jax.eval_shape(lambda: PagedKVCache.empty(mc, (batch,), cache_len, batch)),
+        partitioning.logical_to_sharding(PagedKVCache.logical_axes(mc), mesh),
     )
     one_row = targets(
         jax.eval_shape(lambda: KVCache.empty(mc, 1, cache_len)),
@@ -338,8 +339,8 @@ def serving_fit(
     rows = partitioning.named_sharding(mesh, ("batch", None))
     model = GPTJ(mc)
 
-    def decode_step(params, tokens, positions, active, cache):
-        return model.apply({"params": params}, tokens, positions, active, cache, method=GPTJ.decode_slots)
+    def decode_step(params, tokens, positions, active, cache, table):
+        return model.apply({"params": params}, tokens, positions, active, cache, table, method=GPTJ.decode_slots)
 
     def prefill_chunk(params, tokens, cache):
         return model.apply({"params": params}, tokens, None, None, cache, last_logits_only=True, method=GPTJ.decode)
@@ -350,6 +351,7 @@ def serving_fit(
         jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=rows),
         jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=partitioning.named_sharding(mesh, ("batch",))),
         slots,
+        jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=rows),  # the page table: row r's page is r
     )
     replicated = partitioning.named_sharding(mesh, (None, None))
     prefill_args = (params, jax.ShapeDtypeStruct((1, chunk), jnp.int32, sharding=replicated), one_row)
