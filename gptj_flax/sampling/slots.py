@@ -235,8 +235,9 @@ class Slots:
         self.length, self.chunk, self.steps, self.top = length, chunk, steps, top_logprobs
         # the pool: every slot's whole length in pages, in blocks of pages (each a multiple of the
         # data-parallel size, as the pages are split like rows); see the module's docstring
-        self.page, per_row = decoder.page_columns, -(-length // decoder.page_columns)
-        self.blocks = pool_blocks(self.slots * per_row, multiple * -(-FIRST_BLOCK // multiple))
+        self.page, self._per_row = decoder.page_columns, -(-length // decoder.page_columns)
+        self.blocks = pool_blocks(self.slots * self._per_row, multiple * -(-FIRST_BLOCK // multiple))
+        self._block_ends = np.cumsum(self.blocks)  # pages held by the first 1, 2 … blocks
         self._model = GPTJ(self.config)
         mesh, rules = decoder.mesh, decoder.rules
         self._rows = partitioning.named_sharding(mesh, ("batch",), rules)
@@ -275,7 +276,7 @@ class Slots:
 
     def reset(self) -> None:
         """Empty every slot (a fresh cache and state)."""
-        self.table = PageTable(self.slots, -(-self.length // self.page), self.page)
+        self.table = PageTable(self.slots, self._per_row, self.page)
         with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
             self.state: SlotState = self._build()
 
@@ -673,7 +674,7 @@ class Slots:
     def blocks_for(self, pages: int) -> int:
         """The pool blocks a step reads when the first ``pages`` pages hold every sequence's: the
         fewest that hold them (at least one)."""
-        return max(1, int(np.searchsorted(np.cumsum(self.blocks), pages)) + 1)
+        return max(1, int(np.searchsorted(self._block_ends, pages)) + 1)
 
     def busy_rows(self, highest: int) -> int:
         """The rows a decode step runs when ``highest`` is the highest busy slot: a power of two (and
