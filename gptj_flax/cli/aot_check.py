@@ -20,8 +20,9 @@ import os
 import sys
 
 from gptj_flax.cli import LONE_HOST_TPU_ENV, libtpu_without_tpu
-from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, cli_path, join_negative_values
+from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, cli_path, join_negative_values, load_config
 from gptj_flax.errors import add_debug_flag, run_cli
+from gptj_flax.training.aot import AotReport, ServingFit, compile_for_topology, serving_fit
 
 
 def _main() -> int:
@@ -51,10 +52,6 @@ def _main() -> int:
             parser.error(f"{', '.join(given)} only apply with --serve (QLoRA trains with --set model.quantize=int8)")
     if args.batch < 1 or (args.cache_len is not None and args.cache_len < 2):
         parser.error("--batch must be >= 1 and --cache-len >= 2")
-
-    # Imported after parsing, so that --help and argument errors answer at once, without loading JAX.
-    from gptj_flax.config import load_config
-    from gptj_flax.training.aot import AotReport, ServingFit, compile_for_topology, serving_fit
 
     overrides = [*args.set, *([f"model.quantize={args.quantize}"] if args.quantize else [])]
     overrides += [f"model.kv_cache={args.kv_cache}"] if args.kv_cache else []

@@ -18,8 +18,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 
-from gptj_flax.config import cli_path, join_negative_values  # noqa: E402
+import gptj_flax  # noqa: E402
+from gptj_flax import partitioning  # noqa: E402
+from gptj_flax.config import ConfigError, cli_path, join_negative_values, load_config  # noqa: E402
+from gptj_flax.data.corpus import prepare_demo_data  # noqa: E402
 from gptj_flax.errors import EXIT_INTERRUPTED, add_debug_flag, run_cli  # noqa: E402
+from gptj_flax.training import train  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -35,13 +39,6 @@ def _main() -> int:
     add_debug_flag(parser)
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-
-    # Imported after parsing, so that --help and argument errors answer at once, without loading JAX.
-    import gptj_flax
-    from gptj_flax import partitioning
-    from gptj_flax.config import ConfigError, load_config
-    from gptj_flax.data.corpus import prepare_demo_data
-    from gptj_flax.training import train
 
     config = load_config(args.config, args.set)
     mesh = partitioning.make_mesh(args.mesh or config.mesh)
