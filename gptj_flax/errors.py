@@ -29,6 +29,29 @@ class GptjFlaxError(Exception):
     """A problem with the user's input or environment; the message says what is wrong and what to do."""
 
 
+# The optional dependencies (pyproject.toml's extras) that command lines import, by top-level module.
+EXTRA_OF_MODULE = {"fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "lm_eval": "eval"}
+
+
+class MissingExtraError(GptjFlaxError):
+    """A command needs an optional dependency that is not installed."""
+
+
+def missing_extra(error: ModuleNotFoundError) -> MissingExtraError:
+    """The error a command raises when it runs without the extra whose import failed with ``error``.
+
+    A command module imports an extra's modules at its top inside ``try``; only a missing extra
+    becomes this error, and anything else missing is re-raised at once, as a broken install.
+    """
+    extra = EXTRA_OF_MODULE.get((error.name or "").partition(".")[0])
+    if extra is None:
+        raise error
+    return MissingExtraError(
+        f"this command needs the {extra!r} extra ({error.name} is not installed): "
+        f"pip install -c constraints.txt -e '.[{extra}]' in the project's checkout"
+    )
+
+
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     """Document ``--debug`` in a command's help (:func:`run_cli` acts on it)."""
     parser.add_argument(

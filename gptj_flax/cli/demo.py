@@ -23,6 +23,7 @@ from gptj_flax import partitioning  # noqa: E402
 from gptj_flax.config import ConfigError, cli_path, join_negative_values, load_config  # noqa: E402
 from gptj_flax.data.corpus import prepare_demo_data  # noqa: E402
 from gptj_flax.errors import EXIT_INTERRUPTED, add_debug_flag, run_cli  # noqa: E402
+from gptj_flax.sampling import Completion  # noqa: E402
 from gptj_flax.training import train  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -62,6 +63,7 @@ def _main() -> int:
 
     lm = gptj_flax.load(result.run_dir, mesh=mesh)
     completion = lm.generate(args.prompt, max_new_tokens=80, temperature=0.7, top_k=40, seed=0)
+    assert isinstance(completion, Completion)  # one prompt, one completion
     print(
         f"\nsample ({completion.finish_reason}, {completion.completion_tokens} tokens):\n{args.prompt}{completion.text}"
     )

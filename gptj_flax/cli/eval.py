@@ -15,8 +15,21 @@ import json
 import os
 import sys
 
+import jax
+
+from gptj_flax.cli.distributed import start_processes
 from gptj_flax.config import cli_dtype, cli_path, join_negative_values
-from gptj_flax.errors import add_debug_flag, run_cli
+from gptj_flax.errors import MissingExtraError, add_debug_flag, missing_extra, run_cli
+from gptj_flax.evaluation import compare
+from gptj_flax.evaluation.perplexity import perplexity
+
+NO_EVAL_EXTRA: MissingExtraError | None = None
+try:  # the eval extra, for `harness` only: perplexity and compare run without it
+    from lm_eval.utils import make_table
+
+    from gptj_flax.evaluation.harness import GPTJFlaxLM, run_tasks, task_manager, write_results
+except ModuleNotFoundError as e:
+    NO_EVAL_EXTRA = missing_extra(e)
 
 
 def tokenizer_source(text: str) -> str:
@@ -99,12 +112,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def run_harness(args: argparse.Namespace) -> None:
-    import jax
-    from lm_eval.utils import make_table
-
-    from gptj_flax.cli.distributed import start_processes
-    from gptj_flax.evaluation.harness import GPTJFlaxLM, run_tasks, task_manager, write_results
-
+    if NO_EVAL_EXTRA is not None:
+        raise NO_EVAL_EXTRA
     start_processes()  # on a TPU pod every host runs this command; elsewhere nothing
     tasks = [name for entry in args.tasks for name in entry.split(",") if name]
     model = GPTJFlaxLM.from_checkpoint(
@@ -139,11 +148,6 @@ def run_harness(args: argparse.Namespace) -> None:
 
 
 def run_perplexity(args: argparse.Namespace) -> None:
-    import jax
-
-    from gptj_flax.cli.distributed import start_processes
-    from gptj_flax.evaluation.perplexity import perplexity
-
     start_processes()  # on a TPU pod every host runs this command; elsewhere nothing
     source = args.data[0] if len(args.data) == 1 else args.data
     result = perplexity(
@@ -171,8 +175,6 @@ def run_perplexity(args: argparse.Namespace) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> None:
-    from gptj_flax.evaluation import compare
-
     name_a, name_b = args.names or [os.path.splitext(os.path.basename(p))[0] for p in (args.a, args.b)]
     comparison = compare.compare(compare.load_results(args.a), compare.load_results(args.b))
     table = compare.to_markdown(comparison, name_a, name_b)

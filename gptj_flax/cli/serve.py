@@ -16,13 +16,18 @@ pages of any origin call the server, as mesh-transformer-jax's servers did.
 import argparse
 import logging
 
-from gptj_flax.errors import add_debug_flag, run_cli
+from gptj_flax.errors import MissingExtraError, add_debug_flag, missing_extra, run_cli
+
+NO_SERVE_EXTRA: MissingExtraError | None = None
+try:  # the serve extra: without it the command says which to install, as one error line
+    from gptj_flax.serving import LOG_FORMAT, add_arguments, serve, settings_from
+except ModuleNotFoundError as e:
+    NO_SERVE_EXTRA = missing_extra(e)
 
 
 def _main() -> int:
-    # Imported under run_cli, so that a missing serving dependency is one error line too.
-    from gptj_flax.serving import LOG_FORMAT, add_arguments, serve, settings_from
-
+    if NO_SERVE_EXTRA is not None:
+        raise NO_SERVE_EXTRA
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     add_debug_flag(parser)

@@ -14,8 +14,16 @@ import logging
 import os
 import sys
 
-from gptj_flax.config import cli_path, join_negative_values
-from gptj_flax.errors import EXIT_INTERRUPTED, add_debug_flag, run_cli
+from gptj_flax import partitioning
+from gptj_flax.config import ConfigError, cli_path, join_negative_values, load_config
+from gptj_flax.errors import EXIT_INTERRUPTED, MissingExtraError, add_debug_flag, missing_extra, run_cli
+from gptj_flax.training import train
+
+NO_EVAL_EXTRA: MissingExtraError | None = None
+try:  # the eval extra, for train.eval_harness_tasks only: training runs without it
+    from gptj_flax.evaluation.during_training import HarnessDuringTraining
+except ModuleNotFoundError as e:
+    NO_EVAL_EXTRA = missing_extra(e)
 
 
 def non_negative_int(text: str) -> int:
@@ -72,17 +80,13 @@ def parse_args() -> argparse.Namespace:
 def _main() -> int:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from gptj_flax import partitioning
-    from gptj_flax.config import load_config
-    from gptj_flax.training import train
-
     partitioning.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     config = load_config(args.config, args.set)
     mesh = partitioning.make_mesh(args.mesh or config.mesh)
     harness = None
     if config.train.eval_harness_tasks:
-        from gptj_flax.evaluation.during_training import HarnessDuringTraining
-
+        if NO_EVAL_EXTRA is not None:
+            raise ConfigError(f"train.eval_harness_tasks: {NO_EVAL_EXTRA}")
         harness = HarnessDuringTraining(
             config.train.eval_harness_tasks, results_dir=os.path.join(config.train.run_dir, "harness")
         )
