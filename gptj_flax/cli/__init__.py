@@ -1,7 +1,7 @@
 """The command-line programs (``gptj-train``, ``gptj-sample``, …): the top layer, importing from all others.
 
 Each module's ``main()`` parses ``sys.argv`` and returns the exit status; ``scripts/*.py`` call the same.
-Importing this package first keeps JAX off a TPU runtime that has no TPU to find (see below).
+Importing this package before JAX starts a backend keeps JAX off a TPU runtime that has no TPU to find (see below).
 """
 
 import glob
@@ -9,6 +9,8 @@ import importlib.util
 import io
 import os
 import sys
+
+import jax
 
 # The PCI vendor of Google's TPU chips, which JAX itself checks before it starts the TPU runtime.
 _GOOGLE_PCI_VENDOR = "0x1ae0"
@@ -55,7 +57,9 @@ def default_jax_platforms() -> str | None:
 
 _platforms = default_jax_platforms()
 if _platforms is not None:
-    # Read by JAX when it is imported; every command module imports JAX after this package.
+    # JAX read its environment when the package root imported it, so the setting goes to its config
+    # (before any backend starts) and to the environment, for the processes a command starts.
+    jax.config.update("jax_platforms", _platforms)
     os.environ["JAX_PLATFORMS"] = _platforms
 
 
