@@ -64,6 +64,20 @@ def debug_requested(argv: Sequence[str] | None = None) -> bool:
     return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+def configure_logging(level: int | str, fmt: str) -> None:
+    """Write this package's log records at ``level`` and up, and other libraries' warnings, to stderr in ``fmt``.
+
+    Other libraries stay at WARNING (at INFO, JAX reports each backend it tried and could not start),
+    except under ``--debug``, which writes every record. Forced, because importing Orbax logs through
+    absl, which gives the root logger a default handler when it has none; a plain ``basicConfig``
+    would then change nothing.
+    """
+    own = logging.DEBUG if debug_requested() else logging.getLevelName(level) if isinstance(level, str) else level
+    others = logging.DEBUG if debug_requested() else max(logging.WARNING, own)
+    logging.basicConfig(level=others, format=fmt, force=True)
+    logging.getLogger("gptj_flax").setLevel(own)
+
+
 def describe(error: BaseException) -> str:
     """One line for ``error``: its own message for project and OS errors, its type for anything else."""
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:

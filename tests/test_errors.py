@@ -2,6 +2,7 @@
 
 import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,31 @@ def test_train_without_lm_eval_names_the_extra_only_for_harness_tasks(tmp_path):
     assert plain.stderr.splitlines() == [
         "error: train.train_set is not set: give an .index file, a text/jsonl path or tfds:NAME"
     ]
+
+
+_LOGGING = """
+import logging
+import gptj_flax.cli.train  # imports Orbax, as every command does
+from gptj_flax.errors import configure_logging
+assert logging.root.handlers, "importing the package no longer configures the root logger; find another trigger"
+configure_logging("INFO", "[%(levelname)s] %(message)s")
+logging.getLogger("gptj_flax.training.loop").info("ours")
+logging.getLogger("gptj_flax.training.loop").debug("our debug line")
+logging.getLogger("jax._src.xla_bridge").info("theirs")
+logging.getLogger("orbax").warning("their warning")
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_the_commands_logging_holds_although_absl_configured_the_root_logger_at_import(debug):
+    # Absl puts a default WARNING handler on the root logger while Orbax imports; the commands' set-up must
+    # still decide level and format. Other libraries' INFO lines (JAX naming each backend it could not start)
+    # stay out unless --debug.
+    env = {**os.environ, "GPTJ_FLAX_DEBUG": "1" if debug else "0"}
+    done = subprocess.run([sys.executable, "-c", _LOGGING], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("[")]
+    if debug:
+        assert lines[-4:] == ["[INFO] ours", "[DEBUG] our debug line", "[INFO] theirs", "[WARNING] their warning"]
+    else:
+        assert lines == ["[INFO] ours", "[WARNING] their warning"]

@@ -35,7 +35,7 @@ from gptj_flax.config import cli_dtype
 from gptj_flax.convert import lora
 from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE
 from gptj_flax.convert.orbax_io import OrbaxParams
-from gptj_flax.errors import add_debug_flag, run_cli
+from gptj_flax.errors import add_debug_flag, configure_logging, run_cli
 from gptj_flax.training import make_optimizer
 
 COMPUTE_DTYPE_HELP = "compute dtype the checkpoint's config records (default: the precision the weights are stored in)"
@@ -117,7 +117,7 @@ def _main() -> None:
     for name in PATH_ARGUMENTS:  # resolved once, against the directory the command was started in
         if getattr(args, name, None):
             setattr(args, name, str(absolute_path(getattr(args, name))))
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    configure_logging(logging.WARNING, "%(levelname)s: %(message)s")
     if args.command == "from-hf":
         out = convert.from_hf(
             args.src, args.out, scan_layers=not args.unrolled, tokenizer=not args.no_tokenizer, dtype=args.dtype

@@ -22,7 +22,12 @@ import gptj_flax  # noqa: E402
 from gptj_flax import partitioning  # noqa: E402
 from gptj_flax.config import ConfigError, cli_path, join_negative_values, load_config  # noqa: E402
 from gptj_flax.data.corpus import prepare_demo_data  # noqa: E402
-from gptj_flax.errors import EXIT_INTERRUPTED, add_debug_flag, run_cli  # noqa: E402
+from gptj_flax.errors import (  # noqa: E402
+    EXIT_INTERRUPTED,
+    add_debug_flag,
+    configure_logging,  # noqa: E402
+    run_cli,
+)
 from gptj_flax.sampling import Completion  # noqa: E402
 from gptj_flax.training import train  # noqa: E402
 
@@ -39,7 +44,7 @@ def _main() -> int:
     parser.add_argument("--prompt", default="def ", help="what the sample starts from")
     add_debug_flag(parser)
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")
 
     config = load_config(args.config, args.set)
     mesh = partitioning.make_mesh(args.mesh or config.mesh)

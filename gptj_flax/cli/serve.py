@@ -16,7 +16,7 @@ pages of any origin call the server, as mesh-transformer-jax's servers did.
 import argparse
 import logging
 
-from gptj_flax.errors import MissingExtraError, add_debug_flag, missing_extra, run_cli
+from gptj_flax.errors import MissingExtraError, add_debug_flag, configure_logging, missing_extra, run_cli
 
 NO_SERVE_EXTRA: MissingExtraError | None = None
 try:  # the serve extra: without it the command says which to install, as one error line
@@ -32,7 +32,7 @@ def _main() -> int:
     add_arguments(parser)
     add_debug_flag(parser)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)  # for deprecation notices
+    configure_logging(logging.INFO, LOG_FORMAT)  # for deprecation notices
     return serve(settings_from(args))
 
 

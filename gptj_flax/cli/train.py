@@ -16,7 +16,14 @@ import sys
 
 from gptj_flax import partitioning
 from gptj_flax.config import ConfigError, cli_path, join_negative_values, load_config
-from gptj_flax.errors import EXIT_INTERRUPTED, MissingExtraError, add_debug_flag, missing_extra, run_cli
+from gptj_flax.errors import (
+    EXIT_INTERRUPTED,
+    MissingExtraError,
+    add_debug_flag,
+    configure_logging,
+    missing_extra,
+    run_cli,
+)
 from gptj_flax.training import train
 
 NO_EVAL_EXTRA: MissingExtraError | None = None
@@ -79,7 +86,7 @@ def parse_args() -> argparse.Namespace:
 
 def _main() -> int:
     args = parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     partitioning.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     config = load_config(args.config, args.set)
     mesh = partitioning.make_mesh(args.mesh or config.mesh)

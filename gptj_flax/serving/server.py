@@ -12,6 +12,7 @@ import uvicorn
 
 from gptj_flax import partitioning
 from gptj_flax.convert.hf import HF_PREFIX
+from gptj_flax.errors import configure_logging
 from gptj_flax.sampling import load
 from gptj_flax.serving.app import Service, create_app, open_keys, open_request_log, prefill_mesh
 from gptj_flax.serving.settings import ServeSettings, ServingError
@@ -93,8 +94,7 @@ def serve(settings: ServeSettings) -> int:
     a port in use) raises a :class:`~gptj_flax.errors.GptjFlaxError` before the model loads.
     Returns the exit status.
     """
-    # force: importing JAX's checkpointing stack may already have configured the root logger
-    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, force=True)
+    configure_logging(settings.log_level.upper(), LOG_FORMAT)
 
     check_checkpoint(settings.checkpoint)
     if settings.adapter is not None and "://" not in settings.adapter and not os.path.exists(settings.adapter):
