@@ -64,18 +64,33 @@ def debug_requested(argv: Sequence[str] | None = None) -> bool:
     return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+class _Thresholds(logging.Filter):
+    """Passes this package's records from ``own`` up and other libraries' from ``others`` up."""
+
+    def __init__(self, own: int, others: int) -> None:
+        super().__init__()
+        self.own, self.others = own, others
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ours = record.name == "gptj_flax" or record.name.startswith("gptj_flax.")
+        return record.levelno >= (self.own if ours else self.others)
+
+
 def configure_logging(level: int | str, fmt: str) -> None:
     """Write this package's log records at ``level`` and up, and other libraries' warnings, to stderr in ``fmt``.
 
     Other libraries stay at WARNING (at INFO, JAX reports each backend it tried and could not start),
-    except under ``--debug``, which writes every record. Forced, because importing Orbax logs through
-    absl, which gives the root logger a default handler when it has none; a plain ``basicConfig``
-    would then change nothing.
+    except under ``--debug``, which writes every record. The choice is made by a filter on the handler,
+    leaving loggers' own levels alone. Forced, because importing Orbax logs through absl, which gives
+    the root logger a default handler when it has none; a plain ``basicConfig`` would then change nothing.
     """
-    own = logging.DEBUG if debug_requested() else logging.getLevelName(level) if isinstance(level, str) else level
-    others = logging.DEBUG if debug_requested() else max(logging.WARNING, own)
-    logging.basicConfig(level=others, format=fmt, force=True)
-    logging.getLogger("gptj_flax").setLevel(own)
+    own = logging.getLevelName(level) if isinstance(level, str) else level
+    if debug_requested():
+        own = logging.DEBUG
+    logging.basicConfig(level=own, format=fmt, force=True)
+    if not debug_requested():
+        for handler in logging.root.handlers:
+            handler.addFilter(_Thresholds(own, max(logging.WARNING, own)))
 
 
 def describe(error: BaseException) -> str:

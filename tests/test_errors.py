@@ -144,6 +144,8 @@ logging.getLogger("gptj_flax.training.loop").info("ours")
 logging.getLogger("gptj_flax.training.loop").debug("our debug line")
 logging.getLogger("jax._src.xla_bridge").info("theirs")
 logging.getLogger("orbax").warning("their warning")
+# loggers keep their own levels, so a later caller (a test's caplog) can still lower them
+assert logging.getLogger("gptj_flax").level == logging.getLogger("jax").level == logging.NOTSET
 """
 
 
