@@ -25,11 +25,18 @@ import os
 import tempfile
 import time
 
+import jax
 import numpy as np
 
 from benchmarks import bounds, profile
 from benchmarks.common import BENCH_MODEL, hf_gptj_config, load_average, machine_summary
-from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from gptj_flax.checkpoint import Checkpointer
+from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, Config
+from gptj_flax.convert.hf_names import params_from_hf
+from gptj_flax.convert.quantize import quantize_params
+from gptj_flax.sampling import load
+from gptj_flax.sampling.api import LanguageModel
+from gptj_flax.sampling.samplers import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +82,6 @@ def _without_eos(model):
 
 def _ours(lm, prompts: np.ndarray, new_tokens: int):
     """(first token only, all tokens) as callables on our side."""
-    from gptj_flax.sampling.samplers import SamplingParams
-
     batch = len(prompts)
     kwargs = dict(
         sampling=SamplingParams.build(batch, temperature=0.0),
@@ -148,10 +153,6 @@ def _huggingface_times(
 
 
 def _load_to_first_token(config, params, prompt: list[int]) -> float:
-    from gptj_flax.checkpoint import Checkpointer
-    from gptj_flax.config import Config
-    from gptj_flax.sampling import load
-
     with tempfile.TemporaryDirectory() as directory:
         ckpt = Checkpointer(directory)
         ckpt.save(0, params=params, config=Config(model=config))
@@ -201,13 +202,8 @@ def _print_variant(
 
 
 def run(args: argparse.Namespace) -> None:
-    import jax
     import torch
     from transformers.utils import logging as hf_logging
-
-    from gptj_flax.convert.hf_names import params_from_hf
-    from gptj_flax.convert.quantize import quantize_params
-    from gptj_flax.sampling.api import LanguageModel
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if min(batch_sizes) < 1 or args.new_tokens < 2 or args.repeats < 1:

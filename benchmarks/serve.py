@@ -33,9 +33,18 @@ import sys
 import tempfile
 import time
 
+import flax.linen as nn
 import httpx
+import jax
+import jax.numpy as jnp
 
 from benchmarks.common import BENCH_MODEL, REPO, machine_summary
+from gptj_flax.checkpoint import Checkpointer
+from gptj_flax.config import Config
+from gptj_flax.data import train_bpe_tokenizer
+from gptj_flax.data.corpus import stdlib_sources
+from gptj_flax.model import GPTJ
+from gptj_flax.serving.settings import env_name
 
 # Prompts stay under 16 tokens: the server's warm-up compiles that prompt bucket for every batch size.
 PROMPT_WORDS = ("def", "return", "import", "class", "self", "for", "while", "print", "yield", "lambda")
@@ -225,16 +234,6 @@ async def _measure(
 
 def _write_model(directory: str) -> str:
     """A random ~25M-parameter GPT-J checkpoint and a BPE tokenizer; returns a description."""
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-
-    from gptj_flax.checkpoint import Checkpointer
-    from gptj_flax.config import Config
-    from gptj_flax.data import train_bpe_tokenizer
-    from gptj_flax.data.corpus import stdlib_sources
-    from gptj_flax.model import GPTJ
-
     config = BENCH_MODEL
     params = nn.meta.unbox(GPTJ(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
     checkpointer = Checkpointer(directory)
@@ -258,8 +257,6 @@ def _free_port() -> int:
 def _start_server(checkpoint: str, max_batch: int, prefill: str) -> tuple[subprocess.Popen, str]:
     """``serve()`` of this checkout in a child process (no GIL shared with the clients), configured by
     environment variables as a deployment would be."""
-    from gptj_flax.serving.settings import env_name
-
     port = _free_port()
     settings = {
         "checkpoint": checkpoint,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import hf_gptj_config
@@ -71,8 +72,6 @@ def with_(config: ModelConfig, **changes) -> ModelConfig:
 
 def mean_loss(logits, targets, weights=None, z_loss: float = 0.0):
     """Token-weighted mean of :func:`gptj_flax.model.loss_sums`'s objective, and the total weight."""
-    import jax.numpy as jnp
-
     weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
     objective, _, total = loss_sums(logits, targets, weights, z_loss)
     return objective / jnp.maximum(total, 1.0), total

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -34,6 +35,7 @@ from gptj_flax.config import Config, TrainConfig
 from gptj_flax.convert import from_hf
 from gptj_flax.model import GPTJ
 from tests.helpers import tiny_config
+from tests.test_sampling_api import make_tokenizer
 
 CFG = tiny_config(n_layers=2, d_model=32, n_heads=4, rotary_dim=4, vocab_size=64, max_len=32)
 CONFIG = Config(model=CFG, train=TrainConfig(batch_size=2))
@@ -279,8 +281,6 @@ def test_a_changed_shape_names_the_parameter_and_both_shapes(run, capfd):
 
 
 def test_relative_paths_load_from_any_directory(run, tmp_path, monkeypatch):
-    from tests.test_sampling_api import make_tokenizer
-
     make_tokenizer().save_pretrained(run / "tokenizer")
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
@@ -376,8 +376,6 @@ ckpt.close()
 
 
 def test_a_two_process_save_is_checksummed_by_each_process_and_verified_on_one(tmp_path, repo_root):
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

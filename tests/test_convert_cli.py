@@ -18,6 +18,7 @@ from gptj_flax.convert import ConversionError, config_for_legacy, from_hf, from_
 from gptj_flax.training import make_optimizer
 from tests.helpers import tiny_config
 from tests.legacy_writer import dense_model, dense_moments, legacy_config_dict, write_legacy_checkpoint
+from tests.test_sampling_api import make_tokenizer
 
 CFG = tiny_config(n_layers=3, d_model=32, n_heads=4, rotary_dim=4, vocab_size=64)
 
@@ -119,8 +120,6 @@ def test_ctrl_c_during_a_conversion_leaves_nothing_behind(tmp_path, repo_root):
 
 
 def test_from_hf_checks_the_tokenizer_it_carries(tmp_path, repo_root, caplog):
-    from tests.test_sampling_api import make_tokenizer
-
     write_random_hf(tmp_path / "hf", CFG)
     with caplog.at_level(logging.WARNING, logger="gptj_flax.convert.hf"):
         from_hf(tmp_path / "hf", tmp_path / "weights_only")

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +27,7 @@ from gptj_flax.convert import (
 from gptj_flax.convert.legacy import LegacyCheckpoint, legacy_params
 from gptj_flax.model import GPTJ
 from gptj_flax.training import make_optimizer
+from gptj_flax.training.steps import abstract_state, state_shardings
 from tests.helpers import hf_model, tiny_config
 from tests.legacy_writer import dense_model, dense_moments, hf_state_dict, legacy_config_dict, write_legacy_checkpoint
 
@@ -204,11 +206,6 @@ def test_a_slim_checkpoint_has_no_moments(tmp_path):
 
 def _optimizer_target(config, mesh, freeze=()):
     """The run's optimiser and its abstract state with shardings, exactly as the training loop builds them."""
-    import flax.linen as nn
-
-    from gptj_flax.training import make_optimizer
-    from gptj_flax.training.steps import abstract_state, state_shardings
-
     model = GPTJ(config.model)
     params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
     tx = make_optimizer(config.train, params=params, freeze=freeze)

@@ -1,5 +1,5 @@
 """The package's layering: the import-linter contract in pyproject.toml holds, and no import of a
-project module inside a function hides a dependency from it."""
+project module (the package, the benchmarks, the tests' helpers) inside a function hides a dependency."""
 
 import ast
 import os
@@ -11,23 +11,22 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "gptj_flax"
+PROJECT = {"gptj_flax", "benchmarks", "tests"}
 
 
 def function_level_project_imports(source: str, filename: str) -> list[tuple[str, str, int]]:
-    """(enclosing function, imported module, line) for every import of a ``gptj_flax`` module (or a
-    relative one) made inside a function or method of ``source``."""
+    """(enclosing function, imported module, line) for every import of a project module (``gptj_flax``,
+    ``benchmarks``, ``tests``, or a relative one) made inside a function or method of ``source``."""
     found = []
 
     def visit(node, function):
         for child in ast.iter_child_nodes(node):
             inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
             if function is not None and isinstance(child, ast.Import):
-                found.extend(
-                    (function, a.name, child.lineno) for a in child.names if a.name.split(".")[0] == "gptj_flax"
-                )
+                found.extend((function, a.name, child.lineno) for a in child.names if a.name.split(".")[0] in PROJECT)
             elif function is not None and isinstance(child, ast.ImportFrom):
                 module = "." * child.level + (child.module or "")
-                if child.level or module.split(".")[0] == "gptj_flax":
+                if child.level or module.split(".")[0] in PROJECT:
                     found.append((function, module, child.lineno))
             visit(child, inner)
 
@@ -42,18 +41,22 @@ def test_the_scan_finds_imports_in_functions_methods_and_nested_blocks():
         "def f():\n    import os\n    from gptj_flax.training import train\n"
         "class C:\n    def m(self):\n        if True:\n            import gptj_flax.convert as c\n"
         "        from . import sibling\n"
-        "async def g():\n    from jax import numpy\n"
+        "async def g():\n    from jax import numpy\n    from tests.helpers import tiny_config\n"
     )
     assert function_level_project_imports(source, "x.py") == [
         ("f", "gptj_flax.training", 5),
         ("m", "gptj_flax.convert", 9),
         ("m", ".", 10),
+        ("g", "tests.helpers", 13),
     ]
 
 
 # Every module, the commands in gptj_flax/cli included: a command's optional extra is imported at
 # its top inside ``try`` (gptj_flax.errors.missing_extra), not inside the function that needs it.
-MODULES = sorted(str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py"))
+# Heavy third-party imports (torch, TensorFlow) may still wait inside the function that needs them.
+MODULES = sorted(
+    str(p.relative_to(REPO)) for d in ("gptj_flax", "benchmarks", "scripts", "tests") for p in (REPO / d).rglob("*.py")
+)
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from safetensors.numpy import load_file
 
 import gptj_flax
 from benchmarks.common import write_random_hf
@@ -317,7 +318,6 @@ def test_peft_export_loads_in_peft_and_matches_our_merged_model(lora_run, base, 
 
     saved = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert (saved["r"], saved["lora_alpha"], saved["peft_type"]) == (8, 16, "LORA")
-    from safetensors.numpy import load_file
 
     tensors = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     d, f = config.model.d_model, config.model.ff_dim

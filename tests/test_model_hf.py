@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from gptj_flax.model import GPTJ
+from gptj_flax.model import GPTJ, apply_rotary, rotary_tables
 from tests.helpers import hf_model, mean_loss, params_matching, tiny_config
 
 # (n_layers, d_model, n_heads, rotary_dim): rotary_dim < head_dim and == head_dim, odd depths.
@@ -94,8 +94,6 @@ def test_packed_segments_do_not_attend_across_documents():
 def test_rotary_matches_huggingface_rotate_every_two():
     """The known trap: GPT-J rotates interleaved pairs, on the first rotary_dim dims only."""
     from transformers.models.gptj import modeling_gptj as hf_gptj
-
-    from gptj_flax.model import apply_rotary, rotary_tables
 
     rotary_dim, head_dim, length = 6, 10, 7
     x = np.random.default_rng(5).normal(size=(2, length, 3, head_dim)).astype(np.float32)

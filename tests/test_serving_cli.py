@@ -14,6 +14,8 @@ import sys
 import httpx
 import pytest
 
+import gptj_flax
+from gptj_flax import convert
 from gptj_flax.serving import ServeSettings, SettingsError, add_arguments, settings_from
 from gptj_flax.serving.auth import key_id
 from tests.test_serving_support import (
@@ -328,9 +330,6 @@ def test_serve_script_serves_then_drains_and_exits_on_sigterm(tmp_path, repo_roo
 @pytest.mark.slow
 def test_serve_script_serves_a_huggingface_directory(tmp_path, repo_root):
     """``--checkpoint hf:DIR``: the GPT-4chan server's HF backend, without a second backend."""
-    import gptj_flax
-    from gptj_flax import convert
-
     hf_dir = convert.to_hf(checkpoint_dir(), tmp_path / "hf")
     expected = gptj_flax.load(checkpoint_dir()).generate("def add(", 4, temperature=0).text
     port = free_port()

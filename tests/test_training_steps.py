@@ -12,7 +12,7 @@ import pytest
 from gptj_flax import partitioning
 from gptj_flax.config import ConfigError, TrainConfig
 from gptj_flax.data import Batch
-from gptj_flax.model import GPTJ
+from gptj_flax.model import GPTJ, chunked_loss_sums
 from gptj_flax.training import optimizer, steps
 from tests.helpers import mean_loss, tiny_config
 
@@ -163,8 +163,6 @@ def test_eval_step_is_token_weighted():
 
 def test_chunked_loss_equals_the_full_logits_loss():
     """The LM head applied a chunk at a time gives the loss and gradients of the full logits."""
-    from gptj_flax.model import chunked_loss_sums
-
     model = GPTJ(CFG)
     rng = np.random.default_rng(4)
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 23)), jnp.int32)

@@ -7,19 +7,19 @@ Reads its own share, assembles global arrays, and checks them against the single
 import sys
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from gptj_flax.data import make_train_iterator, process_share, to_global_batch
+
+# Before any backend starts (importing the package starts none; jax.distributed.initialize must come first).
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 4)
 
 
 def main(process_id: int, port: int, index: str, out_path: str) -> None:
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, process_id)
-    import numpy as np
-    from jax.experimental import multihost_utils
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec
-
-    from gptj_flax.data import make_train_iterator, process_share, to_global_batch
-
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
     grad_accum, batch_size, seq_len = 2, 8, 32
     mesh = jax.make_mesh((8,), ("batch",), axis_types=(AxisType.Auto,))

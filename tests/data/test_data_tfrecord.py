@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-from data_helpers import real_tokens, write_index, write_legacy_tfrecords
+from data_helpers import make_documents, real_tokens, write_index, write_legacy_tfrecords
 
-from gptj_flax.data import make_eval_batches, make_train_iterator
+from gptj_flax.data import create_tfrecords, make_eval_batches, make_train_iterator
 from gptj_flax.data import tfrecord as tfrecord_module
 from gptj_flax.data.sources import open_source
 
@@ -91,10 +91,6 @@ def test_layouts_are_counted_once_and_cached(tmp_path, legacy_dataset, monkeypat
 
 
 def test_sidecar_spares_the_counting_pass(tmp_path, tokenizer, monkeypatch):
-    from data_helpers import make_documents
-
-    from gptj_flax.data import create_tfrecords
-
     (tmp_path / "a.txt").write_text("<|endoftext|>".join(make_documents(30)))
     result = create_tfrecords(tmp_path / "a.txt", tmp_path / "out", tokenizer=tokenizer, seq_len=16, progress=False)
     monkeypatch.setattr(tfrecord_module, "count_records", lambda *a, **k: pytest.fail("counted despite the sidecar"))
