@@ -25,7 +25,7 @@ from gptj_flax.data.corpus import prepare_demo_data  # noqa: E402
 from gptj_flax.errors import (  # noqa: E402
     EXIT_INTERRUPTED,
     add_debug_flag,
-    configure_logging,  # noqa: E402
+    configure_logging,
     run_cli,
 )
 from gptj_flax.sampling import Completion  # noqa: E402
