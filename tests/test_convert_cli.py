@@ -114,7 +114,7 @@ sys.exit(main())
 
 
 def test_ctrl_c_during_a_conversion_leaves_nothing_behind(tmp_path, repo_root):
-    write_random_hf(tmp_path / "hf", tiny_config(n_layers=4, d_model=256, vocab_size=4096))  # 40 tensors
+    write_random_hf(tmp_path / "hf", tiny_config(n_layers=4, d_model=256, vocab_size=4096))  # 15 tensors to write
     done = subprocess.run(
         [sys.executable, "-c", CTRL_C_MID_WRITE],
         cwd=tmp_path,
