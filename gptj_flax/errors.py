@@ -84,11 +84,10 @@ def configure_logging(level: int | str, fmt: str) -> None:
     leaving loggers' own levels alone. Forced, because importing Orbax logs through absl, which gives
     the root logger a default handler when it has none; a plain ``basicConfig`` would then change nothing.
     """
-    own = logging.getLevelName(level) if isinstance(level, str) else level
-    if debug_requested():
-        own = logging.DEBUG
+    debug = debug_requested()
+    own = logging.DEBUG if debug else logging.getLevelName(level) if isinstance(level, str) else level
     logging.basicConfig(level=own, format=fmt, force=True)
-    if not debug_requested():
+    if not debug:
         for handler in logging.root.handlers:
             handler.addFilter(_Thresholds(own, max(logging.WARNING, own)))
 
