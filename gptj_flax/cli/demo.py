@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -34,9 +35,16 @@ from gptj_flax.training import train  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+# The checkout's demo config, whatever directory the command starts in; the run and its data go
+# under the current directory (the config's relative paths).
+DEMO_CONFIG = Path(gptj_flax.__file__).resolve().parent.parent / "configs" / "demo_cpu.json"
+
+
 def _main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/demo_cpu.json", type=cli_path)
+    parser.add_argument(
+        "--config", default=str(DEMO_CONFIG), type=cli_path, help="default: the checkout's configs/demo_cpu.json"
+    )
     parser.add_argument("--mesh", help="data,fsdp,model sizes (default: the config's 2,2,2)")
     parser.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value"
