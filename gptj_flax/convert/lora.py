@@ -40,7 +40,7 @@ from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
 from gptj_flax.convert.quantize import dequantize_params
 from gptj_flax.model import abstract_adapters, stack_layers, unstack_layers
 
-BASE_KEY = "lora_base"  # the meta key of a LoRA checkpoint that names its base
+BASE_KEY = checkpoint.LORA_BASE_KEY  # the meta key of a LoRA checkpoint that names its base
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 
