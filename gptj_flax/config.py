@@ -301,6 +301,32 @@ class LoraConfig:
         return tuple(n for n in LORA_PROJECTIONS if any(fnmatch.fnmatchcase(n, p) for p in self.targets))
 
 
+def projection_shape(model: ModelConfig, name: str) -> tuple[int, int]:
+    """``(in, out)`` of one block projection's kernel, heads × head_dim counted as d_model."""
+    d, f = model.d_model, model.ff_dim
+    return {"fc_in": (d, f), "fc_out": (f, d)}.get(name, (d, d))
+
+
+def max_lora_rank(model: ModelConfig, projections: Sequence[str]) -> tuple[int, str]:
+    """The highest useful adapter rank on ``projections`` and the projection that sets it.
+
+    ``A @ B`` on an ``in × out`` kernel has rank at most ``min(in, out)``: rank up to there is a
+    full update of that kernel, and any more adds parameters without adding anything it can express.
+    """
+    name = min(projections, key=lambda n: min(projection_shape(model, n)))  # the first in model order on a tie
+    return min(projection_shape(model, name)), name
+
+
+def _check_lora_rank(model: ModelConfig, lora: LoraConfig) -> None:
+    limit, name = max_lora_rank(model, lora.projections)
+    if lora.rank > limit:
+        rows, cols = projection_shape(model, name)
+        raise ConfigError(
+            f"train.lora.rank={lora.rank} exceeds {limit}, the rank of a full update of {name} ({rows}×{cols}): "
+            f"a higher rank adds parameters but nothing the adapter can express; set train.lora.rank to at most {limit}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The training run. Fields mirror the legacy keys; see ``LEGACY_KEYS``."""
@@ -394,6 +420,8 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(batch_size=8))
 
     def __post_init__(self):
+        if self.train.lora is not None:
+            _check_lora_rank(self.model, self.train.lora)
         if self.train.seq_len is not None and self.train.seq_len > self.model.max_len:
             raise ConfigError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_len={self.model.max_len}: the model has "
