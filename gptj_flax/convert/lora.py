@@ -15,11 +15,11 @@ layout), with in/out flattened as GPT-J HF flattens heads × head_dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from etils import epath
+from flax import traverse_util
 from jax.sharding import Mesh
 
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import Config, LoraConfig, ModelConfig
-from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files
+from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files, scratch_directory
 from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE, to_hf
 from gptj_flax.convert.init_from import load_init_params, parse_init_spec
+from gptj_flax.convert.layout import StreamedArray
 from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
 from gptj_flax.convert.quantize import dequantize_params
 from gptj_flax.model import abstract_adapters, stack_layers, unstack_layers
@@ -254,20 +256,50 @@ def lora_update(a, b, scale: float, stacked: bool):
     return (scale * xp.matmul(a2, b2)).reshape(*lead, *in_dims, *out_dims)
 
 
+def _adapted_kernels(adapters: dict, lora: LoraConfig) -> dict[tuple[str, ...], tuple[dict, bool]]:
+    """Each adapted kernel's path in the params tree, with its adapter (``a``, ``b``) and whether its
+    layers are stacked."""
+    return {
+        (group, *KERNEL_PATHS[name]): (_get(adapters[group], ADAPTER_PATHS[name]), stacked)
+        for group, stacked in _layer_groups(adapters)
+        for name in lora.projections
+    }
+
+
+def _merged_kernel(kernel, ab: dict, lora: LoraConfig, stacked: bool, path: tuple[str, ...], dtype=None):
+    update = lora_update(ab["a"], ab["b"], lora.scale, stacked)
+    if update.shape != kernel.shape:
+        raise LoRAError(f"adapter {'/'.join(path)}: update {update.shape} does not fit kernel {kernel.shape}")
+    return (kernel.astype(np.float32) + update).astype(dtype or kernel.dtype)
+
+
 def merge_adapters(params: dict, adapters: dict, lora: LoraConfig, dtype=None) -> dict:
     """``params`` with every adapted kernel replaced by ``W + (alpha/rank)·A@B``, in ``dtype``
     (default each kernel's own). Both trees must be in the same layer layout."""
     merged = jax.tree.map(lambda x: x, params)  # a new tree: the caller's is left as it is
-    for group, stacked in _layer_groups(adapters):
-        for name in lora.projections:
-            ab = _get(adapters[group], ADAPTER_PATHS[name])
-            kernel = _get(merged[group], KERNEL_PATHS[name])
-            update = lora_update(ab["a"], ab["b"], lora.scale, stacked)
-            if update.shape != kernel.shape:
-                raise LoRAError(f"adapter {group}/{name}: update {update.shape} does not fit kernel {kernel.shape}")
-            out_dtype = dtype or kernel.dtype
-            _set(merged[group], KERNEL_PATHS[name], (kernel.astype(np.float32) + update).astype(out_dtype))
+    for path, (ab, stacked) in _adapted_kernels(adapters, lora).items():
+        _set(merged, path, _merged_kernel(_get(merged, path), ab, lora, stacked, path, dtype))
     return merged
+
+
+def merged_streamed(params: dict, adapters: dict, lora: LoraConfig) -> dict:
+    """:func:`merge_adapters` as :class:`StreamedArray` leaves: each kernel is merged as it is written, so a
+    writer holds one merged leaf at a time and can stop between leaves (Ctrl-C, a failure)."""
+    kernels = _adapted_kernels(adapters, lora)
+
+    def produce(path: tuple[str, ...], leaf) -> np.ndarray:
+        if path not in kernels:
+            return np.asarray(leaf)
+        ab, stacked = kernels[path]
+        return np.asarray(_merged_kernel(leaf, ab, lora, stacked, path))
+
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict(
+        {
+            path: StreamedArray(leaf.shape, leaf.dtype, functools.partial(produce, path, leaf), "/".join(path))
+            for path, leaf in flat.items()
+        }
+    )
 
 
 def merge_lora(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "float32") -> Path:
@@ -281,7 +313,7 @@ def merge_lora(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "
     if model.quantize is not None:  # QLoRA: merged into the dequantised int8 base it was trained on
         base, model = dequantize_params(base, dtype), dataclasses.replace(model, quantize=None)
     config = Config(model=model, mesh=adapter.config.mesh)
-    merged = merge_adapters(base, adapter.adapters, adapter.lora)
+    merged = merged_streamed(base, adapter.adapters, adapter.lora)
     with atomic_directory(out) as tmp:
         write_checkpoint(
             tmp,
@@ -309,8 +341,8 @@ def to_hf_merged(
     """
     parent = Path(out).resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".merge-lora-", dir=parent) as scratch:
-        merged = merge_lora(src, Path(scratch) / "merged")
+    with scratch_directory(parent, ".merge-lora-") as scratch:
+        merged = merge_lora(src, scratch / "merged")
         return to_hf(merged, out, dtype=dtype, max_shard_size=max_shard_size)
 
 
