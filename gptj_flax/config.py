@@ -264,6 +264,9 @@ class MeshConfig:
 
 # The projections a LoRA adapter may wrap, in model order (the names of their parameters).
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")
+# float16's largest value: alpha / rank multiplies the adapters' output in the compute dtype, so a
+# larger alpha can make that product inf and the first training step NaN.
+LORA_ALPHA_MAX = 65504.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,8 +280,10 @@ class LoraConfig:
 
     def __post_init__(self):
         _check_positive_int("train.lora.rank", self.rank)
-        if not _is_finite_number(self.alpha) or self.alpha <= 0:
-            raise ConfigError(f"train.lora.alpha must be a finite positive number, got {self.alpha!r}")
+        if not _is_finite_number(self.alpha) or not 0 < self.alpha <= LORA_ALPHA_MAX:
+            raise ConfigError(
+                f"train.lora.alpha must be a finite positive number at most {LORA_ALPHA_MAX:g}, got {self.alpha!r}"
+            )
         targets = _string_list("train.lora.targets", self.targets)
         if not targets:
             raise ConfigError(f"train.lora.targets is empty: name at least one of {', '.join(LORA_PROJECTIONS)}")
