@@ -624,6 +624,11 @@ def cli_path(text: str) -> str:
     return os.path.abspath(os.path.expanduser(text))
 
 
+def cli_tokenizer(text: str) -> str:
+    """A ``--tokenizer`` argument: a local directory made absolute, a bare hub name (``gpt2``) as it is."""
+    return cli_path(text) if os.path.exists(text) or os.sep in text or text.startswith(("~", ".")) else text
+
+
 def cli_dtype(text: str) -> str:
     """A ``--dtype`` argument in any spelling :func:`dtype_name` reads, as its canonical name."""
     try:
