@@ -142,7 +142,9 @@ class ModelConfig:
     rotary_dim: int
     vocab_size: int
     max_len: int = 2048
-    d_ff: int | None = None  # None: 4 * d_model, as GPT-J
+    # None: 4 * d_model, as GPT-J. Kept as given (read the width from ``ff_dim``), so that a config
+    # rebuilt with another d_model (``--set model.d_model=…``, ``dataclasses.replace``) follows it.
+    d_ff: int | None = None
     layer_norm_eps: float = 1e-5
     dtype: str = "bfloat16"  # compute dtype (TPU/GPU training); float32 on CPU, where it is also faster
     param_dtype: str = "float32"  # storage dtype of the parameters
@@ -157,8 +159,6 @@ class ModelConfig:
     kv_cache: str | None = None
 
     def __post_init__(self):
-        if self.d_ff is None:
-            object.__setattr__(self, "d_ff", 4 * self.d_model)
         for name in ("dtype", "param_dtype"):
             object.__setattr__(self, name, dtype_name(getattr(self, name), f"model.{name}"))
         self.validate()
@@ -176,10 +176,9 @@ class ModelConfig:
         return jnp_dtype(self.param_dtype)
 
     def validate(self) -> None:
-        for name in ("n_layers", "d_model", "n_heads", "rotary_dim", "vocab_size", "max_len", "d_ff"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        for name in ("n_layers", "d_model", "n_heads", "rotary_dim", "vocab_size", "max_len"):
+            _check_positive_int(f"model.{name}", getattr(self, name))
+        _check_positive_int("model.d_ff", self.d_ff, optional=True)
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
@@ -205,7 +204,7 @@ class ModelConfig:
 
     @property
     def ff_dim(self) -> int:
-        """The MLP's hidden width: ``d_ff``, which construction resolves to ``4 * d_model`` when omitted."""
+        """The MLP's hidden width: ``d_ff``, or ``4 * d_model`` when the config leaves it unset."""
         return 4 * self.d_model if self.d_ff is None else self.d_ff
 
     def param_count(self) -> int:
@@ -265,6 +264,9 @@ class MeshConfig:
 
 # The projections a LoRA adapter may wrap, in model order (the names of their parameters).
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")
+# float16's largest value: alpha / rank multiplies the adapters' output in the compute dtype, so a
+# larger alpha can make that product inf and the first training step NaN.
+LORA_ALPHA_MAX = 65504.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,8 +280,10 @@ class LoraConfig:
 
     def __post_init__(self):
         _check_positive_int("train.lora.rank", self.rank)
-        if not _is_finite_number(self.alpha) or self.alpha <= 0:
-            raise ConfigError(f"train.lora.alpha must be a finite positive number, got {self.alpha!r}")
+        if not _is_finite_number(self.alpha) or not 0 < self.alpha <= LORA_ALPHA_MAX:
+            raise ConfigError(
+                f"train.lora.alpha must be a finite positive number at most {LORA_ALPHA_MAX:g}, got {self.alpha!r}"
+            )
         targets = _string_list("train.lora.targets", self.targets)
         if not targets:
             raise ConfigError(f"train.lora.targets is empty: name at least one of {', '.join(LORA_PROJECTIONS)}")
@@ -599,6 +603,7 @@ def apply_overrides(config: Config, overrides: Sequence[str]) -> Config:
     if not overrides:
         return config
     data = config.to_dict()
+    overridden = set()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
@@ -613,8 +618,12 @@ def apply_overrides(config: Config, overrides: Sequence[str]) -> Config:
         except json.JSONDecodeError:
             value = text
         data[section][key] = value
-    if data["train"].get("batch_size") is not None and any(o.startswith("train.batch_size=") for o in overrides):
-        data["train"]["per_replica_batch"] = None
+        overridden.add(dotted)
+    # Two alternatives: setting one of them replaces the file's other, unless both are set.
+    for chosen, other in (("batch_size", "per_replica_batch"), ("per_replica_batch", "batch_size")):
+        set_now = f"train.{chosen}" in overridden and data["train"].get(chosen) is not None
+        if set_now and f"train.{other}" not in overridden:
+            data["train"][other] = None
     return from_dict(data)
 
 
@@ -641,6 +650,11 @@ def cli_path(text: str) -> str:
         if text.startswith(prefix) and len(text) > len(prefix):
             return prefix + cli_path(text[len(prefix) :])
     return os.path.abspath(os.path.expanduser(text))
+
+
+def cli_tokenizer(text: str) -> str:
+    """A ``--tokenizer`` argument: a local directory made absolute, a bare hub name (``gpt2``) as it is."""
+    return cli_path(text) if os.path.exists(text) or os.sep in text or text.startswith(("~", ".")) else text
 
 
 def cli_dtype(text: str) -> str:

@@ -15,7 +15,8 @@ import os
 import sys
 
 from gptj_flax import partitioning
-from gptj_flax.config import ConfigError, cli_path, join_negative_values, load_config
+from gptj_flax.config import Config, ConfigError, cli_path, join_negative_values, load_config
+from gptj_flax.data import DataOrderChanged
 from gptj_flax.errors import (
     EXIT_INTERRUPTED,
     MissingExtraError,
@@ -41,6 +42,33 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+# The setting behind each part of a saved data position that must match to resume it.
+DATA_ORDER_SETTINGS = {
+    "seed": "train.seed",
+    "batch_size": "train.batch_size",
+    "grad_accum": "train.grad_accum_steps",
+    "seq_len": "train.seq_len",
+}
+
+
+def data_order_error(error: DataOrderChanged, config: Config) -> ConfigError:
+    """What to do, in flags, when the run's saved data position does not fit this invocation's settings."""
+    changed, run_dir = error.changed, config.train.run_dir
+    settings = {DATA_ORDER_SETTINGS[k]: changed[k] for k in changed if k in DATA_ORDER_SETTINGS}
+    facts = [f"{name} was {saved!r}, is {now!r} now" for name, (saved, now) in settings.items()]
+    if "num_sequences" in changed:
+        saved, now = changed["num_sequences"]
+        facts.append(f"train.train_set holds {now} sequences, {saved} when saved (other data)")
+    rest = [k for k in changed if k not in DATA_ORDER_SETTINGS and k != "num_sequences"]
+    facts += [f"{k} was {changed[k][0]!r}, is {changed[k][1]!r} now" for k in rest]
+    back = " ".join(f"--set {name}={saved}" for name, (saved, _) in settings.items())
+    resume = f"run with the saved settings ({back})" if back else "train on the data the run was saved with"
+    return ConfigError(
+        f"cannot resume {run_dir} where its data stopped: {'; '.join(facts)}. To resume, {resume}; to train "
+        f"anew from its weights, use another run directory: --set train.run_dir=NEW --init-from {run_dir}"
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -97,17 +125,20 @@ def _main() -> int:
         harness = HarnessDuringTraining(
             config.train.eval_harness_tasks, results_dir=os.path.join(config.train.run_dir, "harness")
         )
-    result = train(
-        config,
-        mesh=mesh,
-        init_from=args.init_from,
-        fresh_opt=args.fresh_opt,
-        peak_flops=args.peak_flops,
-        stop_after=args.stop_after,
-        progress=not args.no_progress,
-        harness=harness,
-        resume_step=args.resume_step,
-    )
+    try:
+        result = train(
+            config,
+            mesh=mesh,
+            init_from=args.init_from,
+            fresh_opt=args.fresh_opt,
+            peak_flops=args.peak_flops,
+            stop_after=args.stop_after,
+            progress=not args.no_progress,
+            harness=harness,
+            resume_step=args.resume_step,
+        )
+    except DataOrderChanged as e:  # the library's advice (state=None) has no command-line spelling
+        raise data_order_error(e, config) from None
     if result.saved_step is None:
         done = (
             f" (train.total_steps={config.train.total_steps} reached)"
