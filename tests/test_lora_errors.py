@@ -185,7 +185,7 @@ def test_a_damaged_peft_directory_is_refused_naming_the_file_and_the_fault(peft,
     with pytest.raises(
         lora_lib.LoRAError,
         match=rf"^{peft / weights}: tensor {Q0_A} has shape \(4, 32\), not \(4, 64\): it was made for a model "
-        r"of other dimensions than this base \(d_model=64, d_ff=128\)",
+        r"of other dimensions than this base \(d_model=64, d_ff=256\)",
     ):
         lora_lib.read_adapter(peft, None, wider)
 
