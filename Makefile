@@ -15,7 +15,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
-	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,eval,serve]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,eval,serve,pod]'
 	touch $@
 
 demo: install
