@@ -16,7 +16,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
-	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,eval,serve,docs]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,eval,serve,docs,pod]'
 	touch $@
 
 demo: install

@@ -122,3 +122,7 @@ def gptj_demo() -> int:
 
 def gptj_aot_check() -> int:
     return run("aot_check")
+
+
+def gptj_launch() -> int:
+    return run("launch")

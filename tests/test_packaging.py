@@ -84,6 +84,7 @@ COMMANDS = {
     "gptj-prepare-threads": "prepare_threads",
     "gptj-demo": "demo",
     "gptj-aot-check": "aot_check",
+    "gptj-launch": "launch",
 }
 
 

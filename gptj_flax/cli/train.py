@@ -6,7 +6,8 @@
 Run the same command on every host of a TPU VM slice (JAX finds the other hosts itself); elsewhere
 add --coordinator HOST:PORT --num-processes N --process-id I. The run resumes from the latest
 checkpoint in train.run_dir, which one trainer at a time may use (RUN_DIR/train.lock names it).
-SIGTERM saves and exits 0; Ctrl-C saves and exits 130, and a second Ctrl-C quits at once.
+SIGTERM saves and exits 0 (75 under gptj-launch, which then starts the job again); Ctrl-C saves and
+exits 130, and a second Ctrl-C quits at once.
 """
 
 import argparse
@@ -19,6 +20,8 @@ from gptj_flax.config import Config, ConfigError, cli_path, join_negative_values
 from gptj_flax.data import DataOrderChanged
 from gptj_flax.errors import (
     EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    LAUNCHED_ENV,
     MissingExtraError,
     add_debug_flag,
     configure_logging,
@@ -151,6 +154,8 @@ def _main() -> int:
         return EXIT_INTERRUPTED
     else:
         print(f"step {result.step}: {'preempted, saved' if result.preempted else 'saved'} in {result.run_dir}")
+        if result.preempted and os.environ.get(LAUNCHED_ENV):  # gptj-launch starts the job again
+            return EXIT_PREEMPTED
     if result.checkpoint_bytes is not None and result.base_bytes is not None:
         print(
             f"LoRA checkpoint step {result.saved_step}: {result.checkpoint_bytes / 2**20:.2f} MiB on disk "
