@@ -42,6 +42,10 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 API_KEY = "docs-test-key-0123456789abcdef"
 
+LAUNCHED_IN_TESTS = (
+    "tests/test_launch.py starts a Ray cluster of its own on 127.0.0.1 (not on Ray's default port, where a "
+    "user's cluster may run) and runs gptj-launch --hosts 2 train on it, a worker killed midway"
+)
 # Command prefix → why this test does not run it.
 NOT_RUN = {
     "make demo": "tests/test_demo.py runs the demo; CI runs make itself",
@@ -55,6 +59,10 @@ NOT_RUN = {
     "local-completions against the server on a local task)",
     "curl -fsS http://127.0.0.1:8080/complete": "tests/test_serving_legacy_clients.py sends docs/serve.md's ```sh "
     "examples to the server and checks the documented answers",
+    "gptj-launch --tpu": "needs a TPU pod slice with a Ray cluster on it",
+    "ray start --head": LAUNCHED_IN_TESTS,
+    "gptj-launch --hosts 2": LAUNCHED_IN_TESTS,
+    "ray stop": LAUNCHED_IN_TESTS,
     "curl -fsS http://127.0.0.1:8080/model/": "tests/test_serving_legacy_clients.py sends docs/serve.md's ```sh "
     "examples to the server and checks the documented answers",
 }
