@@ -24,7 +24,7 @@ from gptj_flax import checkpoint, convert, partitioning
 from gptj_flax.config import ConfigError, LoraConfig, from_dict
 from gptj_flax.convert import lora as lora_lib
 from gptj_flax.model import GPTJ, unstack_layers
-from gptj_flax.training import loop, optimizer, steps, train
+from gptj_flax.training import hooks, loop, optimizer, steps, train
 from tests.training_helpers import MODEL, make_config, make_corpus
 
 LORA = {"rank": 8, "alpha": 16, "targets": ["*"]}
@@ -174,7 +174,7 @@ def test_a_lora_fine_tune_of_a_trained_checkpoint_lowers_validation_loss(lora_ru
         n_batches=2,
         tokenizer=gptj_flax.data.load_tokenizer(corpus["tokenizer"]),
     )
-    baseline = loop.evaluate(plain, params, val, steps.batch_sharding(mesh, accumulated=False))
+    baseline = hooks.evaluate(plain, params, val, steps.batch_sharding(mesh, accumulated=False))
     assert abs(baseline["loss_ft"] - before) < 1e-5
 
 
