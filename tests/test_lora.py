@@ -24,7 +24,7 @@ from gptj_flax import checkpoint, convert, partitioning
 from gptj_flax.config import ConfigError, LoraConfig, from_dict
 from gptj_flax.convert import lora as lora_lib
 from gptj_flax.model import GPTJ, unstack_layers
-from gptj_flax.training import hooks, loop, optimizer, steps, train
+from gptj_flax.training import hooks, optimizer, start, steps, train
 from tests.training_helpers import MODEL, make_config, make_corpus
 
 LORA = {"rank": 8, "alpha": 16, "targets": ["*"]}
@@ -200,7 +200,7 @@ def test_only_the_adapters_train_and_are_saved(lora_run, base, corpus):
     identity = lora_lib.BaseIdentity.from_meta(meta, str(run))
     assert identity.path.endswith("bf16/20") and len(identity.checksum) == 64
     # The base is held frozen in bfloat16.
-    held = loop._LoraRun.start(config, partitioning.make_mesh(config.mesh), meta, None, str(run))
+    held = start._LoraRun.start(config, partitioning.make_mesh(config.mesh), meta, None, str(run))
     assert {x.dtype for x in jax.tree.leaves(held.base)} == {jnp.dtype(jnp.bfloat16)}
 
 
