@@ -316,6 +316,44 @@ def serving_fit(
         devices, kind = jax.devices("cpu")[:1], ONE_CHIP_KINDS[topology]
         compiler = "estimated from the largest live tensors (no libtpu to compile for the chip)"
     mesh = partitioning.make_mesh(mesh_spec or (1, 1, -1), devices=devices)
+    programs, cache_bytes = _serving_programs(mc, mesh, batch, cache_len, chunk)
+    fit = ServingFit(
+        topology=topology,
+        device_kind=kind,
+        compiler=compiler,
+        quantize=mc.quantize,
+        kv_cache=mc.kv_cache,
+        param_dtype=mc.param_dtype,
+        batch=batch,
+        cache_len=cache_len,
+        chunk=chunk,
+        param_bytes=partitioning.bytes_per_device(abstract_params(mc), mesh),
+        cache_bytes=cache_bytes,
+        activation_bytes=0,
+        hbm_bytes=(chip_peak(kind) or ChipPeak(0, 0, 0)).hbm_bytes or None,
+        compile_error=None,
+    )
+    if compiler != XLA_TPU:
+        return dataclasses.replace(fit, activation_bytes=serving_activation_estimate(mc, batch, cache_len, chunk))
+    temporaries = []
+    try:
+        with partitioning.sharding_scope(mesh):
+            for fn, args, donated in programs:
+                compiled = jax.jit(fn, donate_argnums=donated).lower(*args).compile()
+                memory = compiled.memory_analysis()
+                if memory is None:
+                    raise TopologyError(f"XLA gave no memory analysis for {topology}'s serving programs")
+                temporaries.append(memory.temp_size_in_bytes)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return dataclasses.replace(fit, compile_error=str(e).split("RESOURCE_EXHAUSTED:")[-1].strip().splitlines()[0])
+    return dataclasses.replace(fit, activation_bytes=max(temporaries))
+
+
+def _serving_programs(mc, mesh, batch: int, cache_len: int, chunk: int) -> tuple[list, int]:
+    """``([(program, abstract arguments, donated argument), …], cache bytes per device)`` of the
+    decode-slot step and a prefill chunk, as ``gptj-serve`` of ``mc`` runs them on ``mesh``."""
     params, _ = checkpoint.param_targets(mc, mesh)
 
     def targets(shapes, shardings):
@@ -359,38 +397,7 @@ def serving_fit(
         math.prod(s.sharding.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
         for s in jax.tree.leaves((slots, one_row))
     )
-    fit = ServingFit(
-        topology=topology,
-        device_kind=kind,
-        compiler=compiler,
-        quantize=mc.quantize,
-        kv_cache=mc.kv_cache,
-        param_dtype=mc.param_dtype,
-        batch=batch,
-        cache_len=cache_len,
-        chunk=chunk,
-        param_bytes=partitioning.bytes_per_device(abstract_params(mc), mesh),
-        cache_bytes=cache_bytes,
-        activation_bytes=0,
-        hbm_bytes=(chip_peak(kind) or ChipPeak(0, 0, 0)).hbm_bytes or None,
-        compile_error=None,
-    )
-    if compiler != XLA_TPU:
-        return dataclasses.replace(fit, activation_bytes=serving_activation_estimate(mc, batch, cache_len, chunk))
-    temporaries = []
-    try:
-        with partitioning.sharding_scope(mesh):
-            for fn, args, donated in ((decode_step, decode_args, 4), (prefill_chunk, prefill_args, 2)):
-                compiled = jax.jit(fn, donate_argnums=donated).lower(*args).compile()
-                memory = compiled.memory_analysis()
-                if memory is None:
-                    raise TopologyError(f"XLA gave no memory analysis for {topology}'s serving programs")
-                temporaries.append(memory.temp_size_in_bytes)
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        return dataclasses.replace(fit, compile_error=str(e).split("RESOURCE_EXHAUSTED:")[-1].strip().splitlines()[0])
-    return dataclasses.replace(fit, activation_bytes=max(temporaries))
+    return [(decode_step, decode_args, 4), (prefill_chunk, prefill_args, 2)], cache_bytes
 
 
 def serving_activation_estimate(mc, batch: int, cache_len: int, chunk: int) -> int:
