@@ -1,5 +1,5 @@
 """What the training loop does between steps: validation, the harness hook, checkpoints, and
-each step's metrics, as small periodic actions."""
+each step's metrics, as small periodic actions gathered in :class:`Hooks`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from gptj_flax import checkpoint, data
 from gptj_flax.config import Config
 from gptj_flax.errors import GptjFlaxError
 from gptj_flax.training import steps
-from gptj_flax.training.metrics import MetricsWriter
+from gptj_flax.training.metrics import MetricsWriter, peak_flops_per_device
+from gptj_flax.training.setup import TrainSetup
+from gptj_flax.training.start import LoraBase, RunData
 
 log = logging.getLogger(__name__)
 
@@ -171,3 +173,75 @@ class MetricsLog:
             row["perf/mfu"] = self.flops_per_step / seconds / (self.peak_flops * jax.device_count())
         self.writer.write(step, row)
         self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{row['perf/tokens_per_s']:,.0f}")
+
+
+@dataclasses.dataclass
+class Hooks:
+    """What the loop does around its steps: each step's metrics and progress, the baseline at
+    step 0, and the periodic actions."""
+
+    writer: MetricsWriter
+    bar: tqdm
+    metrics: MetricsLog
+    validation: Validation
+    harness: HarnessAction | None
+    saving: Checkpointing
+
+    @classmethod
+    def create(
+        cls,
+        setup: TrainSetup,
+        ckpt: checkpoint.Checkpointer,
+        run_data: RunData,
+        lora: LoraBase | None,
+        eval_step: Callable,
+        harness: Callable[..., dict[str, float]] | None,
+        *,
+        first: int,
+        end: int,
+        peak_flops: float | None,
+        progress: bool,
+    ) -> Hooks:
+        """The hooks of a call that runs steps ``first`` + 1 … ``end``."""
+        config, tc = setup.config, setup.config.train
+        # Rows past the restored step were written by a run that died before its next checkpoint; the
+        # step-0 baseline is recomputed when there is no checkpoint at all.
+        writer = MetricsWriter(
+            tc.run_dir,
+            wandb_project=tc.wandb_project,
+            run_name=tc.name,
+            config=config.to_dict(),
+            drop_from_step=first + 1 if first else 0,
+        )
+        disable = not progress or jax.process_index() != 0
+        bar = tqdm(total=end, initial=first, desc="train", unit="step", dynamic_ncols=True, disable=disable)
+        flops_per_step = config.model.flops_per_token(setup.seq_len) * setup.tokens_per_step
+        metrics = MetricsLog(
+            writer, ckpt, tc.run_dir, setup.tokens_per_step, flops_per_step, peak_flops_per_device(peak_flops), bar
+        )
+        validation = Validation(tc.val_every, eval_step, run_data.val_sets, setup.eval_sharding, writer)
+        hook = None
+        if harness is not None:
+            model_config = config.model if lora is None else lora.merged_model_config
+            hook_args = {"model_config": model_config, "mesh": setup.mesh, "tokenizer": run_data.tokenizer}
+            model_params = (lambda params: params) if lora is None else lora.merged  # LoRA: merged into the base
+            hook = HarnessAction(tc.val_every, harness, writer, hook_args, model_params=model_params)
+        saving = Checkpointing(
+            tc.ckpt_every, ckpt, config, run_data.train_batches, meta={} if lora is None else lora.meta
+        )
+        return cls(writer, bar, metrics, validation, hook, saving)
+
+    @property
+    def baseline(self) -> list[PeriodicAction]:
+        """What step 0 runs: the validation (when there are sets) and the harness the run improves on."""
+        return [a for a in (self.validation if self.validation.val_sets else None, self.harness) if a is not None]
+
+    def after_step(self, step: int, end: int, state: steps.TrainState, metrics, started: float, stopping: bool):
+        """Step ``step`` was dispatched at ``started``: record the one before it, and run what is due."""
+        self.metrics.step_started(step, metrics, started)
+        self.bar.update(1)
+        due = [a for a in (*self.baseline, self.saving) if a.should_run(step, end, stopping)]
+        if due:
+            self.metrics.flush()
+        for action in due:
+            action.run(step, state)

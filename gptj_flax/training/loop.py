@@ -1,5 +1,10 @@
-"""The training loop: resume or initialise, then step, with the actions of :mod:`gptj_flax.training.hooks`
-(validation, the harness, checkpoints, metrics) between steps.
+"""``train``: the training loop and the stop requests it answers.
+
+A run is put together from four modules, one part each: :mod:`~gptj_flax.training.setup` builds
+what the config and mesh decide (model, optimiser, abstract state, shardings, jitted steps);
+:mod:`~gptj_flax.training.start` finds where the run starts (its checkpoint, ``init_from`` or a fresh
+state; a LoRA run's base; the tokenizer and data); :mod:`~gptj_flax.training.hooks` holds what is
+done between steps (metrics, validation, the harness, checkpoints); this module runs the steps.
 
 Every process of a multi-host run executes this same function; each reads only its own share of
 every batch and the shares are assembled into global arrays. Metrics are fetched one step late so
@@ -17,19 +22,15 @@ import threading
 import time
 from collections.abc import Callable
 
-import flax.linen as nn
-import jax
 from jax.sharding import Mesh
-from tqdm import tqdm
 
-from gptj_flax import attention, checkpoint, data, partitioning
+from gptj_flax import checkpoint, data, partitioning
 from gptj_flax.config import Config, ConfigError
-from gptj_flax.model import GPTJ
-from gptj_flax.training import optimizer, steps
-from gptj_flax.training.hooks import Checkpointing, HarnessAction, MetricsLog, PeriodicAction, Validation
+from gptj_flax.training import steps
+from gptj_flax.training.hooks import Hooks
 from gptj_flax.training.lock import exclusive_run_dir
-from gptj_flax.training.metrics import MetricsWriter, peak_flops_per_device
-from gptj_flax.training.start import _LoraRun, _restore_or_init, _run_tokenizer
+from gptj_flax.training.setup import TrainSetup
+from gptj_flax.training.start import open_data, start_run
 
 log = logging.getLogger(__name__)
 
@@ -129,25 +130,43 @@ def train(
 
     Raises :class:`~gptj_flax.training.lock.RunDirLocked` if another trainer holds the run directory.
     """
-    tc, mc = config.train, config.model
-    if mc.quantize is not None and tc.lora is None:
-        raise ConfigError(
-            f"model.quantize={mc.quantize!r} without train.lora: int8 weights take no gradient, so an int8 "
-            "base trains only LoRA adapters (QLoRA: set train.lora); for a full fine-tune unset model.quantize"
-        )
+    _check_call(config, stop_after, harness)
+    setup = TrainSetup.build(config, mesh)
+    log.info("attention: %s", setup.attention.describe())
+    tc = config.train
+    ckpt = checkpoint.Checkpointer(tc.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every)
+    state, meta, lora = start_run(setup, ckpt, init_from, fresh_opt, resume_step)
+    run_data = open_data(setup, ckpt, tokenizer, meta, progress)
+    train_step, eval_step = setup.compile(None if lora is None else lora.base)
+    if lora is not None:  # the frozen base goes into every step beside the adapters
+        train_step, eval_step = lora.bind(train_step), lora.bind(eval_step)
+    first = int(state.step)
+    end = tc.total_steps if stop_after is None else min(tc.total_steps, first + stop_after)
+    hooks = Hooks.create(
+        setup, ckpt, run_data, lora, eval_step, harness, first=first, end=end, peak_flops=peak_flops, progress=progress
+    )
+    step, preempted, interrupted = run_loop(
+        state, first, end, run_data.train_batches, train_step, setup.train_sharding, hooks, ckpt
+    )
+    saved = hooks.saving.saved_step
+    return TrainResult(
+        step=step,
+        losses=hooks.metrics.losses,
+        val=hooks.validation.results,
+        harness={} if hooks.harness is None else hooks.harness.results,
+        preempted=preempted,
+        run_dir=tc.run_dir,
+        interrupted=interrupted,
+        saved_step=saved,
+        checkpoint_bytes=None if lora is None or saved is None else lora.report_sizes(ckpt.directory / str(saved)),
+        base_bytes=None if lora is None else lora.identity.bytes,
+    )
+
+
+def _check_call(config: Config, stop_after: int | None, harness) -> None:
+    tc = config.train
     if stop_after is not None and stop_after < 0:
         raise ValueError(f"stop_after must be >= 0, got {stop_after}")
-    mesh = mesh or partitioning.make_mesh(config.mesh)
-    checkpoint.check_mesh(mc, mesh)
-    data_parallel = partitioning.data_parallel_size(mesh)
-    batch_size = tc.global_batch_size(data_parallel)
-    if batch_size % data_parallel:
-        raise ConfigError(
-            f"train.batch_size={batch_size} is not divisible by the {data_parallel} data-parallel "
-            f"shards (data x fsdp) of mesh {partitioning.mesh_shape(mesh)}: use a multiple of "
-            f"{data_parallel}"
-        )
-    seq_len = tc.seq_len or mc.max_len
     if tc.train_set is None:
         raise ConfigError("train.train_set is not set: give an .index file, a text/jsonl path or tfds:NAME")
     if tc.eval_harness_tasks and harness is None:
@@ -156,152 +175,45 @@ def train(
             list(tc.eval_harness_tasks),
         )
 
-    model = GPTJ(mc, tc.lora)
-    log.info("attention: %s", attention.choose(mc, seq_len, mesh.devices.flat[0]).describe())
-    tx = optimizer.make_optimizer(tc, nn.meta.unbox(steps.abstract_trained(model)), tc.freeze)
-    targets, shardings = steps.state_targets(model, tx, mesh)
-    ckpt = checkpoint.Checkpointer(tc.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every)
-    if tc.lora is not None and init_from is None and ckpt.latest_step() is None:
-        ckpt.close()
-        raise ConfigError(
-            f"train.lora is set but {tc.run_dir} holds no checkpoint and no base was given: start a LoRA "
-            "run with --init-from BASE (hf:DIR, legacy:DIR or an Orbax checkpoint)"
-        )
-    state, meta = _restore_or_init(config, model, tx, mesh, targets, shardings, ckpt, init_from, fresh_opt, resume_step)
-    start = int(state.step)
-    lora_run = None if tc.lora is None else _LoraRun.start(config, mesh, meta, init_from, tc.run_dir)
 
-    tokenizer, save_tokenizer = _run_tokenizer(config, tokenizer)
-    train_sharding = steps.batch_sharding(mesh, accumulated=True)
-    eval_sharding = steps.batch_sharding(mesh, accumulated=False)
-    # Which rows of each global batch this process's devices hold (any device order).
-    share, n_shares = data.process_share(train_sharding, (tc.grad_accum_steps, batch_size, seq_len + 1), 1)
-    train_batches = data.make_train_iterator(
-        tc.train_set,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        grad_accum=tc.grad_accum_steps,
-        seed=tc.seed,
-        tokenizer=tokenizer,
-        process_index=share,
-        process_count=n_shares,
-        state=meta.get("data"),
-        progress=progress,
-        vocab_size=mc.vocab_size,
-    )
-    val_sets = data.make_eval_sets(
-        tc.val_set,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        n_batches=tc.val_batches,
-        tokenizer=tokenizer,
-        process_index=share,
-        process_count=n_shares,
-        progress=progress,
-        vocab_size=mc.vocab_size,
-    )
-    if save_tokenizer:  # only once the data has accepted it (one too large for the model is refused above)
-        ckpt.save_tokenizer(tokenizer)  # atomic; replaces a damaged copy
+def run_loop(
+    state: steps.TrainState,
+    step: int,
+    end: int,
+    batches: data.DataIterator,
+    train_step: Callable,
+    sharding,
+    hooks: Hooks,
+    ckpt: checkpoint.Checkpointer,
+) -> tuple[int, bool, bool]:
+    """Run steps ``step`` + 1 … ``end`` (after the baseline, from step 0), with ``hooks`` after each.
 
-    base_shardings = None if lora_run is None else lora_run.shardings
-    train_step = steps.compile_train_step(
-        model, tx, mesh, shardings, optimizer.schedule(tc), tc.z_loss, accumulated=True, base_shardings=base_shardings
-    )
-    eval_step = steps.compile_eval_step(model, mesh, shardings.params, accumulated=False, base_shardings=base_shardings)
-    if lora_run is not None:  # the frozen base goes into every step beside the adapters
-        train_step, eval_step = lora_run.bind(train_step), lora_run.bind(eval_step)
-
-    # Rows past the restored step were written by a run that died before its next checkpoint; the
-    # step-0 baseline is recomputed when there is no checkpoint at all.
-    writer = MetricsWriter(
-        tc.run_dir,
-        wandb_project=tc.wandb_project,
-        run_name=tc.name,
-        config=config.to_dict(),
-        drop_from_step=start + 1 if start else 0,
-    )
-    end = tc.total_steps if stop_after is None else min(tc.total_steps, start + stop_after)
-    bar = tqdm(
-        total=end,
-        initial=start,
-        desc="train",
-        unit="step",
-        dynamic_ncols=True,
-        disable=not progress or jax.process_index() != 0,
-    )
-    tokens_per_step = tc.grad_accum_steps * batch_size * seq_len
-    metrics_log = MetricsLog(
-        writer,
-        ckpt,
-        tc.run_dir,
-        tokens_per_step,
-        mc.flops_per_token(seq_len) * tokens_per_step,
-        peak_flops_per_device(peak_flops),
-        bar,
-    )
-    validation = Validation(tc.val_every, eval_step, val_sets, eval_sharding, writer)
-    hook = (
-        None
-        if harness is None
-        else HarnessAction(
-            tc.val_every,
-            harness,
-            writer,
-            {
-                "model_config": mc if lora_run is None else lora_run.merged_model_config,
-                "mesh": mesh,
-                "tokenizer": tokenizer,
-            },
-            model_params=(lambda p: p) if lora_run is None else lora_run.merged,
-        )
-    )
-    saving = Checkpointing(tc.ckpt_every, ckpt, config, train_batches, meta={} if lora_run is None else lora_run.meta)
-    baseline: list[PeriodicAction] = [a for a in (validation if val_sets else None, hook) if a is not None]
-    actions = [*baseline, saving]
-
+    A stop request ends the run after the step in progress and its save. Returns the last step run,
+    whether a stop request ended the run and whether that was a Ctrl-C. The checkpointer is closed,
+    so every save has finished, before it returns or raises.
+    """
     preempted = False
     # Installed until the final save has finished: a first Ctrl-C never abandons a save.
     with _StopRequests() as stop:
         try:
-            with partitioning.sharding_scope(mesh):
-                step = start
-                if start == 0:  # the baseline the run improves on
-                    for action in baseline:
+            with partitioning.sharding_scope(sharding.mesh):
+                if step == 0:  # the baseline the run improves on
+                    for action in hooks.baseline:
                         action.run(0, state)
                 while step < end:
-                    batch = data.to_global_batch(next(train_batches), train_sharding)
+                    batch = data.to_global_batch(next(batches), sharding)
                     started = time.perf_counter()
                     state, metrics = train_step(state, batch)
                     step += 1
-                    metrics_log.step_started(step, metrics, started)
-                    bar.update(1)
-                    due = [a for a in actions if a.should_run(step, end, stop.requested)]
-                    if due:
-                        metrics_log.flush()
-                    for action in due:
-                        action.run(step, state)
-                    if stop.requested:
-                        preempted = True
+                    preempted = stop.requested  # read once: a later request is answered after the next step
+                    hooks.after_step(step, end, state, metrics, started, stopping=preempted)
+                    if preempted:
                         break
-                metrics_log.flush()
+                hooks.metrics.flush()
         finally:
-            bar.close()
+            hooks.bar.close()
             ckpt.close()
-            writer.flush()
-    writer.plot()
-    writer.close()
-    checkpoint_bytes = None
-    if lora_run is not None and saving.saved_step is not None:
-        checkpoint_bytes = lora_run.report_sizes(ckpt.directory / str(saving.saved_step))
-    return TrainResult(
-        step=step,
-        losses=metrics_log.losses,
-        val=validation.results,
-        harness={} if hook is None else hook.results,
-        preempted=preempted,
-        run_dir=tc.run_dir,
-        interrupted=preempted and stop.interrupted,
-        saved_step=saving.saved_step,
-        checkpoint_bytes=checkpoint_bytes,
-        base_bytes=None if lora_run is None else lora_run.identity.bytes,
-    )
+            hooks.writer.flush()
+    hooks.writer.plot()
+    hooks.writer.close()
+    return step, preempted, preempted and stop.interrupted
