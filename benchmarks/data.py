@@ -19,8 +19,7 @@ from gptj_flax import data, partitioning
 from gptj_flax.config import cli_path, load_config
 from gptj_flax.data import tfrecord
 from gptj_flax.data.corpus import stdlib_sources
-from gptj_flax.model import GPTJ
-from gptj_flax.training import optimizer, steps
+from gptj_flax.training import TrainSetup
 
 DEMO_CONFIG = str(REPO / "configs" / "demo_cpu.json")
 
@@ -138,19 +137,13 @@ def benchmark_pipeline(
 
 def demo_step_tokens_per_s(config_path: str = DEMO_CONFIG, repeats: int = 5) -> float:
     """Tokens/s of the demo config's train step (its mesh, batch and sequence length), steady state."""
-    config = load_config(config_path)
-    mesh = partitioning.make_mesh(config.mesh)
-    model, tc = GPTJ(config.model), config.train
-    tx = optimizer.make_optimizer(tc)
-    step = steps.compile_train_step(
-        model, tx, mesh, steps.state_shardings(model, tx, mesh), optimizer.schedule(tc), accumulated=True
-    )
-    seq = tc.seq_len or config.model.max_len
-    batch_size = tc.global_batch_size(mesh.shape["data"] * mesh.shape["fsdp"])
-    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (tc.grad_accum_steps, batch_size, seq + 1))
-    batch = data.make_batch(tokens.astype(np.int32), np.full(tokens.shape[:2], seq + 1), None)
-    state = steps.create_state(model, tx, mesh, jax.random.key(0))
-    with partitioning.sharding_scope(mesh):
+    setup = TrainSetup.build(load_config(config_path))
+    step, _ = setup.compile()
+    shape = (setup.config.train.grad_accum_steps, setup.batch_size, setup.seq_len + 1)
+    tokens = np.random.default_rng(0).integers(0, setup.config.model.vocab_size, shape)
+    batch = data.make_batch(tokens.astype(np.int32), np.full(tokens.shape[:2], setup.seq_len + 1), None)
+    state = setup.init_state()
+    with partitioning.sharding_scope(setup.mesh):
         state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         start = time.perf_counter()
