@@ -46,22 +46,15 @@ def abstract_trained(model: GPTJ) -> Any:
     return model_lib.abstract_adapters(model.config, model.lora)
 
 
-def abstract_state(model: GPTJ, tx: optax.GradientTransformation) -> Any:
+def abstract_state(model: GPTJ, tx: optax.GradientTransformation, trained: Any = None) -> Any:
     """Boxed abstract TrainState (shapes and logical axes; nothing allocated): the optimiser's
-    moments carry their parameters' logical axes."""
+    moments carry their parameters' logical axes. ``trained``: :func:`abstract_trained`, if the
+    caller has it already."""
 
     def init(params):
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-    return jax.eval_shape(init, abstract_trained(model))
-
-
-def state_targets(
-    model: GPTJ, tx: optax.GradientTransformation, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES
-) -> tuple[TrainState, TrainState]:
-    """``(targets, shardings)`` of every TrainState leaf on ``mesh``: what a checkpoint is restored
-    into and a step is lowered against."""
-    return partitioning.restore_targets(abstract_state(model, tx), mesh, rules)
+    return jax.eval_shape(init, abstract_trained(model) if trained is None else trained)
 
 
 def state_shardings(
@@ -78,9 +71,12 @@ def create_state(
     rng: jax.Array,
     rules: partitioning.Rules = partitioning.DEFAULT_RULES,
     params: Any = None,
+    shardings: TrainState | None = None,
 ) -> TrainState:
-    """A fresh TrainState born sharded; with ``params`` given, only the optimiser state is new."""
-    shardings = state_shardings(model, tx, mesh, rules)
+    """A fresh TrainState born sharded; with ``params`` given, only the optimiser state is new.
+    ``shardings``: :func:`state_shardings`, if the caller has them already."""
+    if shardings is None:
+        shardings = state_shardings(model, tx, mesh, rules)
 
     def init(rng, params):
         if params is None:  # with LoRA, the base params init makes are unused and compiled away
@@ -116,37 +112,49 @@ def _with_base(model: GPTJ, step: Callable) -> Callable:
     return lambda *args: step(*args, None)
 
 
+def _accumulate(micro_grads: Callable, params, batch: Batch):
+    """``(grads, loss_sum, tokens)`` summed over the micro-batches of ``batch`` [GA, …], where
+    ``micro_grads(params, micro) -> (grads, (loss_sum, tokens))`` for one micro-batch.
+
+    The micro-batches run under ``lax.scan`` with the gradients summed in float32; one micro-batch
+    runs alone, sparing the float32 accumulator's memory.
+    """
+    if batch.tokens.shape[0] == 1:
+        grads, (loss_sum, tokens) = micro_grads(params, jax.tree.map(lambda x: x[0], batch))
+        return grads, loss_sum, tokens
+
+    def body(carry, micro):
+        grads, loss_sum, tokens = carry
+        g, (micro_loss, n) = micro_grads(params, micro)
+        return (jax.tree.map(jnp.add, grads, g), loss_sum + micro_loss, tokens + n), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (grads, loss_sum, tokens), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), batch)
+    return grads, loss_sum, tokens
+
+
 def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callable, z_loss: float = 0.0):
     """``train_step(state, batch) -> (state, metrics)``, to be jitted by :func:`compile_train_step`;
     with LoRA ``train_step(state, batch, base)``, the base params frozen (no gradient is taken for them).
 
-    Micro-batches run under ``lax.scan`` with gradients accumulated in float32. Each micro-batch's
-    summed loss is divided by the token count of the *whole* batch (known before any forward pass),
-    so the accumulated gradient is already the mean over every token — k micro-batches give exactly
-    the gradient of one k-times larger batch — and no extra pass over the gradients is needed.
+    Micro-batches are accumulated by :func:`_accumulate`. Each micro-batch's summed loss is divided
+    by the token count of the *whole* batch (known before any forward pass), so the accumulated
+    gradient is already the mean over every token — k micro-batches give exactly the gradient of
+    one k-times larger batch — and no extra pass over the gradients is needed.
     """
-
-    def micro_grads(params, micro, denom, base):
-        def loss_fn(p):
-            objective, loss, tokens = _loss_sums(model, p, micro, z_loss, base)
-            return objective / denom, (loss, tokens)
-
-        return jax.grad(loss_fn, has_aux=True)(params)
 
     def train_step(state: TrainState, batch: Batch, base):
         batch = _as_accumulated(batch)
         denom = jnp.maximum(jnp.sum(batch.loss_mask.astype(jnp.float32)), 1.0)
-        if batch.tokens.shape[0] == 1:  # no accumulation: spare the float32 accumulator's memory
-            grads, (loss_sum, tokens) = micro_grads(state.params, jax.tree.map(lambda x: x[0], batch), denom, base)
-        else:
 
-            def body(carry, micro):
-                grads, loss_sum, tokens = carry
-                g, (micro_loss, n) = micro_grads(state.params, micro, denom, base)
-                return (jax.tree.map(jnp.add, grads, g), loss_sum + micro_loss, tokens + n), None
+        def micro_grads(params, micro):
+            def loss_fn(p):
+                objective, loss, tokens = _loss_sums(model, p, micro, z_loss, base)
+                return objective / denom, (loss, tokens)
 
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-            (grads, loss_sum, tokens), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), batch)
+            return jax.grad(loss_fn, has_aux=True)(params)
+
+        grads, loss_sum, tokens = _accumulate(micro_grads, state.params, batch)
         with jax.named_scope("optimizer"):  # a name for profiles: optax's operations carry none
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
@@ -193,32 +201,29 @@ def _base_in(model: GPTJ, base_shardings: Any) -> tuple:
 def compile_train_step(
     model: GPTJ,
     tx,
-    mesh: Mesh,
     shardings: TrainState,
+    *,
+    data_sharding: NamedSharding,
     lr_fn: Callable,
     z_loss: float = 0.0,
-    accumulated: bool = True,
     base_shardings: Any = None,
 ):
     """Jit the train step with NamedShardings in and out; the state is donated (updated in place).
-    With LoRA, ``base_shardings`` are the base params' (an input, never donated)."""
-    data = batch_sharding(mesh, accumulated)
-    replicated = NamedSharding(mesh, PartitionSpec())
+    ``data_sharding``: the batch's (:func:`batch_sharding`). With LoRA, ``base_shardings`` are the
+    base params' (an input, never donated)."""
+    replicated = NamedSharding(data_sharding.mesh, PartitionSpec())
     return jax.jit(
         make_train_step(model, tx, lr_fn, z_loss),
-        in_shardings=(shardings, data, *_base_in(model, base_shardings)),
+        in_shardings=(shardings, data_sharding, *_base_in(model, base_shardings)),
         out_shardings=(shardings, replicated),
         donate_argnums=0,
     )
 
 
-def compile_eval_step(
-    model: GPTJ, mesh: Mesh, param_shardings: Any, accumulated: bool = False, base_shardings: Any = None
-):
-    data = batch_sharding(mesh, accumulated)
-    replicated = NamedSharding(mesh, PartitionSpec())
+def compile_eval_step(model: GPTJ, param_shardings: Any, *, data_sharding: NamedSharding, base_shardings: Any = None):
+    replicated = NamedSharding(data_sharding.mesh, PartitionSpec())
     return jax.jit(
         make_eval_step(model),
-        in_shardings=(param_shardings, data, *_base_in(model, base_shardings)),
+        in_shardings=(param_shardings, data_sharding, *_base_in(model, base_shardings)),
         out_shardings=replicated,
     )
