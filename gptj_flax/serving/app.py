@@ -526,13 +526,15 @@ def create_app(
         completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def log(responses: list[str]) -> None:
+            # a text prompt with one choice is logged as texts; otherwise a response per choice (n per prompt)
+            single = isinstance(body.prompt, str) and len(responses) == 1
             service.log(
                 key=key,
                 endpoint="/v1/completions",
                 prompt=body.prompt if isinstance(body.prompt, str) else [text for text, _ in prompts],
                 pre_prompt="",
                 settings=settings_logged,
-                response=responses[0] if len(responses) == 1 else responses,
+                response=responses[0] if single else responses,
                 started=started,
             )
 
