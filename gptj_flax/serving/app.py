@@ -31,6 +31,7 @@ from gptj_flax.serving import legacy, schemas
 from gptj_flax.serving.auth import KeyStore, KeysUnavailable, bearer_token, key_id
 from gptj_flax.serving.engine import Engine
 from gptj_flax.serving.metrics import Metrics
+from gptj_flax.serving.offsets import TextOffsets
 from gptj_flax.serving.request_log import RequestLog
 from gptj_flax.serving.scoring import PromptScorer
 from gptj_flax.serving.settings import ServeSettings, ServingError
@@ -188,6 +189,10 @@ class Service:
         if text is None:
             text = self._token_texts[token] = self.model.decode([token])
         return text
+
+    def text_offsets(self, start: int) -> TextOffsets:
+        """The ``text_offset`` of tokens whose text begins at character ``start``."""
+        return TextOffsets(lambda t: self.token_text(t[0]) if len(t) == 1 else self.model.decode(t), start)
 
     async def score(self, prompts: list[list[int]], top_logprobs: int) -> list:
         try:
@@ -677,7 +682,7 @@ async def _events(service: Service, job: Job, completion_id: str, created: int, 
     """The job's text as OpenAI completion chunks (with the logprobs of each chunk's tokens, if the job
     asks), then ``data: [DONE]``."""
     texts = [""] * len(job.rows)
-    offsets = list(prompt_chars)  # each row's next token's text_offset
+    offsets = [service.text_offsets(start) for start in prompt_chars]  # each row's, across its pieces
 
     def chunk(index: int, text: str, logprobs, finish_reason) -> str:
         return _sse(
@@ -709,7 +714,6 @@ async def _events(service: Service, job: Job, completion_id: str, created: int, 
                     logprobs = _token_logprobs(
                         service, piece.tokens, piece.logprobs, piece.top_logprobs, offsets[index]
                     ).model_dump()
-                    offsets[index] += sum(len(t) for t in logprobs["tokens"])
                 yield chunk(index, str(piece), logprobs, None)
     for index, reason in enumerate(item.finish_reasons):  # as OpenAI: a last chunk per choice says why it ended
         if reason is not None:
@@ -732,59 +736,56 @@ def _top(service: Service, alternatives: dict[int, float] | None, token: int, lo
 def _token_logprobs(
     service: Service,
     tokens: list[int],
-    logprobs: list[float],
+    logprobs: list[float | None],
     alternatives: list[dict[int, float]] | None,
-    start: int,
+    offsets: TextOffsets,
 ) -> schemas.Logprobs:
-    """OpenAI's logprobs object for generated tokens whose text starts at character ``start``."""
-    texts = [service.token_text(t) for t in tokens]
-    offsets = (start + np.cumsum([0] + [len(t) for t in texts[:-1]])).tolist() if texts else []
+    """OpenAI's logprobs object for tokens that follow those ``offsets`` has taken."""
     tops: list[dict[int, float]] = alternatives or [{}] * len(tokens)
     return schemas.Logprobs(
-        tokens=texts,
+        tokens=[service.token_text(t) for t in tokens],
         token_logprobs=list(logprobs),
         top_logprobs=[_top(service, top, t, lp) for top, t, lp in zip(tops, tokens, logprobs, strict=True)],
-        text_offset=offsets,
+        text_offset=offsets.add(tokens),
+    )
+
+
+def _joined(*parts: schemas.Logprobs) -> schemas.Logprobs:
+    return schemas.Logprobs(
+        tokens=[t for p in parts for t in p.tokens],
+        token_logprobs=[x for p in parts for x in p.token_logprobs],
+        top_logprobs=[top for p in parts for top in p.top_logprobs],
+        text_offset=[o for p in parts for o in p.text_offset],
     )
 
 
 def _logprobs(service: Service, prompt_text: str, echoed: list[int] | None, scored, completion) -> schemas.Logprobs:
     """OpenAI's logprobs object of one choice: with ``echoed`` (the prompt's tokens) those first, the
     first with ``null`` for its log-probability and alternatives (nothing comes before it); then the
-    generated tokens. Offsets count characters from the start of the prompt."""
-    generated = (
-        _token_logprobs(service, [], [], None, 0)
-        if completion is None
-        else _token_logprobs(
-            service,
-            completion.tokens,
-            completion.logprobs,
-            completion.top_logprobs,
-            0 if echoed is not None else len(prompt_text),
-        )
+    generated tokens. Offsets index the choice's text as :mod:`~gptj_flax.serving.offsets` says: the
+    generated tokens' start at the prompt's end, echoed or not (as OpenAI counts them)."""
+    generated = _token_logprobs(
+        service,
+        [] if completion is None else completion.tokens,
+        [] if completion is None else completion.logprobs,
+        None if completion is None else completion.top_logprobs,
+        service.text_offsets(len(prompt_text)),
     )
     if echoed is None:
         return generated
-    if scored is None:  # a one-token prompt: nothing to score it after
-        prompt = schemas.Logprobs(
-            tokens=[service.token_text(echoed[0])], token_logprobs=[None], top_logprobs=[None], text_offset=[0]
-        )
-    else:
-        rest = _token_logprobs(service, echoed[1:], scored.logprobs.tolist(), scored.top_logprobs, 0)
-        first = service.token_text(echoed[0])
-        prompt = schemas.Logprobs(
-            tokens=[first, *rest.tokens],
-            token_logprobs=[None, *rest.token_logprobs],
-            top_logprobs=[None, *rest.top_logprobs],
-            text_offset=[0, *(o + len(first) for o in rest.text_offset)],
-        )
-    end = len("".join(prompt.tokens))
-    return schemas.Logprobs(
-        tokens=prompt.tokens + generated.tokens,
-        token_logprobs=prompt.token_logprobs + generated.token_logprobs,
-        top_logprobs=prompt.top_logprobs + generated.top_logprobs,
-        text_offset=prompt.text_offset + [end + o for o in generated.text_offset],
+    offsets = service.text_offsets(0)
+    first = schemas.Logprobs(
+        tokens=[service.token_text(echoed[0])],
+        token_logprobs=[None],
+        top_logprobs=[None],
+        text_offset=offsets.add(echoed[:1]),
     )
+    rest = (  # scored is None for a one-token prompt: nothing to score it after
+        _token_logprobs(service, [], [], None, offsets)
+        if scored is None
+        else _token_logprobs(service, echoed[1:], scored.logprobs.tolist(), scored.top_logprobs, offsets)
+    )
+    return _joined(first, rest, generated)
 
 
 # -- the original mesh-transformer-jax servers' APIs --------------------------------------------------
