@@ -4,9 +4,11 @@ front of the serving engine (continuous batching; echoed prompts are scored besi
 APIs of mesh-transformer-jax's own servers: ``device_serve.py``'s body on ``/complete`` and the
 ``docker/`` API's ``/model/predict`` and ``/model/get_prediction`` (``legacy`` has what routes them).
 
-Status codes: 400 malformed JSON, 401 missing or wrong API key, 404 unknown model or qid, 413 a prompt
-that cannot fit the context (or an over-large body), 422 a field of the wrong type or out of range
-(the error names it and the problem, never the value sent), 429 queue full (with ``Retry-After``),
+Status codes: 400 malformed JSON, 401 missing or wrong API key (with a keys file, on every route but
+``/health`` and ``/metrics``, before the body is validated: see ``auth``), 404 unknown model or qid,
+413 a prompt that cannot fit the context (or an over-large body), 422 a field of the wrong type or
+out of range (the error names it and the problem, never the value sent; the first 20 errors and a
+count of the rest), 429 queue full (with ``Retry-After``),
 503 warming up, shutting down, or an unusable API keys file. Bad input never reaches the model, so
 it never produces a 500; no request body is ever logged.
 """
@@ -28,7 +30,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from gptj_flax import partitioning
 from gptj_flax.serving import legacy, schemas
-from gptj_flax.serving.auth import KeyStore, KeysUnavailable, bearer_token, key_id
+from gptj_flax.serving.auth import KEY_ID, PUBLIC_PATHS, KeyCheck, KeyStore
 from gptj_flax.serving.engine import Engine
 from gptj_flax.serving.metrics import Metrics
 from gptj_flax.serving.offsets import TextOffsets
@@ -41,17 +43,18 @@ logger = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/complete", "/v1/completions")
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
-OPEN_WHILE_DRAINING = ("/health", "/metrics")
 DOCKER_API_PATHS = ("/model/predict", "/model/get_prediction")
 KNOWN_PATHS = (
     *GENERATION_PATHS,
     *TOKENIZER_PATHS,
     *DOCKER_API_PATHS,
     "/v1/models",
-    *OPEN_WHILE_DRAINING,
+    *PUBLIC_PATHS,
     "/openapi.json",
     "/docs",
 )
+OPEN_WHILE_DRAINING = PUBLIC_PATHS
+MAX_LOC_CHARS = 64
 OPENAI_FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}
 # The samplers take top_p / typical_p in (0, 1]; the API's 0 means "keep as few tokens as the filter
 # can" (one, and any tied with it), which the smallest positive float32 gives.
@@ -158,24 +161,6 @@ class Service:
         self.draining = True
 
     # -- request handling ------------------------------------------------------------------------
-    def authorize(self, request: Request, body_key: str | None) -> str | None:
-        """The caller's key id; 401 unless the body's ``api_key`` or the bearer token is a valid key."""
-        if self.keys is None:
-            return None
-        key = body_key or bearer_token(request.headers.get("authorization"))
-        try:
-            valid = self.keys.is_valid(key)
-        except KeysUnavailable:  # the keys file changed into something unusable; its error is logged once
-            raise HTTPException(503, "the server cannot check API keys at the moment; try again later") from None
-        if not valid:
-            logger.info("refused %s: %s API key", request.url.path, "no" if key is None else "an invalid")
-            raise HTTPException(
-                401,
-                "a valid API key is required (the api_key field or Authorization: Bearer)",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        return key_id(key)
-
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.name:
             raise HTTPException(404, f"model {name!r} is not served here; this server has {self.name!r}")
@@ -275,16 +260,29 @@ def open_request_log(settings: ServeSettings) -> RequestLog | None:
     )
 
 
+def caller(request: Request) -> str | None:
+    """The id of the key the request was let in with (None without authentication), as
+    :class:`~gptj_flax.serving.auth.KeyCheck` found it."""
+    return request.scope.get(KEY_ID)
+
+
+def _shown(part: Any) -> int | str:
+    """One part of an error's location; a field name the body made up is cut short."""
+    return part if isinstance(part, int) else str(part)[:MAX_LOC_CHARS]
+
+
 def validation_errors(exc: RequestValidationError) -> list[dict]:
-    """Each error's field and problem, without the value sent (it may be a key, or not JSON at all)."""
-    return [
-        {
-            "loc": [part if isinstance(part, int) else str(part) for part in error["loc"]],
-            "msg": str(error["msg"]),
-            "type": str(error["type"]),
-        }
-        for error in exc.errors()
+    """The first errors' field and problem, without the value sent (it may be a key, or not JSON at
+    all), and a count of the rest: a 422 stays small whatever was sent."""
+    errors = exc.errors()
+    shown = [
+        {"loc": [_shown(part) for part in error["loc"]], "msg": str(error["msg"]), "type": str(error["type"])}
+        for error in errors[: schemas.MAX_ERRORS]
     ]
+    if len(errors) > schemas.MAX_ERRORS:
+        more = len(errors) - schemas.MAX_ERRORS
+        shown.append({"loc": ["body"], "msg": f"and {more} more errors not listed", "type": "too_many_errors"})
+    return shown
 
 
 def json_response(content: Any, status_code: int) -> Response:
@@ -395,6 +393,7 @@ def create_app(
     )
     app.state.service = service
     app.add_middleware(legacy.CompleteBodyDispatch)  # inside ServiceMiddleware: drained, counted as /complete
+    app.add_middleware(KeyCheck, keys=service.keys)  # before anything reads or validates a body
     app.add_middleware(ServiceMiddleware, service=service)
     if settings.cors:  # outermost, so that refusals (401, 429, 503) reach the page with their headers too
         app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
@@ -421,7 +420,7 @@ def create_app(
         """GPT-4chan's API: continue `pre_prompt` + `prompt`; the prompt loses its oldest tokens to fit
         the context with `length` new tokens (413 if even the pre_prompt and one prompt token cannot)."""
         started = time.monotonic()
-        key = service.authorize(request, body.api_key)
+        key = caller(request)
         pre = service.encode(body.pre_prompt)[: settings.pre_prompt_length]
         prompt = service.encode(body.prompt)
         shortest = len(pre) + min(len(prompt), 1) or 1  # nothing at all: start from the EOS token
@@ -475,7 +474,7 @@ def create_app(
         """OpenAI-style completions of one prompt or a list (texts or token ids), `n` each; `stream`
         sends server-sent events; `echo` with `logprobs` scores the prompt too (`max_tokens` 0: only that)."""
         started = time.monotonic()
-        key = service.authorize(request, body.api_key)
+        key = caller(request)
         service.check_model(body.model)
         if body.echo and body.stream:
             raise _invalid("echo", "echo is not available with stream")
@@ -600,9 +599,8 @@ def create_app(
         )
 
     @app.post("/tokenize", response_model=schemas.TokenizeResponse, responses={**ERRORS, 404: _error("unknown model")})
-    async def tokenize(body: schemas.TokenizeRequest, request: Request):
+    async def tokenize(body: schemas.TokenizeRequest):
         """vLLM's `/tokenize` of a text: its token ids, their count and the model's context."""
-        service.authorize(request, None)
         service.check_model(body.model)
         tokens = service.model.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return schemas.TokenizeResponse(
@@ -615,16 +613,14 @@ def create_app(
     @app.post(
         "/detokenize", response_model=schemas.DetokenizeResponse, responses={**ERRORS, 404: _error("unknown model")}
     )
-    async def detokenize(body: DetokenizeRequest, request: Request):
+    async def detokenize(body: DetokenizeRequest):
         """vLLM's `/detokenize`: the text of token ids (special tokens kept, as generation writes them)."""
-        service.authorize(request, None)
         service.check_model(body.model)
         return schemas.DetokenizeResponse(prompt=service.model.decode(body.tokens))
 
     @app.get("/tokenizer_info", response_model=schemas.TokenizerInfo, responses={401: ERRORS[401]})
-    async def tokenizer_info(request: Request):
+    async def tokenizer_info():
         """The tokenizer's special tokens, as vLLM's `/tokenizer_info` (lm-eval's remote tokenizer reads them)."""
-        service.authorize(request, None)
         tokenizer = service.model.tokenizer
         return schemas.TokenizerInfo(
             tokenizer_class=type(tokenizer).__name__,
@@ -636,7 +632,7 @@ def create_app(
             vocab_size=service.vocab,
         )
 
-    @app.get("/v1/models", response_model=schemas.ModelList)
+    @app.get("/v1/models", response_model=schemas.ModelList, responses={401: ERRORS[401]})
     async def models():
         return schemas.ModelList(
             data=[schemas.ModelCard(id=service.name, created=service.created, max_model_len=service.context)]
@@ -812,7 +808,7 @@ def _add_original_server_routes(app: FastAPI, service: Service) -> None:
         """device_serve.py's `/complete`: continue `context` by 256 tokens (as many as the context
         leaves room for beside one context token, on a model whose context is shorter)."""
         started = time.monotonic()
-        key = service.authorize(request, body.api_key)
+        key = caller(request)
         row = prompt_row(body.context, min(legacy.DEVICE_SERVE_LENGTH, service.context - 1), body.temp, body.top_p)
         (completion,) = await service.run(request, Job([row]))
         service.log(
@@ -838,7 +834,7 @@ def _add_original_server_routes(app: FastAPI, service: Service) -> None:
     @app.post("/model/predict", response_model=schemas.PredictResponse, include_in_schema=False)
     async def predict(body: schemas.PredictRequest, request: Request):
         """The docker API: queue a completion of `context` and answer its qid at once."""
-        key = service.authorize(request, body.api_key)
+        key = caller(request)
         if body.length + 1 > service.context:
             raise HTTPException(
                 413,
@@ -873,7 +869,7 @@ def _add_original_server_routes(app: FastAPI, service: Service) -> None:
     @app.post("/model/get_prediction", response_model=schemas.PredictionResponse, include_in_schema=False)
     async def get_prediction(body: schemas.PredictionRequest, request: Request):
         """The docker API: the qid's result, once it is ready (as the original, this waits for it)."""
-        key = service.authorize(request, body.api_key)
+        key = caller(request)
         prediction = predictions.get(body.qid, key)
         if prediction is None:  # another key's qid reads as unknown: a qid says nothing to its non-owner
             raise HTTPException(404, "no prediction has this qid (or it is one of the oldest, no longer kept)")

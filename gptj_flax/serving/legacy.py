@@ -20,14 +20,12 @@ import json
 import secrets
 import time
 
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.routing import APIRoute
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gptj_flax.serving.request_body import BodyTooLarge, answer_too_large, is_json, read_body, replaying
 from gptj_flax.serving.schemas import QID_LIMIT
 
 # device_serve.py always generated 256 tokens; GPT-J's context (2048) leaves room for them.
@@ -36,13 +34,6 @@ DEVICE_SERVE_LENGTH = 256
 DEVICE_SERVE_FIELDS = frozenset({"context", "temp"})
 BODY_KIND = "gptj_flax.complete_body"
 DEVICE_SERVE = "device_serve"
-
-
-def is_json(headers: Headers) -> bool:
-    """Whether FastAPI parses this body as JSON (its strict content-type rule)."""
-    kind = headers.get("content-type", "").split(";")[0].strip().lower()
-    subtype = kind.partition("/")[2]
-    return kind.startswith("application/") and (subtype == "json" or subtype.endswith("+json"))
 
 
 def is_device_serve_body(body: bytes) -> bool:
@@ -67,27 +58,13 @@ class CompleteBodyDispatch:
             return await self.app(scope, receive, send)
         if not is_json(Headers(scope=scope)):
             return await self.app(scope, receive, send)
-        messages, body = [], bytearray()
         try:
-            while True:
-                message = await receive()
-                messages.append(message)
-                if message["type"] != "http.request":  # the client went away; the route finds out too
-                    break
-                body += message.get("body", b"")
-                if not message.get("more_body", False):
-                    break
-        except HTTPException as e:  # the app's body size limit: answered as any route answers it
-            response = await http_exception_handler(Request(scope), e)
-            return await response(scope, receive, send)
-        pending = collections.deque(messages)
-
-        async def replay():
-            return pending.popleft() if pending else await receive()
-
-        if is_device_serve_body(bytes(body)):
+            messages, body = await read_body(receive)
+        except BodyTooLarge as refused:
+            return await answer_too_large(scope, receive, send, refused)
+        if is_device_serve_body(body):
             scope = {**scope, BODY_KIND: DEVICE_SERVE}
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(messages, receive), send)
 
 
 class DeviceServeRoute(APIRoute):

@@ -91,9 +91,9 @@ class ServeSettings:
     api_keys_file: str | None = _setting(
         None,
         str,
-        "file of valid API keys: the first whitespace-separated token of each line, at least 16 "
-        "characters; blank lines and lines starting with # are skipped; re-read when it changes (default: no "
-        "authentication)",
+        "file of valid API keys: the first whitespace-separated token of each line, 16 to 1024 "
+        "characters; blank lines and lines starting with # are skipped; re-read when it changes. Every route "
+        "but /health and /metrics then needs a key (default: no authentication)",
     )
     queue_size: int = _setting(1024, int, "prompts that may wait for the model; beyond it requests get 429")
     max_batch: int = _setting(
