@@ -53,7 +53,8 @@ KNOWN_PATHS = (
     "/openapi.json",
     "/docs",
 )
-OPEN_WHILE_DRAINING = PUBLIC_PATHS
+# Open while draining: the probes, and the docker API's collection of results accepted before it.
+OPEN_WHILE_DRAINING = (*PUBLIC_PATHS, "/model/get_prediction")
 MAX_LOC_CHARS = 64
 OPENAI_FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}
 # The samplers take top_p / typical_p in (0, 1]; the API's 0 means "keep as few tokens as the filter
@@ -146,6 +147,7 @@ class Service:
         self.scorer = PromptScorer(model, max_rows=settings.queue_size)
         # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest.
         self.max_body_bytes = 2**16 + 2 * settings.max_batch * schemas.MAX_TEXT_CHARS * 6
+        self.predictions = legacy.PredictionStore(settings.predictions_kept)  # the docker API's jobs
         self.created = int(time.time())
         self.draining = False
         self.in_flight = 0
@@ -155,10 +157,19 @@ class Service:
         return "draining" if self.draining and self.worker.state == READY else self.worker.state
 
     def begin_drain(self) -> None:
-        """Stop taking requests (503); the server exits once ``in_flight`` reaches 0."""
+        """Stop taking requests (503) but ``/model/get_prediction``; the server exits once :meth:`drained`."""
         if not self.draining:
-            logger.info("draining: refusing new requests, finishing %d in flight", self.in_flight)
+            logger.info(
+                "draining: refusing new requests, finishing %d in flight and %d /model/predict job(s)",
+                self.in_flight,
+                self.predictions.running,
+            )
         self.draining = True
+
+    def drained(self) -> bool:
+        """Draining, nothing in flight, and the docker API's results finished and collected (or given
+        ``--predictions-grace`` seconds to be)."""
+        return self.draining and self.in_flight == 0 and self.predictions.settled(self.settings.predictions_grace)
 
     # -- request handling ------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -788,7 +799,7 @@ def _logprobs(service: Service, prompt_text: str, echoed: list[int] | None, scor
 # Undocumented in /openapi.json (their clients were written against the originals, not a schema),
 # they share the engine, authentication, queue limits and request log with the routes above.
 def _add_original_server_routes(app: FastAPI, service: Service) -> None:
-    predictions = legacy.PredictionStore(service.settings.predictions_kept)
+    predictions = service.predictions
 
     def prompt_row(text: str, length: int, temperature: float, top_p: float, top_k: int = 0) -> Prompt:
         """``text``'s last tokens that fit the context with ``length`` new ones (its start token if empty)."""
@@ -883,6 +894,7 @@ def _add_original_server_routes(app: FastAPI, service: Service) -> None:
                 gone.cancel()
             if not prediction.done.is_set():  # the job goes on: its result stays for a later call
                 raise HTTPException(499, "the client closed the request")
+        prediction.collected = True  # a drain need not wait for it any longer
         if prediction.failed:
             raise HTTPException(500, "generation failed; the server log has the details")
         return {"context": prediction.context, "completion": prediction.completion, "time": prediction.seconds}

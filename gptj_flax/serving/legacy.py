@@ -79,7 +79,8 @@ class DeviceServeRoute(APIRoute):
 
 @dataclasses.dataclass
 class Prediction:
-    """One ``/model/predict`` job: whose it is, its context, and (once done) its completion or error."""
+    """One ``/model/predict`` job: whose it is, its context, and (once done) its completion or error,
+    and whether anyone has collected it."""
 
     key: str | None
     context: str
@@ -88,6 +89,7 @@ class Prediction:
     completion: str | None = None
     seconds: float = 0.0
     failed: bool = False
+    collected: bool = False
 
 
 class PredictionStore:
@@ -97,6 +99,7 @@ class PredictionStore:
         self.keep = keep
         self._jobs: dict[int, Prediction] = {}
         self._finished: collections.deque[int] = collections.deque()
+        self.running = 0  # jobs not finished yet
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -105,6 +108,7 @@ class PredictionStore:
         while (qid := secrets.randbelow(QID_LIMIT - 1) + 1) in self._jobs:
             pass
         prediction = self._jobs[qid] = Prediction(key, context, time.monotonic())
+        self.running += 1
         return qid, prediction
 
     def finish(self, qid: int, completion: str | None) -> None:
@@ -113,6 +117,7 @@ class PredictionStore:
         prediction.completion, prediction.failed = completion, completion is None
         prediction.seconds = time.monotonic() - prediction.submitted
         prediction.done.set()
+        self.running -= 1
         self._finished.append(qid)
         while len(self._finished) > self.keep:
             del self._jobs[self._finished.popleft()]
@@ -121,3 +126,11 @@ class PredictionStore:
         """The job, if it is known and was asked for with the same key (else, as if unknown)."""
         prediction = self._jobs.get(qid)
         return prediction if prediction is not None and prediction.key == key else None
+
+    def settled(self, grace_s: float, now: float | None = None) -> bool:
+        """Whether every job has finished and each result nobody has collected finished at least
+        ``grace_s`` seconds ago: what a drain waits for before the server exits."""
+        now = time.monotonic() if now is None else now
+        return self.running == 0 and all(
+            p.collected or now - (p.submitted + p.seconds) >= grace_s for p in self._jobs.values()
+        )
