@@ -273,7 +273,8 @@ def test_an_unknown_qid_or_another_keys_is_a_404(client, server):
     assert unknown.status_code == 404 and "no prediction has this qid" in unknown.json()["detail"]
     qid = predict(client, PROMPTS[0], length=4, temp=0.0)
     assert client.post("/model/get_prediction", json={"qid": qid}).status_code == 200
-    other_key = client.post("/model/get_prediction", json={"qid": qid, "api_key": KEYS[0]}, headers={})
+    # only the other key (the client's Bearer token, KEYS[1], would be looked at first)
+    other_key = httpx.post(client.base_url.join("/model/get_prediction"), json={"qid": qid, "api_key": KEYS[0]})
     assert other_key.status_code == 404 and other_key.json() == unknown.json()
 
 

@@ -250,9 +250,9 @@ class _HeldSlots:
     def __getattr__(self, name):
         return getattr(self._slots, name)
 
-    def warm_up(self):
+    def warm_up(self, **kwargs):
         self._holder._enter([[0]])
-        self._slots.warm_up()
+        return self._slots.warm_up(**kwargs)
 
     def dispatch_admit(self, requests, slots):
         self._holder._enter([r.tokens for r in requests])

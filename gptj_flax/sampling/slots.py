@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax
@@ -720,8 +721,13 @@ class Slots:
             )
         return Pending(out, rows)
 
-    def warm_up(self) -> None:
-        """Compile every program a request can need: nothing compiles once requests come."""
+    def warm_up(self, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Compile every program a request can need: nothing compiles once requests come. ``stop`` is
+        asked before each program (a compile cannot be cut short); False if it said stop."""
+        return not any(stop() for _ in self._compile_each())
+
+    def _compile_each(self) -> Iterator[None]:
+        """Runs each program once with dummy rows that change nothing; yields before each one."""
         dummy = Request([0], 1, -1, 0, SamplingParams.build(1, temperature=0.0))
         nowhere = [self.slots] * MAX_PREFILL_ROWS  # past the last slot: the inserts change nothing
         longest = self.prompt_columns(self.length)
@@ -729,11 +735,13 @@ class Slots:
             request = dataclasses.replace(dummy, tokens=[0] * min(columns, self.length))
             if columns <= self.chunk:
                 for rows in {min(1 << i, MAX_PREFILL_ROWS, self.slots) for i in range(MAX_PREFILL_ROWS.bit_length())}:
+                    yield
                     if self.prefill is None:
                         self.admit([request] * rows, nowhere[:rows])
                     else:
                         self.place(self.dispatch_prefill([request] * rows), [None] * rows)
             else:
+                yield
                 prefill = self.start_prefill(request)
                 self.prefill_chunk(prefill)
                 if self.prefill is None:
@@ -743,6 +751,7 @@ class Slots:
             self.wait()
         for rows in sorted({self.busy_rows(s) for s in range(self.slots)}):
             for blocks in range(1, len(self.blocks) + 1):
+                yield
                 self._run([], 1, blocks, rows).result()
 
     def compilations(self) -> int:
