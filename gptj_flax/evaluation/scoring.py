@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig
-from gptj_flax.model import GPTJ, greedy_matches, token_log_probs
+from gptj_flax.losses import greedy_matches, token_log_probs
+from gptj_flax.model import GPTJ
 from gptj_flax.sampling.decoding import bucket
 from gptj_flax.sampling.multihost import check_same_call, to_device
 

@@ -25,7 +25,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import ModelConfig
-from gptj_flax.model import GPTJ, KVCache, token_log_probs, unstack_layers
+from gptj_flax.losses import token_log_probs
+from gptj_flax.model import GPTJ, KVCache, unstack_layers
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, next_tokens, top_bucket, top_logprobs
 

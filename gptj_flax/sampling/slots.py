@@ -39,7 +39,8 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gptj_flax import partitioning
-from gptj_flax.model import GPTJ, KVCache, PagedKVCache, pool_blocks, token_log_probs, write_pool
+from gptj_flax.losses import token_log_probs
+from gptj_flax.model import GPTJ, KVCache, PagedKVCache, pool_blocks, write_pool
 from gptj_flax.sampling.decoding import EOS, LENGTH, RUNNING, STOPPED, Decoder, bucket
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingParams, next_tokens, top_logprobs
