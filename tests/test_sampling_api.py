@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import gptj_flax
+import gptj_flax.sampling
 from gptj_flax.checkpoint import Checkpointer, CheckpointError
 from gptj_flax.config import Config, TrainConfig
 from gptj_flax.model import GPTJ
@@ -22,6 +23,25 @@ from tests.helpers import CORPUS, tiny_config
 TOKENIZER_VOCAB = 300
 # The model's vocabulary is padded past the tokenizer's (as GPT-J's 50400 > 50257).
 CFG = tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=320, max_len=128)
+
+
+def test_the_sampling_namespace_holds_what_library_users_call():
+    """``gptj_flax.sampling`` exports ``load``, the model and its settings, results and errors; the
+    compiled device programs behind them (``Decoder``, ``Slots``) stay in their own modules."""
+    assert set(gptj_flax.sampling.__all__) == {
+        "CheckedSettings",
+        "Completion",
+        "LanguageModel",
+        "MissingTokenizer",
+        "SamplingError",
+        "SamplingParams",
+        "Scored",
+        "TextStream",
+        "check_settings",
+        "check_text",
+        "load",
+    }
+    assert not hasattr(gptj_flax.sampling, "Decoder")
 
 
 def make_tokenizer():
