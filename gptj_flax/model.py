@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gptj_flax import attention
+from gptj_flax import attention, partitioning
 from gptj_flax.config import LoraConfig, ModelConfig
 
 Array = jax.Array
@@ -274,12 +274,12 @@ def write_layer_kv(kv: LayerKV, k: Array, v: Array) -> LayerKV:
     if kv.k_scale is not None and kv.v_scale is not None:
         (k, k_scale), (v, v_scale) = quantize_kv(k, axis=2), quantize_kv(v, axis=3)
         scales = {
-            "k_scale": nn.with_logical_constraint(put(kv.k_scale, k_scale, 2), SCALE_AXES),
-            "v_scale": nn.with_logical_constraint(put(kv.v_scale, v_scale, 2), SCALE_AXES),
+            "k_scale": partitioning.constrain(put(kv.k_scale, k_scale, 2), SCALE_AXES),
+            "v_scale": partitioning.constrain(put(kv.v_scale, v_scale, 2), SCALE_AXES),
         }
     return kv._replace(
-        k=nn.with_logical_constraint(put(kv.k, k, 3), KEY_AXES),
-        v=nn.with_logical_constraint(put(kv.v, v, 2), VALUE_AXES),
+        k=partitioning.constrain(put(kv.k, k, 3), KEY_AXES),
+        v=partitioning.constrain(put(kv.v, v, 2), VALUE_AXES),
         **scales,
     )
 
@@ -647,7 +647,7 @@ class LoRA(nn.Module):
         # In the compute dtype, as the base kernels are: a float32 delta would promote the residual
         # stream, which nn.scan's carry refuses.
         xa = jnp.tensordot(x.astype(self.dtype), a.value.astype(self.dtype), axes=len(in_shape))
-        xa = nn.with_logical_constraint(xa, ("batch", "length", "lora_rank"))
+        xa = partitioning.constrain(xa, ("batch", "length", "lora_rank"))
         return (self.lora.scale * jnp.tensordot(xa, b.value.astype(self.dtype), axes=1)).astype(self.dtype)
 
 
@@ -693,10 +693,10 @@ class Attention(nn.Module):
             )
             for name in ("q_proj", "k_proj", "v_proj")
         )
-        q = nn.with_logical_constraint(apply_rotary(q, sin, cos), ("batch", "length", "heads", "kv"))
+        q = partitioning.constrain(apply_rotary(q, sin, cos), ("batch", "length", "heads", "kv"))
         # keys and values in the cache's layouts
-        k = nn.with_logical_constraint(apply_rotary(k, sin, cos).transpose(0, 2, 3, 1), KEY_AXES)
-        v = nn.with_logical_constraint(v.transpose(0, 2, 1, 3), VALUE_AXES)
+        k = partitioning.constrain(apply_rotary(k, sin, cos).transpose(0, 2, 3, 1), KEY_AXES)
+        v = partitioning.constrain(v.transpose(0, 2, 1, 3), VALUE_AXES)
         # Cached calls (the prefill and each decode step) always take the XLA path: a decode step's
         # scores are only [B, heads, 1, S], nothing a fused kernel saves, and a prefill writes into
         # the cache at a slot known only at run time, which the kernels' static masks cannot express.
@@ -753,7 +753,7 @@ class MLP(nn.Module):
         cfg = self.config
         h = Dense(cfg, cfg.ff_dim, cfg.d_model**-0.5, ("embed", "mlp"), name="fc_in")(x)
         h = lora_delta(self.lora, "fc_in", x, ("embed",), (cfg.ff_dim,), ("mlp",), cfg.compute_dtype, h)
-        h = nn.with_logical_constraint(nn.gelu(h, approximate=True), ("batch", "length", "mlp"))
+        h = partitioning.constrain(nn.gelu(h, approximate=True), ("batch", "length", "mlp"))
         out = Dense(cfg, cfg.d_model, 2.0 / cfg.n_layers / np.sqrt(cfg.d_model), ("mlp", "embed"), name="fc_out")(h)
         return lora_delta(self.lora, "fc_out", h, ("mlp",), (cfg.d_model,), ("embed",), cfg.compute_dtype, out)
 
@@ -785,11 +785,11 @@ class Block(nn.Module):
         mask: Array | attention.SegmentMask | None,
         kv: LayerKV | PagedLayerKV | None = None,
     ) -> tuple[Array, LayerKV | PagedLayerKV | None]:
-        h = nn.with_logical_constraint(h, RESIDUAL_AXES)
+        h = partitioning.constrain(h, RESIDUAL_AXES)
         x = layer_norm(self.config, "ln_1")(h)
         attn, kv = Attention(self.config, self.lora, name="attn")(x, sin, cos, mask, kv)
         h = h + attn + MLP(self.config, self.lora, name="mlp")(x)
-        return nn.with_logical_constraint(h, RESIDUAL_AXES), kv
+        return partitioning.constrain(h, RESIDUAL_AXES), kv
 
 
 class ScannedBlock(Block):
@@ -805,7 +805,7 @@ def project_to_vocab(h: Array, kernel: Array, bias: Array) -> Array:
     """The LM head: ``h @ kernel + bias`` in h's dtype, returned as float32 logits [..., vocab]."""
     with jax.named_scope("lm_head"):  # the chunked loss calls it outside the module: keep profiles' name
         logits = jnp.einsum("...d,dv->...v", h, kernel.astype(h.dtype)) + bias.astype(h.dtype)
-    return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+    return partitioning.constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
 class LMHead(nn.Module):
@@ -962,8 +962,8 @@ class GPTJ(nn.Module):
     def _embed(self, tokens: Array) -> Array:
         # Gather the (vocab-sharded) table before the lookup: a row gather from a sharded table
         # would make XLA replicate the activations instead, which is far larger.
-        table = nn.with_logical_constraint(self.wte.astype(self.config.compute_dtype), (None, None))
-        return nn.with_logical_constraint(jnp.take(table, tokens, axis=0), RESIDUAL_AXES)
+        table = partitioning.constrain(self.wte.astype(self.config.compute_dtype), (None, None))
+        return partitioning.constrain(jnp.take(table, tokens, axis=0), RESIDUAL_AXES)
 
 
 def abstract_params(config: ModelConfig) -> dict:
