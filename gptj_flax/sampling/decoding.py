@@ -49,6 +49,21 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+def per_row_axes() -> dict[str, Any]:
+    """The logical axes of the fields :class:`DecodeState` and the decode slots' ``SlotState`` share,
+    each a value per row (a batch entry or a slot): rows split over the data-parallel axes."""
+    rows = PartitionSpec("batch")
+    return {
+        "num_generated": rows,
+        "max_new_tokens": rows,
+        "finish": rows,
+        "eos_id": rows,
+        "seeds": rows,
+        "seen": PartitionSpec("batch", None),
+        "sampling": SamplingParams.logical_axes(),
+    }
+
+
 @flax.struct.dataclass
 class DecodeState:
     """Everything the decode loop carries, on the device. Rows are batch entries."""
@@ -72,22 +87,16 @@ class DecodeState:
 
     @classmethod
     def logical_axes(cls, config: ModelConfig) -> DecodeState:
-        rows, table, cube = PartitionSpec("batch"), PartitionSpec("batch", None), PartitionSpec("batch", None, None)
+        table, cube = PartitionSpec("batch", None), PartitionSpec("batch", None, None)
         return cls(
             cache=KVCache.logical_axes(config),
             tokens=table,
             logprobs=table,
             top_ids=cube,
             top_logprobs=cube,
-            num_generated=rows,
-            finish=rows,
             step=PartitionSpec(),
-            prompt_lengths=rows,
-            max_new_tokens=rows,
-            eos_id=rows,
-            seeds=rows,
-            seen=table,
-            sampling=SamplingParams.logical_axes(),
+            prompt_lengths=PartitionSpec("batch"),
+            **per_row_axes(),
         )
 
 
