@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from gptj_flax import model as model_lib
 from gptj_flax import partitioning
 from gptj_flax.data import Batch
-from gptj_flax.model import GPTJ, chunked_loss_sums
+from gptj_flax.losses import chunked_loss_sums
+from gptj_flax.model import GPTJ
 
 BATCH_AXES = ("batch", "length")
 ACCUM_BATCH_AXES = (None, "batch", "length")
