@@ -111,7 +111,7 @@ def test_the_build_warns_about_nothing_and_declares_the_license_and_commands(bui
     assert all(f"gptj_flax/cli/{module}.py" in names for module in COMMANDS.values())
 
 
-def test_the_wheel_holds_the_library_and_no_benchmark_fixture_or_test(wheel):
+def test_the_wheel_holds_the_library_and_no_benchmark_fixture_or_test(wheel, repo_root):
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         modules = {name: archive.read(name).decode("utf-8") for name in names if name.endswith(".py")}
@@ -121,6 +121,9 @@ def test_the_wheel_holds_the_library_and_no_benchmark_fixture_or_test(wheel):
         "gptj_flax/gpt4chan/post_html.py",
         "gptj_flax/convert/hf.py",
     } <= set(modules)
+    # The playground page's files are package data: every one in the checkout is in the wheel.
+    page = {f"gptj_flax/serving/static/{path.name}" for path in (repo_root / "gptj_flax/serving/static").iterdir()}
+    assert "gptj_flax/serving/static/index.html" in page and page <= set(names)
     top_level = {name.split("/")[0] for name in names if not name.startswith("gptj_flax-")}  # but the dist-info
     assert top_level == {"gptj_flax", "gptj_flax_entry.py"}
     assert not [name for name in modules if NOT_A_LIBRARY_MODULE.search(name)]

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware.cors import CORSMiddleware
 
 from gptj_flax import partitioning
-from gptj_flax.serving import legacy, schemas
+from gptj_flax.serving import legacy, schemas, ui
 from gptj_flax.serving.auth import KEY_ID, PUBLIC_PATHS, KeyCheck, KeyStore
 from gptj_flax.serving.engine import Engine
 from gptj_flax.serving.metrics import Metrics
@@ -404,7 +404,8 @@ def create_app(
     )
     app.state.service = service
     app.add_middleware(legacy.CompleteBodyDispatch)  # inside ServiceMiddleware: drained, counted as /complete
-    app.add_middleware(KeyCheck, keys=service.keys)  # before anything reads or validates a body
+    # Before anything reads or validates a body; the playground page's files hold no data, and stay open.
+    app.add_middleware(KeyCheck, keys=service.keys, public=(*PUBLIC_PATHS, *ui.public_paths(settings)))
     app.add_middleware(ServiceMiddleware, service=service)
     if settings.cors:  # outermost, so that refusals (401, 429, 503) reach the page with their headers too
         app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
@@ -425,6 +426,7 @@ def create_app(
         return json_response({"detail": validation_errors(exc)}, 422)
 
     _add_original_server_routes(app, service)  # first: its /complete takes only device_serve.py bodies
+    ui.add_page(app, settings)
 
     @app.post("/complete", response_model=schemas.CompleteResponse, responses=ERRORS)
     async def complete(body: schemas.CompleteRequest, request: Request):
@@ -646,7 +648,15 @@ def create_app(
     @app.get("/v1/models", response_model=schemas.ModelList, responses={401: ERRORS[401]})
     async def models():
         return schemas.ModelList(
-            data=[schemas.ModelCard(id=service.name, created=service.created, max_model_len=service.context)]
+            data=[
+                schemas.ModelCard(
+                    id=service.name,
+                    created=service.created,
+                    max_model_len=service.context,
+                    dtype=service.model.compute_dtype,
+                    quantization=service.model.config.quantize,
+                )
+            ]
         )
 
     @app.get("/health", response_model=schemas.Health, responses={503: {"model": schemas.Health}})

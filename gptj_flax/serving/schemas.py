@@ -353,6 +353,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "gptj_flax"
     max_model_len: int
+    # Beyond OpenAI's fields (its clients keep extra ones): what the model computes in, for people.
+    dtype: str = Field(description="the dtype the model computes in: float32, bfloat16 or float16")
+    quantization: str | None = Field(None, description="int8 where the block projections are stored as int8")
 
 
 class ModelList(BaseModel):

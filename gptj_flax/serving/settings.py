@@ -136,6 +136,7 @@ class ServeSettings:
         "let web pages from any origin call the server (CORS, as mesh-transformer-jax's device_serve.py "
         "and docker API did): answer preflights, allow any origin, method and header",
     )
+    no_ui: bool = _setting(False, boolean, "do not serve the playground page at / (it is then a 404)")
     predictions_kept: int = _setting(
         1024, int, "finished /model/predict results kept for /model/get_prediction; beyond it the oldest go"
     )
