@@ -364,6 +364,8 @@ class TrainConfig:
     wandb_project: str | None = None
     comment: str = ""
     tpu_size: int | None = None  # legacy, informational
+    # The EMA rate of the gradient-noise statistics (noise/*, docs/train.md); None: not computed.
+    noise_scale_alpha: float | None = None
 
     def __post_init__(self):
         if (self.batch_size is None) == (self.per_replica_batch is None):
@@ -378,6 +380,12 @@ class TrainConfig:
             value = getattr(self, name)
             if not _is_finite_number(value) or value < 0:
                 raise ConfigError(f"train.{name} must be a finite non-negative number, got {value!r}")
+        alpha = self.noise_scale_alpha
+        if alpha is not None and not (_is_finite_number(alpha) and 0 < alpha <= 1):
+            raise ConfigError(
+                f"train.noise_scale_alpha must be a number in (0, 1] (the weight of each new step in the "
+                f"statistics' moving averages; device_train.py used 0.01) or null, got {alpha!r}"
+            )
         object.__setattr__(self, "adam_mu_dtype", dtype_name(self.adam_mu_dtype, "train.adam_mu_dtype"))
         _check_choice("train.adam_mu_dtype", self.adam_mu_dtype, ("float32", "bfloat16"))
         if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
@@ -484,6 +492,7 @@ LEGACY_KEYS: dict[str, tuple[str, str]] = {
     "name": ("train", "name"),
     "wandb_project": ("train", "wandb_project"),
     "comment": ("train", "comment"),
+    "noise_scale_alpha": ("train", "noise_scale_alpha"),
 }
 # Legacy keys handled specially: fixed architecture choices, and the GCS bucket.
 LEGACY_SPECIAL = ("norm", "pe", "bucket", "model_dir")

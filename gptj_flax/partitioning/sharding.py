@@ -25,6 +25,15 @@ def sharding_scope(mesh: Mesh, rules: Rules = DEFAULT_RULES):
         yield
 
 
+@contextlib.contextmanager
+def within_replica():
+    """The active rules with ``batch`` unsplit, for code that runs once per data-parallel replica
+    (``jax.vmap`` over a replica axis with ``spmd_axis_name=replica_axes()``): a replica's share of a
+    batch lives whole on its own devices, while the other placements (model parallelism) stay."""
+    with nn.logical_axis_rules((("batch", None), *nn.get_logical_axis_rules())):
+        yield
+
+
 def logical_to_sharding(logical: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
     """A tree of logical PartitionSpecs (or one) → the same tree of NamedShardings."""
     return nn.logical_to_mesh_sharding(logical, mesh, rules)

@@ -132,6 +132,7 @@ def train(
     """
     _check_call(config, stop_after, harness)
     setup = TrainSetup.build(config, mesh)
+    _warn_unused_settings(setup)
     log.info("attention: %s", setup.attention.describe())
     tc = config.train
     ckpt = checkpoint.Checkpointer(tc.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every)
@@ -143,7 +144,17 @@ def train(
     first = int(state.step)
     end = tc.total_steps if stop_after is None else min(tc.total_steps, first + stop_after)
     hooks = Hooks.create(
-        setup, ckpt, run_data, lora, eval_step, harness, first=first, end=end, peak_flops=peak_flops, progress=progress
+        setup,
+        ckpt,
+        run_data,
+        lora,
+        eval_step,
+        harness,
+        first=first,
+        end=end,
+        peak_flops=peak_flops,
+        progress=progress,
+        meta=meta,
     )
     step, preempted, interrupted = run_loop(
         state, first, end, run_data.train_batches, train_step, setup.train_sharding, hooks, ckpt
@@ -173,6 +184,18 @@ def _check_call(config: Config, stop_after: int | None, harness) -> None:
         log.warning(
             "train.eval_harness_tasks=%s but no harness hook was passed to train(); the tasks do not run",
             list(tc.eval_harness_tasks),
+        )
+
+
+def _warn_unused_settings(setup: TrainSetup) -> None:
+    """Say once which settings of the config this run cannot act on, by key."""
+    tc = setup.config.train
+    if tc.noise_scale_alpha is not None and setup.noise_replicas is None:
+        log.warning(
+            "train.noise_scale_alpha=%s (legacy noise_scale_alpha) is set, but train.grad_accum_steps=1: the "
+            "gradient-noise statistics compare each micro-batch's gradient with their accumulated mean, so "
+            "they need gradient accumulation; none are logged. Set train.grad_accum_steps > 1 to get them.",
+            tc.noise_scale_alpha,
         )
 
 
