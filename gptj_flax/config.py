@@ -363,7 +363,7 @@ class TrainConfig:
     name: str = "gptj"
     wandb_project: str | None = None
     comment: str = ""
-    tpu_size: int | None = None  # legacy, informational
+    tpu_size: int | None = None  # legacy: the slice the config was written for; a warning when the run's differs
     # The EMA rate of the gradient-noise statistics (noise/*, docs/train.md); None: not computed.
     noise_scale_alpha: float | None = None
 
@@ -540,7 +540,17 @@ def from_legacy_dict(raw: Mapping[str, Any]) -> Config:
     if model_dir is not None:
         bucket = raw.get("bucket")
         is_url = "://" in str(model_dir)
+        if bucket and is_url and not str(model_dir).startswith(f"gs://{bucket}/"):
+            raise ConfigError(
+                f"legacy keys 'bucket'={bucket!r} and 'model_dir'={model_dir!r} disagree: a model_dir URL is the "
+                "run directory itself; drop 'bucket', or give model_dir as a path inside the bucket"
+            )
         sections["train"]["run_dir"] = f"gs://{bucket}/{model_dir}" if bucket and not is_url else model_dir
+    elif raw.get("bucket"):  # the original required both; a bucket alone would leave checkpoints in runs/default
+        raise ConfigError(
+            f"legacy key 'bucket'={raw['bucket']!r} is set without 'model_dir': checkpoints go to "
+            "gs://BUCKET/MODEL_DIR; add 'model_dir', or drop 'bucket' and set the run directory (train.run_dir)"
+        )
     sections["mesh"].setdefault("data", 1)
     sections["mesh"]["fsdp"] = -1
     return Config(

@@ -198,6 +198,20 @@ def _warn_unused_settings(setup: TrainSetup) -> None:
             tc.noise_scale_alpha,
         )
 
+    if tc.tpu_size is not None and tc.tpu_size != setup.mesh.size:
+        # The original's pod launcher made a slice of tpu_size devices; here the devices present decide.
+        model_parallel = setup.config.mesh.model if setup.config.mesh.model > 0 else 1
+        there = tc.grad_accum_steps * tc.global_batch_size(max(tc.tpu_size // model_parallel, 1))
+        log.warning(
+            "train.tpu_size=%d (legacy tpu_size) does not size this run: its %d devices do, and a step trains on "
+            "%d sequences (%d on %d devices)",
+            tc.tpu_size,
+            setup.mesh.size,
+            tc.grad_accum_steps * setup.batch_size,
+            there,
+            tc.tpu_size,
+        )
+
 
 def run_loop(
     state: steps.TrainState,
