@@ -2,6 +2,7 @@
 from that step's micro-batch gradients taken apart on one device, ``B_simple`` against the known
 noise scale of synthetic gradients, their averages across a resume, and accumulation 1 (a warning)."""
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 
 from gptj_flax import checkpoint, partitioning
-from gptj_flax.config import ConfigError, from_dict
+from gptj_flax.config import Config, ConfigError, MeshConfig, ModelConfig, TrainConfig, from_dict
+from gptj_flax.data import Batch
 from gptj_flax.training import TrainSetup, start, train
 from gptj_flax.training.metrics import GradientNoiseScale
 from tests.training_helpers import make_config, make_corpus
@@ -183,3 +185,26 @@ def test_the_key_is_read_from_legacy_configs_and_checked():
     for bad in (0, 1.5, -0.1, "0.01", True, float("nan")):
         with pytest.raises(ConfigError, match=r"train.noise_scale_alpha must be a number in \(0, 1\]"):
             from_dict({**legacy, "noise_scale_alpha": bad})
+
+
+@pytest.mark.slow  # Splash in Pallas' interpreter compiles slowly on CPU (about a minute on 2 loaded cores)
+def test_the_replica_split_composes_with_the_splash_kernel():
+    """Splash runs under its own shard_map, here vmapped over the replicas (Pallas' interpreter on CPU)."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (2, 4, 129)).astype(np.int32)
+    batch = Batch(tokens, np.ones_like(tokens), np.ones((2, 4, 128), np.float32))
+    metrics = {}
+    for attention in ("xla", "splash"):
+        model = ModelConfig(
+            n_layers=1, d_model=256, n_heads=2, rotary_dim=64, vocab_size=256, max_len=128, dtype="float32"
+        )
+        train_config = TrainConfig(batch_size=4, grad_accum_steps=2, noise_scale_alpha=0.01, warmup_steps=1)
+        config = Config(dataclasses.replace(model, attention=attention), MeshConfig(2, 2, 2), train_config)
+        setup = TrainSetup.build(config)
+        assert setup.attention.name == attention and setup.noise_replicas == 4
+        with partitioning.sharding_scope(setup.mesh):
+            _, out = setup.compile()[0](setup.init_state(), jax.device_put(batch, setup.train_sharding))
+        metrics[attention] = {k: float(v) for k, v in jax.device_get(out).items()}
+    assert metrics["xla"].keys() == metrics["splash"].keys() >= {"grad_norm_micro", "grad_norm_replica"}
+    for name, value in metrics["xla"].items():
+        assert metrics["splash"][name] == pytest.approx(value, rel=1e-5), name
