@@ -10,7 +10,7 @@ from gptj_flax.partitioning.mesh import (
     mesh_shape,
     spare_mesh,
 )
-from gptj_flax.partitioning.rules import DEFAULT_RULES, LAYOUTS, MESH_AXES, Rules, check_axes, mesh_axes
+from gptj_flax.partitioning.rules import DEFAULT_RULES, LAYOUTS, MESH_AXES, Rules, check_axes, mesh_axes, replica_axes
 from gptj_flax.partitioning.sharding import (
     bytes_per_device,
     check_divisible,
@@ -23,6 +23,7 @@ from gptj_flax.partitioning.sharding import (
     sharding_rows,
     sharding_scope,
     sharding_table,
+    within_replica,
 )
 
 __all__ = [
@@ -45,10 +46,12 @@ __all__ = [
     "mesh_config",
     "mesh_shape",
     "named_sharding",
+    "replica_axes",
     "restore_targets",
     "sharded_init",
     "sharding_rows",
     "sharding_scope",
     "sharding_table",
     "spare_mesh",
+    "within_replica",
 ]

@@ -79,3 +79,10 @@ def mesh_axes(
     spec = nn.logical_to_mesh_axes(tuple(logical), rules)
     assert spec is not None  # Linen answers None only when given None
     return spec
+
+
+def replica_axes(rules: Rules | None = None) -> tuple[str, ...]:
+    """The mesh axes a batch is split over (where ``rules``, default the active ones, place ``batch``):
+    each combination of their indices is one data-parallel replica, holding its own rows."""
+    axes = mesh_axes(("batch",), tuple(nn.get_logical_axis_rules()) if rules is None else rules)[0]
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)

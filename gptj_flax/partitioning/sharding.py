@@ -48,6 +48,15 @@ def check_tree_axes(logical: Any, rules: Rules = DEFAULT_RULES) -> None:
         check_axes(spec, rules, f"the array at {name}" if name else "an array")
 
 
+@contextlib.contextmanager
+def within_replica():
+    """The active rules with ``batch`` unsplit, for code that runs once per data-parallel replica
+    (``jax.vmap`` over a replica axis with ``spmd_axis_name=replica_axes()``): a replica's share of a
+    batch lives whole on its own devices, while the other placements (model parallelism) stay."""
+    with nn.logical_axis_rules((("batch", None), *nn.get_logical_axis_rules())):
+        yield
+
+
 def logical_to_sharding(logical: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
     """A tree of logical PartitionSpecs (or one) → the same tree of NamedShardings. Every name needs
     a rule (:func:`check_tree_axes`): parameters, caches and decode states all come this way."""
