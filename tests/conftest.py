@@ -11,6 +11,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
 import gc  # noqa: E402
+import logging  # noqa: E402
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -54,3 +55,17 @@ def free_the_modules_programs():
             f"over {MAP_SHARE_LEFT_AFTER_A_MODULE:.0%} of vm.max_map_count={counted[1]}: something "
             "keeps compiled programs alive, and the next modules would crash XLA at the limit"
         )
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logging():
+    """Put the root logger's handlers and level back after each test.
+
+    A command's ``main(argv)`` run in the test process sets up logging with a handler on the
+    sys.stderr of that moment, pytest's capture of that one test; once the capture is closed,
+    each later record written through it prints a "Logging error" traceback elsewhere.
+    """
+    handlers, level = logging.root.handlers[:], logging.root.level
+    yield
+    logging.root.handlers[:] = handlers
+    logging.root.setLevel(level)
