@@ -26,11 +26,9 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
-from gptj_flax import model, partitioning
-from gptj_flax.config import Config, ConfigError, ModelConfig, from_dict
+from gptj_flax.config import Config, ConfigError, from_dict
 from gptj_flax.errors import GptjFlaxError, debug_requested
 
 log = logging.getLogger(__name__)
@@ -542,48 +540,6 @@ class Checkpointer:
                 multihost_utils.sync_global_devices(f"gptj_flax set aside steps after {step}")
             self._manager.reload()
         return later
-
-
-def check_mesh(model_config: ModelConfig, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES) -> None:
-    """Refuse a mesh that does not divide every parameter dimension the rules split, naming the
-    config field to change."""
-    partitioning.check_divisible(model.abstract_params(model_config), mesh, rules, model.AXIS_FIELDS)
-
-
-def param_targets(
-    model_config: ModelConfig, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES, dtype: Any = None
-) -> tuple[Any, Any]:
-    """Restore targets for a model's params on ``mesh``: (tree of ShapeDtypeStruct with shardings,
-    shardings), after :func:`check_mesh`."""
-    check_mesh(model_config, mesh, rules)
-    return partitioning.restore_targets(model.abstract_params(model_config), mesh, rules, dtype)
-
-
-def load_params(
-    path: str | os.PathLike,
-    mesh: Mesh | None = None,
-    *,
-    step: int | None = None,
-    dtype: Any = None,
-    rules: partitioning.Rules = partitioning.DEFAULT_RULES,
-) -> tuple[Config, Any, int]:
-    """Load only the parameters of the checkpoint at ``path`` (run dir or step dir) onto ``mesh``.
-
-    Returns ``(config, params, step)``; ``params`` leaves are sharded ``jax.Array``s of ``dtype``
-    (default: as stored), verified against their checksums as they are read.
-    """
-    directory, path_step = split_step_path(path)
-    ckpt = Checkpointer(directory, read_only=True)
-    try:
-        step = ckpt.resolve_step(path_step if step is None else step)
-        config = ckpt.read_config(step)
-        refuse_lora_checkpoint(directory, step, config, ckpt.read_json(step, "meta"))
-        mesh = mesh or partitioning.make_mesh(config.mesh)
-        target, _ = param_targets(config.model, mesh, rules, dtype)
-        restored = ckpt.restore(step, params_target=target)
-    finally:
-        ckpt.close()
-    return config, restored.params, step
 
 
 def refuse_lora_checkpoint(path: str | os.PathLike, step: int, config: Config, meta: Mapping[str, Any]) -> None:

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from gptj_flax import partitioning
-from gptj_flax.checkpoint import check_mesh
 from gptj_flax.config import (
     ConfigError,
     MeshConfig,
@@ -20,6 +19,7 @@ from gptj_flax.config import (
     from_dict,
     load_config,
 )
+from gptj_flax.convert import check_mesh
 from gptj_flax.model import abstract_params
 
 GPTJ_6B_PARAMS = 6_050_882_784

@@ -9,6 +9,7 @@ from gptj_flax.convert.common import ConversionError
 from gptj_flax.convert.hf import HF_PREFIX, HFCheckpoint, from_hf, is_hf_source, to_hf
 from gptj_flax.convert.hf_names import hf_from_params, hf_names, hf_to_ours, ours_to_hf, params_from_hf
 from gptj_flax.convert.init_from import insert_adam_moments, load_init_opt_state, load_init_params, parse_init_spec
+from gptj_flax.convert.layout import check_mesh, param_targets
 from gptj_flax.convert.legacy import (
     LegacyAdamState,
     LegacyCheckpoint,
@@ -16,6 +17,7 @@ from gptj_flax.convert.legacy import (
     from_legacy,
     load_legacy_opt_state,
 )
+from gptj_flax.convert.orbax_io import load_params
 from gptj_flax.convert.quantize import quantize
 from gptj_flax.convert.slim import slim
 
@@ -26,6 +28,7 @@ __all__ = [
     "is_hf_source",
     "LegacyAdamState",
     "LegacyCheckpoint",
+    "check_mesh",
     "config_for_legacy",
     "from_hf",
     "from_legacy",
@@ -36,7 +39,9 @@ __all__ = [
     "load_init_opt_state",
     "load_init_params",
     "load_legacy_opt_state",
+    "load_params",
     "ours_to_hf",
+    "param_targets",
     "params_from_hf",
     "parse_init_spec",
     "quantize",

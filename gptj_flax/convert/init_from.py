@@ -19,9 +19,9 @@ from gptj_flax import checkpoint
 from gptj_flax.config import Config, ModelConfig
 from gptj_flax.convert.common import ConversionError, require_float
 from gptj_flax.convert.hf import HFCheckpoint
-from gptj_flax.convert.layout import place_on_mesh, streamed_params
+from gptj_flax.convert.layout import param_targets, place_on_mesh, streamed_params
 from gptj_flax.convert.legacy import LegacyCheckpoint, load_legacy_opt_state
-from gptj_flax.convert.orbax_io import OrbaxParams
+from gptj_flax.convert.orbax_io import OrbaxParams, load_params
 from gptj_flax.convert.quantize import orbax_streamed, quantize_streamed
 from gptj_flax.model import stack_layers, unstack_layers
 
@@ -71,7 +71,7 @@ def load_init_params(spec: str, config: Config, mesh: Mesh, legacy_shards: int |
         if mc.quantize is not None:
             _, streamed = quantize_streamed(streamed, dataclasses.replace(layout, quantize=None))
             desc += f", quantising to {mc.quantize}"
-        target, _ = checkpoint.param_targets(dataclasses.replace(mc, scan_layers=layout.scan_layers), mesh)
+        target, _ = param_targets(dataclasses.replace(mc, scan_layers=layout.scan_layers), mesh)
         return place_on_mesh(streamed, target, desc=desc)
 
     if kind == "hf":
@@ -86,11 +86,11 @@ def load_init_params(spec: str, config: Config, mesh: Mesh, legacy_shards: int |
     require_float(stored.config.model, location, "training")
     check_architecture(stored.config.model, mc, location)
     if mc.quantize is None:
-        _, params, _ = checkpoint.load_params(location, mesh, step=stored.step, dtype=mc.weight_dtype)
+        _, params, _ = load_params(location, mesh, step=stored.step, dtype=mc.weight_dtype)
     else:  # in the stored layer layout; restacked below like a float checkpoint
         params = place(orbax_streamed(stored), stored.config.model, "loading orbax weights")
     if stored.config.model.scan_layers != mc.scan_layers:
-        _, shardings = checkpoint.param_targets(mc, mesh)
+        _, shardings = param_targets(mc, mesh)
         params = stack_layers(params, mc.n_layers) if mc.scan_layers else unstack_layers(params)
         params = jax.device_put(params, shardings)
     return params

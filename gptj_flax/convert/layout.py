@@ -18,8 +18,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 from flax import traverse_util
+from jax.sharding import Mesh
 
-from gptj_flax import model
+from gptj_flax import model, partitioning
 from gptj_flax.config import ModelConfig
 from gptj_flax.convert.common import progress
 
@@ -62,6 +63,21 @@ def param_shapes(config: ModelConfig) -> dict[ParamPath, tuple[int, ...]]:
     """Every parameter path of ``config``'s layout (scanned or unrolled) and its shape, in tree order."""
     flat = traverse_util.flatten_dict(nn.meta.unbox(model.abstract_params(config)))
     return {path: tuple(leaf.shape) for path, leaf in flat.items()}
+
+
+def check_mesh(model_config: ModelConfig, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES) -> None:
+    """Refuse a mesh that does not divide every parameter dimension the rules split, naming the
+    config field to change."""
+    partitioning.check_divisible(model.abstract_params(model_config), mesh, rules, model.AXIS_FIELDS)
+
+
+def param_targets(
+    model_config: ModelConfig, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES, dtype: Any = None
+) -> tuple[Any, Any]:
+    """Restore targets for a model's params on ``mesh``: (tree of ShapeDtypeStruct with shardings,
+    shardings), after :func:`check_mesh`."""
+    check_mesh(model_config, mesh, rules)
+    return partitioning.restore_targets(model.abstract_params(model_config), mesh, rules, dtype)
 
 
 def layer_paths(path: ParamPath, n_layers: int) -> list[ParamPath] | None:

@@ -26,10 +26,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from gptj_flax import checkpoint
 from gptj_flax.config import Config, ModelConfig, dtype_name, from_dict, is_legacy
 from gptj_flax.convert.common import ConversionError, atomic_directory
-from gptj_flax.convert.layout import ParamPath, StreamedArray, place_on_mesh, streamed_params
+from gptj_flax.convert.layout import ParamPath, StreamedArray, param_targets, place_on_mesh, streamed_params
 from gptj_flax.convert.orbax_io import write_checkpoint
 
 PIECES = 16  # the original's `pieces`: files per shard
@@ -475,7 +474,7 @@ def load_legacy_opt_state(
     Each moment tensor goes straight onto its shards, so host memory holds one tensor at a time.
     Hand the result to :func:`gptj_flax.convert.insert_adam_moments` to continue training with it.
     """
-    target, _ = checkpoint.param_targets(config.model, mesh, dtype=jnp.float32)
+    target, _ = param_targets(config.model, mesh, dtype=jnp.float32)
     with LegacyCheckpoint(step_dir, config.model, shards) as legacy:
         count = jnp.asarray(legacy.adam_count(), jnp.int32)
         moments = {

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from gptj_flax import checkpoint, partitioning
+from gptj_flax import convert, partitioning
 from gptj_flax.config import ModelConfig
 from gptj_flax.model import GPTJ, KVCache, token_log_probs, unstack_layers
 from gptj_flax.sampling.multihost import to_device, to_host
@@ -138,7 +138,7 @@ class Decoder:
         self.config, self.mesh, self.rules = config, mesh, rules
         self.valid_vocab = config.vocab_size if valid_vocab is None else min(valid_vocab, config.vocab_size)
         self.model = GPTJ(config)
-        _, param_shardings = checkpoint.param_targets(config, mesh, rules)
+        _, param_shardings = convert.param_targets(config, mesh, rules)
         self.params = jax.device_put(params, param_shardings)
         self.batch_multiple = partitioning.data_parallel_size(mesh, rules)
         self.page_columns = PAGE_COLUMNS.get(mesh.devices.flat[0].platform, DEFAULT_PAGE_COLUMNS)

@@ -20,8 +20,8 @@ from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, dtype_name, jnp_dty
 from gptj_flax.convert import lora as lora_lib
 from gptj_flax.convert.hf import HFCheckpoint, is_hf_source
 from gptj_flax.convert.init_from import check_architecture
-from gptj_flax.convert.layout import place_on_mesh, streamed_params
-from gptj_flax.convert.orbax_io import OrbaxParams
+from gptj_flax.convert.layout import param_targets, place_on_mesh, streamed_params
+from gptj_flax.convert.orbax_io import OrbaxParams, load_params
 from gptj_flax.convert.quantize import orbax_streamed, quantize_streamed, round_trip
 from gptj_flax.data.tokenizer import resolve_tokenizer
 from gptj_flax.model import stack_layers, unstack_layers
@@ -84,7 +84,7 @@ def load(
         params = streamed_params(source.get, model_config)
         if quantize is not None:
             model_config, params = quantize_streamed(params, model_config)
-        targets, _ = checkpoint.param_targets(model_config, mesh)
+        targets, _ = param_targets(model_config, mesh)
         params = place_on_mesh(params, targets, desc="loading hf weights")
         has_tokenizer = any((Path(source.directory) / f).is_file() for f in HF_TOKENIZER_FILES)
         saved, step = (source.directory if has_tokenizer else None), 0
@@ -93,13 +93,11 @@ def load(
         if name is not None:
             model_config = dataclasses.replace(model_config, dtype=name, param_dtype=name)
         model_config, params = quantize_streamed(orbax_streamed(source), model_config)
-        targets, _ = checkpoint.param_targets(model_config, mesh)
+        targets, _ = param_targets(model_config, mesh)
         params = place_on_mesh(params, targets, desc=f"loading and quantising to {quantize}")
         saved, step = checkpoint.tokenizer_dir(path), source.step
     else:  # a float checkpoint as it is, or an int8 one (already what quantize= asks)
-        config, params, step = checkpoint.load_params(
-            path, mesh, step=step, dtype=None if name is None else jnp_dtype(name)
-        )
+        config, params, step = load_params(path, mesh, step=step, dtype=None if name is None else jnp_dtype(name))
         model_config = config.model if name is None else dataclasses.replace(config.model, dtype=name, param_dtype=name)
         saved = checkpoint.tokenizer_dir(path)
     if adapter is not None and model_config.quantize is not None:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gptj_flax import attention, checkpoint, partitioning
+from gptj_flax import attention, convert, partitioning
 from gptj_flax.config import Config
 from gptj_flax.convert import lora as lora_lib
 from gptj_flax.data import Batch
@@ -151,7 +151,7 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
     devices = topology_devices(topology)
     mesh = partitioning.make_mesh(mesh_spec or config.mesh, devices=devices)
     shape = partitioning.mesh_shape(mesh)
-    checkpoint.check_mesh(config.model, mesh)
+    convert.check_mesh(config.model, mesh)
     tc = config.train
     seq_len = tc.seq_len or config.model.max_len
     batch = tc.global_batch_size(partitioning.data_parallel_size(mesh))
@@ -164,7 +164,7 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
     base: tuple = ()
     base_shardings = None
     if tc.lora is not None:
-        base_targets, base_shardings = checkpoint.param_targets(lora_lib.base_model_config(config), mesh)
+        base_targets, base_shardings = convert.param_targets(lora_lib.base_model_config(config), mesh)
         base = (base_targets,)
     data_sharding = steps.batch_sharding(mesh, accumulated=True)
 
@@ -316,7 +316,7 @@ def serving_fit(
         devices, kind = jax.devices("cpu")[:1], ONE_CHIP_KINDS[topology]
         compiler = "estimated from the largest live tensors (no libtpu to compile for the chip)"
     mesh = partitioning.make_mesh(mesh_spec or (1, 1, -1), devices=devices)
-    params, _ = checkpoint.param_targets(mc, mesh)
+    params, _ = convert.param_targets(mc, mesh)
 
     def targets(shapes, shardings):
         # shardings: a prefix of shapes (a paged cache has one sharding per layer's pool)

@@ -343,7 +343,7 @@ class _LoraRun:
             identity = lora_lib.identify_base(init_from)
         base_config = config.replace(model=lora_lib.base_model_config(config))
         base = convert.load_init_params(identity.path, base_config, mesh)
-        _, shardings = checkpoint.param_targets(base_config.model, mesh)
+        _, shardings = convert.param_targets(base_config.model, mesh)
         log.info(
             "LoRA base %s (sha256 %s…, %s on disk), held in bfloat16%s",
             identity.path,
@@ -467,7 +467,7 @@ def train(
     if stop_after is not None and stop_after < 0:
         raise ValueError(f"stop_after must be >= 0, got {stop_after}")
     mesh = mesh or partitioning.make_mesh(config.mesh)
-    checkpoint.check_mesh(mc, mesh)
+    convert.check_mesh(mc, mesh)
     data_parallel = partitioning.data_parallel_size(mesh)
     batch_size = tc.global_batch_size(data_parallel)
     if batch_size % data_parallel:
