@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-from gptj_flax import checkpoint
 from gptj_flax.config import Config, ConfigError, ModelConfig, dtype_name, jnp_dtype
 from gptj_flax.convert import safetensors_io
 from gptj_flax.convert.common import (
@@ -38,7 +37,7 @@ from gptj_flax.convert.hf_names import (
     ours_to_hf,
 )
 from gptj_flax.convert.layout import ParamPath, layer_paths, streamed_params
-from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
+from gptj_flax.convert.orbax_io import OrbaxParams, write_converted
 
 HF_PREFIX = "hf:"
 WEIGHT_FILES = (
@@ -299,17 +298,14 @@ def from_hf(
     hf = HFCheckpoint.open(src, scan_layers, dtype)
     carry = _checked_tokenizer(hf.directory) if tokenizer else False
     config = Config(model=hf.model_config)
-    with atomic_directory(out) as tmp:
-        write_checkpoint(
-            tmp,
-            0,
-            params=streamed_params(hf.get, config.model),
-            config=config,
-            meta={"converted_from": f"hf:{Path(src).resolve()}"},
-        )
-        if carry:
-            copy_tokenizer_files(hf.directory, tmp / checkpoint.TOKENIZER_DIR)
-    return Path(out)
+    return write_converted(
+        out,
+        0,
+        params=streamed_params(hf.get, config.model),
+        config=config,
+        meta={"converted_from": f"hf:{Path(src).resolve()}"},
+        tokenizer=hf.directory if carry else None,
+    )
 
 
 def _checked_tokenizer(directory: Path) -> bool:

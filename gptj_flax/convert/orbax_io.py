@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -27,7 +28,7 @@ from orbax.checkpoint import future, type_handlers
 
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import Config
-from gptj_flax.convert.common import progress
+from gptj_flax.convert.common import atomic_directory, copy_tokenizer_files, progress
 from gptj_flax.convert.layout import ParamPath, StreamedArray, leaves_with_paths, param_shapes, param_targets
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,28 @@ def write_checkpoint(
             manager.close()
         raise
     manager.close()
+
+
+def write_converted(
+    out: str | os.PathLike,
+    step: int,
+    *,
+    params: dict,
+    config: Config,
+    meta: Mapping[str, Any],
+    tokenizer: str | os.PathLike | None = None,
+    opt_state: Any = None,
+) -> Path:
+    """Every converter's output: the checkpoint ``out`` holding ``step`` (:func:`write_checkpoint`'s
+    arguments) and the tokenizer files found in the directory ``tokenizer``, if any.
+
+    It is written into a temporary sibling renamed to ``out`` once complete, so a failure or Ctrl-C
+    leaves no ``out`` behind; an existing ``out`` is refused before anything is written.
+    """
+    with atomic_directory(out) as tmp:
+        write_checkpoint(tmp, step, params=params, config=config, meta=meta, opt_state=opt_state)
+        copy_tokenizer_files(None if tokenizer is None else Path(os.fspath(tokenizer)), tmp / checkpoint.TOKENIZER_DIR)
+    return Path(out)
 
 
 @dataclasses.dataclass

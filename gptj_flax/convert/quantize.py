@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from gptj_flax import checkpoint, model
+from gptj_flax import model
 from gptj_flax.config import ModelConfig
-from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files
+from gptj_flax.convert.common import ConversionError
 from gptj_flax.convert.layout import ParamPath, StreamedArray
-from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
+from gptj_flax.convert.orbax_io import OrbaxParams, write_converted
 
 INT8_MAX = 127  # symmetric: -128 is never used, so negating a weight never overflows
 
@@ -193,14 +193,11 @@ def quantize(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
     source = OrbaxParams.open(ckpt)
     int8_config, params = quantize_streamed(orbax_streamed(source), source.config.model)
     meta = {k: v for k, v in source.meta.items() if k != "step"}
-    with atomic_directory(out) as tmp:
-        write_checkpoint(
-            tmp,
-            source.step,
-            params=params,
-            config=source.config.replace(model=int8_config),
-            meta={**meta, "quantized_from": str(Path(str(source.directory)).resolve()), "quantize": "int8"},
-        )
-        tokenizer = source.tokenizer_dir
-        copy_tokenizer_files(Path(str(tokenizer)) if tokenizer else None, tmp / checkpoint.TOKENIZER_DIR)
-    return Path(out)
+    return write_converted(
+        out,
+        source.step,
+        params=params,
+        config=source.config.replace(model=int8_config),
+        meta={**meta, "quantized_from": str(Path(str(source.directory)).resolve()), "quantize": "int8"},
+        tokenizer=source.tokenizer_dir,
+    )
