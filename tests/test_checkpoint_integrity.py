@@ -410,3 +410,31 @@ def test_a_two_process_save_is_checksummed_by_each_process_and_verified_on_one(t
     flip_bytes_throughout(params_dir / "ocdbt.process_1")  # chunks only process 1 wrote
     with pytest.raises(CheckpointCorrupted, match=r"checkpoint step 4 .* is corrupted"):
         convert.load_params(tmp_path / "run", partitioning.make_mesh((1, 4, 2)))
+
+
+def test_a_tree_mismatch_names_the_arrays_on_each_side(run):
+    # Orbax's own message lists them on the lines after "tree structures do not match:", which a one-line error dropped
+    unrolled, _ = convert.param_targets(dataclasses.replace(CFG, scan_layers=False), partitioning.make_mesh((1, 1, 1)))
+    ckpt = Checkpointer(run, read_only=True)
+    with pytest.raises(CheckpointError) as caught:
+        ckpt.restore_item(2, "params", unrolled)
+    ckpt.close()
+    assert str(caught.value) == (
+        f"{run}/2/params does not match the model being restored: expected but not stored: layer_0/attn/k_proj, "
+        "layer_0/attn/out_proj, layer_0/attn/q_proj and 17 more; stored but not expected: layers/attn/k_proj, "
+        "layers/attn/out_proj, layers/attn/q_proj and 7 more; one holds the layers stacked, the other one by one: "
+        "model.scan_layers differs"
+    )
+
+
+def test_an_optimiser_state_of_another_optimiser_names_what_differs(run):
+    mesh = partitioning.make_mesh((1, 1, 1))
+    params, _ = convert.param_targets(CFG, mesh)
+    clipped = jax.eval_shape(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)).init, params)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), clipped)
+    with pytest.raises(convert.ConversionError) as caught:
+        convert.load_init_opt_state(str(run), CONFIG, mesh, target)
+    message = str(caught.value)
+    assert "expected but not stored: 1/0/count, 1/0/mu/layers/attn/k_proj" in message, message
+    assert "stored but not expected: 0/count, 0/mu/layers/attn/k_proj" in message, message
