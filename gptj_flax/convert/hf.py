@@ -36,7 +36,7 @@ from gptj_flax.convert.hf_names import (
     hf_to_ours,
     ours_to_hf,
 )
-from gptj_flax.convert.layout import ParamPath, layer_paths, streamed_params
+from gptj_flax.convert.layout import ParamPath, Source, layer_paths, streamed_params
 from gptj_flax.convert.orbax_io import OrbaxParams, write_converted
 
 HF_PREFIX = "hf:"
@@ -48,6 +48,8 @@ WEIGHT_FILES = (
 )
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' own default for save_pretrained
 GPTJ_EOS = 50256  # GPT-2 BPE's <|endoftext|>, GPT-J's bos and eos
+# A HuggingFace directory holds its tokenizer when it has one of these.
+HF_TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 
 log = logging.getLogger(__name__)
 
@@ -163,13 +165,16 @@ class _TorchFile:
         return self._tensors[name].to(torch.float32).numpy()
 
 
-class HFCheckpoint:
+class HFCheckpoint(Source):
     """A HuggingFace GPT-J directory, validated up front and read one tensor at a time.
 
     ``stored_dtype`` is the precision its weights are stored in: ``config.json``'s ``dtype``
     (``torch_dtype`` before transformers 5), else the weight files' own. ``model_config`` computes
-    in it unless ``open`` is given another ``dtype``; its parameters are kept in float32.
+    in it unless ``open`` is given another ``dtype``; its parameters are kept in float32. It holds
+    one set of weights: ``step`` is 0.
     """
+
+    step = 0
 
     def __init__(
         self,
@@ -234,6 +239,11 @@ class HFCheckpoint:
                     f"{where[name]}: tensor {name!r} has shape {shapes[name]} but {config_path} implies {want}"
                 )
         return cls(directory, model_config, {n: readers[n] for n in expected}, stored)
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        """The directory itself, where it holds a tokenizer."""
+        return self.directory if any((self.directory / f).is_file() for f in HF_TOKENIZER_FILES) else None
 
     def get(self, path: ParamPath) -> np.ndarray:
         """The parameter at ``path`` (unrolled layout) in our orientation, in its stored dtype."""

@@ -341,6 +341,16 @@ class LegacyCheckpoint:
             return dense.reshape(c.n_heads, c.head_dim, c.d_model)
         return dense
 
+    @property
+    def model_config(self) -> ModelConfig:
+        """The config it was opened with: a legacy checkpoint records none of its own."""
+        return self.config
+
+    @property
+    def tokenizer_dir(self) -> None:
+        """None: the original kept its tokenizer (GPT-2's) apart from its checkpoints."""
+        return None
+
     def get(self, path: ParamPath) -> np.ndarray:
         """A parameter (unrolled path) in our orientation, float32."""
         key = legacy_key(path)

@@ -38,10 +38,11 @@ from gptj_flax.config import Config, ConfigError, LoraConfig, ModelConfig, max_l
 from gptj_flax.convert import safetensors_io
 from gptj_flax.convert.common import ConversionError, atomic_directory, scratch_directory
 from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE, to_hf
-from gptj_flax.convert.init_from import load_init_params, parse_init_spec
+from gptj_flax.convert.init_from import load_init_params
 from gptj_flax.convert.layout import StreamedArray
 from gptj_flax.convert.orbax_io import OrbaxParams, write_converted
 from gptj_flax.convert.quantize import dequantize_params
+from gptj_flax.convert.weights import parse_init_spec
 from gptj_flax.model import abstract_adapters, stack_layers, unstack_layers
 
 BASE_KEY = checkpoint.LORA_BASE_KEY  # the meta key of a LoRA checkpoint that names its base

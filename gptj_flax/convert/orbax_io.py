@@ -27,9 +27,9 @@ from jax.sharding import Mesh
 from orbax.checkpoint import future, type_handlers
 
 from gptj_flax import checkpoint, partitioning
-from gptj_flax.config import Config
+from gptj_flax.config import Config, ModelConfig
 from gptj_flax.convert.common import atomic_directory, copy_tokenizer_files, progress
-from gptj_flax.convert.layout import ParamPath, StreamedArray, leaves_with_paths, param_shapes, param_targets
+from gptj_flax.convert.layout import ParamPath, Source, StreamedArray, leaves_with_paths, param_shapes, param_targets
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def write_converted(
 
 
 @dataclasses.dataclass
-class OrbaxParams:
+class OrbaxParams(Source):
     """The params of one checkpoint step, readable one leaf at a time without a device mesh."""
 
     directory: epath.Path  # the run directory (absolute)
@@ -206,6 +206,10 @@ class OrbaxParams:
         checkpoint.refuse_lora_checkpoint(directory, step, config, meta)
         checkpoint.notice_if_unverified(directory / str(step), meta)
         return cls(directory, step, config, meta, has_opt_state, steps)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
 
     @property
     def params_dir(self) -> epath.Path:
