@@ -62,14 +62,7 @@ def load(
       kv_cache: ``"int8"``: generation stores cached keys and values int8 with a float32 scale per
         (row, head, slot), about half a bf16 cache's memory. Default: the compute dtype.
     """
-    if quantize is not None and quantize not in QUANTIZATIONS:
-        raise SamplingError(f"quantize={quantize!r} is not one of {list(QUANTIZATIONS)} (or None: as stored)")
-    if kv_cache is not None and kv_cache not in KV_CACHE_DTYPES:
-        raise SamplingError(f"kv_cache={kv_cache!r} is not one of {list(KV_CACHE_DTYPES)} (or None: the compute dtype)")
-    if step is not None and parse_init_spec(path)[0] == "hf":
-        raise SamplingError(
-            f"step={step}: a HuggingFace directory holds one set of weights; step= is for Orbax checkpoints"
-        )
+    _check_options(path, step, quantize, kv_cache)
     mesh = partitioning.make_mesh(partitioning.ONE_DEVICE if mesh is None else mesh)
     name = None if dtype is None else dtype_name(dtype)
     with open_weights(path, step, dtype=name) as source:
@@ -90,6 +83,17 @@ def load(
         saved = adapter_tokenizer or saved
     tokenizer = resolve_tokenizer(tokenizer, saved=saved)
     return LanguageModel(config, params, tokenizer=tokenizer, mesh=mesh, step=source.step, shardings=shardings)
+
+
+def _check_options(path, step: int | None, quantize: str | None, kv_cache: str | None) -> None:
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise SamplingError(f"quantize={quantize!r} is not one of {list(QUANTIZATIONS)} (or None: as stored)")
+    if kv_cache is not None and kv_cache not in KV_CACHE_DTYPES:
+        raise SamplingError(f"kv_cache={kv_cache!r} is not one of {list(KV_CACHE_DTYPES)} (or None: the compute dtype)")
+    if step is not None and parse_init_spec(path)[0] == "hf":
+        raise SamplingError(
+            f"step={step}: a HuggingFace directory holds one set of weights; step= is for Orbax checkpoints"
+        )
 
 
 def for_inference(source: WeightSource, dtype: str | None, quantize: str | None, kv_cache: str | None) -> ModelConfig:
