@@ -26,11 +26,9 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
-from gptj_flax import model, partitioning
-from gptj_flax.config import Config, ConfigError, ModelConfig, from_dict
+from gptj_flax.config import Config, ConfigError, from_dict
 from gptj_flax.errors import GptjFlaxError, debug_requested
 
 log = logging.getLogger(__name__)
@@ -152,6 +150,34 @@ def notice_if_unverified(step_dir: epath.Path, meta: Mapping[str, Any]) -> None:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def _some(paths: list[tuple]) -> str:
+    shown = ", ".join("/".join(map(str, path)) for path in paths[:3])
+    return shown + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
+def _layer_layout(paths: list[tuple]) -> str | None:
+    """How ``paths`` hold the layers, when they all agree: "stacked" (under ``layers``) or "one by one"
+    (``layer_N``)."""
+    found = {
+        "stacked" if "layers" in keys else "one by one"
+        for keys in (list(map(str, path)) for path in paths)
+        if "layers" in keys or any(re.fullmatch(r"layer_\d+", key) for key in keys)
+    }
+    return found.pop() if len(found) == 1 else None
+
+
+def tree_difference(stored: Mapping[tuple, Any], expected: Mapping[tuple, Any]) -> str | None:
+    """What differs between the arrays a step stores and those a restore expects, by path (the
+    first few of each side), or None where both hold the same paths."""
+    missing, extra = sorted(expected.keys() - stored.keys()), sorted(stored.keys() - expected.keys())
+    parts = [f"expected but not stored: {_some(missing)}"] if missing else []
+    parts += [f"stored but not expected: {_some(extra)}"] if extra else []
+    layouts = {_layer_layout(missing), _layer_layout(extra)}
+    if layouts == {"stacked", "one by one"}:
+        parts.append("one holds the layers stacked, the other one by one: model.scan_layers differs")
+    return "; ".join(parts) or None
 
 
 def _causes(error: BaseException | None) -> Iterator[BaseException]:
@@ -495,7 +521,8 @@ class Checkpointer:
     def restore_item(self, step: int, item: str, target: Any) -> Any:
         """One array item (``params`` or ``opt_state``) of ``step`` onto ``target``, verified as it reads."""
         step = self.resolve_step(step)
-        self._check_shapes(step, item, target)
+        stored = self._stored_arrays(step, item)
+        self._check_shapes(step, item, stored, target)
         try:
             return self._manager.restore(step, args=ocp.args.Composite(**{item: restore_args_for(target)}))[item]
         except Exception as e:  # Orbax re-raises TensorStore's read errors as a bare Exception
@@ -504,16 +531,24 @@ class Checkpointer:
                 raise damaged from None
             if not isinstance(e, (ValueError, KeyError, FileNotFoundError)):
                 raise
+            # Orbax lists a tree mismatch on the lines after its first, subtree by subtree.
+            found = tree_difference(stored, ocp.tree.to_flat_dict(target)) if stored is not None else None
             raise CheckpointError(
-                f"{self.directory}/{step}/{item} does not match the model being restored: {_first_line(e)}"
+                f"{self.directory}/{step}/{item} does not match the model being restored: {found or _first_line(e)}"
             ) from None
 
-    def _check_shapes(self, step: int, item: str, target: Any) -> None:
-        """Refuse, by parameter path, an array whose stored shape differs from the target's."""
+    def _stored_arrays(self, step: int, item: str) -> dict[tuple, Any] | None:
+        """The metadata of each array ``item`` of ``step`` holds, by path; None where it is unreadable
+        (the restore itself then reports why)."""
         try:
-            stored = ocp.tree.to_flat_dict(self._manager.item_metadata(step)[item])
-        except Exception as e:  # noqa: BLE001 - unreadable metadata: the restore itself reports it
+            return ocp.tree.to_flat_dict(self._manager.item_metadata(step)[item])
+        except Exception as e:  # noqa: BLE001
             log.debug("no metadata for %s/%d/%s: %s", self.directory, step, item, e)
+            return None
+
+    def _check_shapes(self, step: int, item: str, stored: Mapping[tuple, Any] | None, target: Any) -> None:
+        """Refuse, by parameter path, an array whose stored shape differs from the target's."""
+        if stored is None:
             return
         for path, want in ocp.tree.to_flat_dict(target).items():
             have = stored.get(path)
@@ -542,48 +577,6 @@ class Checkpointer:
                 multihost_utils.sync_global_devices(f"gptj_flax set aside steps after {step}")
             self._manager.reload()
         return later
-
-
-def check_mesh(model_config: ModelConfig, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES) -> None:
-    """Refuse a mesh that does not divide every parameter dimension the rules split, naming the
-    config field to change."""
-    partitioning.check_divisible(model.abstract_params(model_config), mesh, rules, model.AXIS_FIELDS)
-
-
-def param_targets(
-    model_config: ModelConfig, mesh: Mesh, rules: partitioning.Rules = partitioning.DEFAULT_RULES, dtype: Any = None
-) -> tuple[Any, Any]:
-    """Restore targets for a model's params on ``mesh``: (tree of ShapeDtypeStruct with shardings,
-    shardings), after :func:`check_mesh`."""
-    check_mesh(model_config, mesh, rules)
-    return partitioning.restore_targets(model.abstract_params(model_config), mesh, rules, dtype)
-
-
-def load_params(
-    path: str | os.PathLike,
-    mesh: Mesh | None = None,
-    *,
-    step: int | None = None,
-    dtype: Any = None,
-    rules: partitioning.Rules = partitioning.DEFAULT_RULES,
-) -> tuple[Config, Any, int]:
-    """Load only the parameters of the checkpoint at ``path`` (run dir or step dir) onto ``mesh``.
-
-    Returns ``(config, params, step)``; ``params`` leaves are sharded ``jax.Array``s of ``dtype``
-    (default: as stored), verified against their checksums as they are read.
-    """
-    directory, path_step = split_step_path(path)
-    ckpt = Checkpointer(directory, read_only=True)
-    try:
-        step = ckpt.resolve_step(path_step if step is None else step)
-        config = ckpt.read_config(step)
-        refuse_lora_checkpoint(directory, step, config, ckpt.read_json(step, "meta"))
-        mesh = mesh or partitioning.make_mesh(config.mesh)
-        target, _ = param_targets(config.model, mesh, rules, dtype)
-        restored = ckpt.restore(step, params_target=target)
-    finally:
-        ckpt.close()
-    return config, restored.params, step
 
 
 def refuse_lora_checkpoint(path: str | os.PathLike, step: int, config: Config, meta: Mapping[str, Any]) -> None:

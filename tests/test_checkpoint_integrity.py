@@ -49,7 +49,7 @@ def _random_params(seed: int, model=CFG):
 
 def _sharded_state(seed: int, mesh):
     """Params and Adam state of CFG, sharded over ``mesh`` as training shards them."""
-    target, _ = checkpoint.param_targets(CONFIG.model, mesh)
+    target, _ = convert.param_targets(CONFIG.model, mesh)
     params = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), _random_params(seed), target)
     opt_state = optax.adam(1e-3).init(params)
     moments = np.random.default_rng(seed)
@@ -60,7 +60,7 @@ def _sharded_state(seed: int, mesh):
 
 
 def _targets(mesh, opt_state):
-    params_target, _ = checkpoint.param_targets(CONFIG.model, mesh)
+    params_target, _ = convert.param_targets(CONFIG.model, mesh)
     opt_target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), opt_state)
     return params_target, opt_target
 
@@ -151,7 +151,7 @@ def test_a_corrupted_params_chunk_is_refused_by_load_naming_the_step_and_the_pre
 
     # The previous step loads, by path or by step=, and holds exactly what was saved.
     assert gptj_flax.load(run / "1").step == gptj_flax.load(run, step=1).step == 1
-    _, params, _ = checkpoint.load_params(run, partitioning.make_mesh((1, 1, 1)), step=1)
+    _, params, _ = convert.load_params(run, partitioning.make_mesh((1, 1, 1)), step=1)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), base_run[1][1][0])
 
 
@@ -236,7 +236,7 @@ def test_checkpoints_written_before_checksums_still_load_with_one_notice(tmp_pat
 
     with caplog.at_level(logging.WARNING, logger="gptj_flax.checkpoint"):
         assert gptj_flax.load(tmp_path / "old").step == 7
-        _, loaded, _ = checkpoint.load_params(tmp_path / "old", partitioning.make_mesh((2, 2, 2)))
+        _, loaded, _ = convert.load_params(tmp_path / "old", partitioning.make_mesh((2, 2, 2)))
     notices = [r for r in caplog.records if "written without chunk checksums" in r.getMessage()]
     assert len(notices) == 1 and str(tmp_path / "old" / "7") in notices[0].getMessage()
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, loaded), jax.tree.map(np.asarray, params))
@@ -260,7 +260,7 @@ def test_a_damaged_or_missing_json_item_is_one_error_naming_the_file(run, capfd)
 def test_a_changed_shape_names_the_parameter_and_both_shapes(run, capfd):
     wider = Config(model=tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=4, vocab_size=64, max_len=32))
     mesh = partitioning.make_mesh((1, 1, 1))
-    target, _ = checkpoint.param_targets(wider.model, mesh)
+    target, _ = convert.param_targets(wider.model, mesh)
     ckpt = Checkpointer(run, read_only=True)
     with pytest.raises(CheckpointError) as caught:
         ckpt.restore(params_target=target)
@@ -274,7 +274,7 @@ def test_a_changed_shape_names_the_parameter_and_both_shapes(run, capfd):
     )
     assert found, message
     path = tuple(found.group(1).split("/"))
-    saved = ocp.tree.to_flat_dict(checkpoint.param_targets(CONFIG.model, mesh)[0])[path].shape
+    saved = ocp.tree.to_flat_dict(convert.param_targets(CONFIG.model, mesh)[0])[path].shape
     assert (found.group(2), found.group(3)) == (str(saved)[1:-1], str(ocp.tree.to_flat_dict(target)[path].shape)[1:-1])
     assert saved != ocp.tree.to_flat_dict(target)[path].shape
     assert "Event loop is closed" not in capfd.readouterr().err
@@ -340,7 +340,7 @@ def test_a_full_disk_during_an_async_save_is_one_error_and_keeps_the_previous_st
     os.remove(small_disk / "filler")
     again = Checkpointer(run, read_only=True)
     assert again.all_steps() == [1, 2]
-    target, _ = checkpoint.param_targets(CONFIG.model, mesh)
+    target, _ = convert.param_targets(CONFIG.model, mesh)
     restored = again.restore(params_target=target)
     again.close()
     jax.tree.map(
@@ -365,7 +365,7 @@ from gptj_flax.config import Config
 from tests.helpers import tiny_config
 config = Config(model=tiny_config(**{k: int(v) for k, v in (kv.split("=") for kv in sys.argv[4].split(","))}))
 mesh = partitioning.make_mesh((2, 2, 2))
-target, _ = checkpoint.param_targets(config.model, mesh)
+target, _ = convert.param_targets(config.model, mesh)
 def values(t):  # the same on every process: noise seeded by the shape alone
     return np.random.default_rng(list(t.shape)).random(t.shape, dtype=np.float32)
 params = jax.tree.map(lambda t: jax.make_array_from_callback(t.shape, t.sharding, lambda i: values(t)[i]), target)
@@ -402,11 +402,39 @@ def test_a_two_process_save_is_checksummed_by_each_process_and_verified_on_one(t
     codecs = stored_codecs(params_dir)
     assert codecs and all(names[-1] == "crc32c" for names in codecs.values())
 
-    _, params, _ = checkpoint.load_params(tmp_path / "run", partitioning.make_mesh((1, 4, 2)))
+    _, params, _ = convert.load_params(tmp_path / "run", partitioning.make_mesh((1, 4, 2)))
     for leaf in jax.tree.leaves(params):  # what both processes wrote, read back on another mesh
         np.testing.assert_array_equal(
             np.asarray(leaf), np.random.default_rng(list(leaf.shape)).random(leaf.shape, dtype=np.float32)
         )
     flip_bytes_throughout(params_dir / "ocdbt.process_1")  # chunks only process 1 wrote
     with pytest.raises(CheckpointCorrupted, match=r"checkpoint step 4 .* is corrupted"):
-        checkpoint.load_params(tmp_path / "run", partitioning.make_mesh((1, 4, 2)))
+        convert.load_params(tmp_path / "run", partitioning.make_mesh((1, 4, 2)))
+
+
+def test_a_tree_mismatch_names_the_arrays_on_each_side(run):
+    # Orbax's own message lists them on the lines after "tree structures do not match:", which a one-line error dropped
+    unrolled, _ = convert.param_targets(dataclasses.replace(CFG, scan_layers=False), partitioning.make_mesh((1, 1, 1)))
+    ckpt = Checkpointer(run, read_only=True)
+    with pytest.raises(CheckpointError) as caught:
+        ckpt.restore_item(2, "params", unrolled)
+    ckpt.close()
+    assert str(caught.value) == (
+        f"{run}/2/params does not match the model being restored: expected but not stored: layer_0/attn/k_proj, "
+        "layer_0/attn/out_proj, layer_0/attn/q_proj and 17 more; stored but not expected: layers/attn/k_proj, "
+        "layers/attn/out_proj, layers/attn/q_proj and 7 more; one holds the layers stacked, the other one by one: "
+        "model.scan_layers differs"
+    )
+
+
+def test_an_optimiser_state_of_another_optimiser_names_what_differs(run):
+    mesh = partitioning.make_mesh((1, 1, 1))
+    params, _ = convert.param_targets(CFG, mesh)
+    clipped = jax.eval_shape(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)).init, params)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), clipped)
+    with pytest.raises(convert.ConversionError) as caught:
+        convert.load_init_opt_state(str(run), CONFIG, mesh, target)
+    message = str(caught.value)
+    assert "expected but not stored: 1/0/count, 1/0/mu/layers/attn/k_proj" in message, message
+    assert "stored but not expected: 0/count, 0/mu/layers/attn/k_proj" in message, message

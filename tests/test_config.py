@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from gptj_flax import partitioning
-from gptj_flax.checkpoint import check_mesh
 from gptj_flax.config import (
     LEGACY_KEYS,
     LEGACY_SPECIAL,
@@ -24,6 +23,7 @@ from gptj_flax.config import (
     from_dict,
     load_config,
 )
+from gptj_flax.convert import check_mesh
 from gptj_flax.model import abstract_params
 from gptj_flax.training import TrainSetup, loop
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from benchmarks.common import write_random_hf
-from gptj_flax import checkpoint, partitioning
+from gptj_flax import checkpoint, convert, partitioning
 from gptj_flax.convert import ConversionError, config_for_legacy, from_hf, from_legacy, safetensors_io
 from gptj_flax.training import make_optimizer
 from tests.helpers import tiny_config
@@ -73,7 +73,7 @@ def test_every_subcommand_takes_paths_relative_to_where_it_is_run(tmp_path, repo
             safetensors_io.read_tensor(original[name]), safetensors_io.read_tensor(exported[name])
         )
     mesh = partitioning.make_mesh((1, 1, 1))
-    assert checkpoint.load_params(tmp_path / "slimmed", mesh)[2] == 0
+    assert convert.load_params(tmp_path / "slimmed", mesh)[2] == 0
     ckpt = checkpoint.Checkpointer(tmp_path / "from_legacy", read_only=True)
     assert ckpt.all_steps() == [5] and ckpt.has_opt_state(5) and ckpt.has_checksums(5)
     ckpt.close()

@@ -13,7 +13,7 @@ import torch
 from transformers import GPTJForCausalLM
 
 from benchmarks.common import write_random_hf
-from gptj_flax import checkpoint, partitioning
+from gptj_flax import checkpoint, convert, partitioning
 from gptj_flax.config import Config
 from gptj_flax.convert import from_hf, load_init_params, safetensors_io, slim, to_hf
 from gptj_flax.convert.hf import HFCheckpoint
@@ -50,7 +50,7 @@ def test_hf_round_trip_is_bit_exact_and_logits_match(tmp_path, shape):
     _save_hf(hf, tmp_path / "hf")
 
     from_hf(tmp_path / "hf", tmp_path / "ours")
-    config, params, step = checkpoint.load_params(tmp_path / "ours", partitioning.make_mesh((2, 2, 2)))
+    config, params, step = convert.load_params(tmp_path / "ours", partitioning.make_mesh((2, 2, 2)))
     assert step == 0 and config.model.n_layers == n_layers and config.model.ff_dim == 4 * d_model
     tokens = np.random.default_rng(0).integers(0, vocab, size=(2, 13))
     np.testing.assert_allclose(_logits(params, config.model, tokens), _hf_logits(hf, tokens), rtol=0, atol=1e-4)
@@ -75,7 +75,7 @@ def test_sharded_safetensors_in_and_out(tmp_path):
     assert (tmp_path / "hf" / safetensors_io.INDEX_FILE).exists()
 
     from_hf(tmp_path / "hf", tmp_path / "ours", scan_layers=False)
-    config, params, _ = checkpoint.load_params(tmp_path / "ours", partitioning.make_mesh((1, 1, 1)))
+    config, params, _ = convert.load_params(tmp_path / "ours", partitioning.make_mesh((1, 1, 1)))
     assert "layer_2" in params and not config.model.scan_layers
     np.testing.assert_array_equal(
         params["layer_1"]["mlp"]["fc_in"]["kernel"], hf_state_numpy(hf)["transformer.h.1.mlp.fc_in.weight"].T
@@ -109,7 +109,7 @@ def test_pytorch_bin_and_half_precision_sources(tmp_path):
     weight_map = {k: name for name, part in halves.items() for k in part}
     (tmp_path / "bin" / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
     from_hf(tmp_path / "bin", tmp_path / "ours")
-    _, params, _ = checkpoint.load_params(tmp_path / "ours", partitioning.make_mesh((1, 1, 1)))
+    _, params, _ = convert.load_params(tmp_path / "ours", partitioning.make_mesh((1, 1, 1)))
     expected = params_matching(hf.to(torch.bfloat16).float(), cfg)["params"]
     np.testing.assert_array_equal(params["lm_head"]["kernel"], expected["lm_head"]["kernel"])
     np.testing.assert_array_equal(params["layers"]["attn"]["k_proj"], expected["layers"]["attn"]["k_proj"])
@@ -147,7 +147,7 @@ def test_init_params_land_on_any_mesh_in_either_layout(converted, mesh_shape, sc
     cfg, hf, root = converted
     config = Config(model=dataclasses.replace(cfg, scan_layers=scan))
     mesh = partitioning.make_mesh(mesh_shape)
-    target, _ = checkpoint.param_targets(config.model, mesh)
+    target, _ = convert.param_targets(config.model, mesh)
     expected = params_matching(hf, config.model)["params"]
     for spec in (f"hf:{root / 'hf'}", str(root / "ours")):
         params = load_init_params(spec, config, mesh)
@@ -177,7 +177,7 @@ def test_slim_keeps_step_drops_nothing_else_and_rounds(tmp_path):
     ckpt = checkpoint.Checkpointer(tmp_path / "slim", read_only=True)
     assert ckpt.all_steps() == [0] and not ckpt.has_opt_state()
     ckpt.close()
-    _, params, _ = checkpoint.load_params(tmp_path / "slim", partitioning.make_mesh((1, 1, 1)))
+    _, params, _ = convert.load_params(tmp_path / "slim", partitioning.make_mesh((1, 1, 1)))
     full = params_matching(hf, cfg)["params"]
     np.testing.assert_array_equal(
         unstack_layers(params)["layer_1"]["attn"]["out_proj"],

@@ -13,7 +13,7 @@ import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks.common import write_random_hf
-from gptj_flax import checkpoint, partitioning
+from gptj_flax import checkpoint, convert, partitioning
 from gptj_flax.config import Config, from_dict
 from gptj_flax.convert import (
     config_for_legacy,
@@ -98,7 +98,7 @@ def test_legacy_import_equals_the_dense_reference(tmp_path, shards, storage):
     from_legacy(step_dir, tmp_path / "ours", config, file_shards)
 
     reference = params_from_hf(hf_state_dict(model, CFG), config.model)
-    stored_config, params, step = checkpoint.load_params(tmp_path / "ours", partitioning.make_mesh((1, 2, 4)))
+    stored_config, params, step = convert.load_params(tmp_path / "ours", partitioning.make_mesh((1, 2, 4)))
     # the compute dtype is the precision the checkpoint stores its parameters in; the rest is the config's
     stored_dtype = {"full": "float32", "slim_bf16": "bfloat16", "slim_fp16": "float16"}[storage]
     assert step == 383500 and stored_config == config.replace(
@@ -120,7 +120,7 @@ def test_init_from_legacy_on_a_different_mesh_and_layout(tmp_path):
     mesh = partitioning.make_mesh((1, 1, 8))  # 8-way tensor parallel from a 4-shard checkpoint
     params = load_init_params(f"legacy:{tmp_path / 'step_10'}", config, mesh, legacy_shards=4)
     reference = params_from_hf(hf_state_dict(model, CFG), config.model)
-    target, _ = checkpoint.param_targets(config.model, mesh)
+    target, _ = convert.param_targets(config.model, mesh)
     for leaf, want, value in zip(jax.tree.leaves(params), jax.tree.leaves(target), jax.tree.leaves(reference)):
         assert leaf.sharding == want.sharding
         np.testing.assert_array_equal(np.asarray(leaf), value)
@@ -144,7 +144,7 @@ def test_adam_moments_land_on_the_right_parameters(tmp_path, scan):
         want = params_from_hf(
             hf_state_dict({**moments, "embed_b": np.zeros_like(moments["embed_b"])}, CFG), config.model
         )
-        target, _ = checkpoint.param_targets(config.model, mesh)
+        target, _ = convert.param_targets(config.model, mesh)
         for leaf, spec, value in zip(jax.tree.leaves(got), jax.tree.leaves(target), jax.tree.leaves(want)):
             assert leaf.sharding == spec.sharding and leaf.dtype == jnp.float32
             np.testing.assert_array_equal(np.asarray(leaf), value)
@@ -331,7 +331,7 @@ def test_from_legacy_with_opt_state_resumes_and_fine_tunes(tmp_path):
     assert int(_adam_nodes(carried)[0].count) == 12
 
     # The training loop's resume path reads it too (OUT as a run directory).
-    params_target, _ = checkpoint.param_targets(config.model, mesh)
+    params_target, _ = convert.param_targets(config.model, mesh)
     ckpt = checkpoint.Checkpointer(tmp_path / "ours", read_only=True)
     restored = ckpt.restore(params_target=params_target, opt_state_target=target)
     ckpt.close()

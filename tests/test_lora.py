@@ -129,7 +129,7 @@ def test_a_lora_step_runs_alike_on_every_mesh_layout(scan):
     for layout in partitioning.LAYOUTS:
         mesh = partitioning.make_mesh(layout)
         tx = optimizer.make_optimizer(config.train)
-        _, base_shardings = checkpoint.param_targets(lora_lib.base_model_config(config), mesh)
+        _, base_shardings = convert.param_targets(lora_lib.base_model_config(config), mesh)
         base = jax.device_put(jax.tree.map(lambda x: x.astype(jnp.bfloat16), base_params), base_shardings)
         state = steps.create_state(model, tx, mesh, jax.random.key(0))
         shardings = steps.state_shardings(model, tx, mesh)
@@ -167,7 +167,7 @@ def test_a_lora_fine_tune_of_a_trained_checkpoint_lowers_validation_loss(lora_ru
     params = convert.load_init_params(base, config, mesh)
     plain = steps.compile_eval_step(
         GPTJ(config.model),
-        checkpoint.param_targets(config.model, mesh)[1],
+        convert.param_targets(config.model, mesh)[1],
         data_sharding=steps.batch_sharding(mesh, accumulated=False),
     )
     val = gptj_flax.data.make_eval_sets(

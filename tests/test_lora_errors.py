@@ -359,7 +359,7 @@ def test_merge_lora_still_writes_the_merged_model(lora_run, base, tmp_path):
     mesh = partitioning.make_mesh(partitioning.ONE_DEVICE)
     params = convert.load_init_params(str(base[1]), adapter.config.replace(model=_model_config(base)), mesh)
     expected = lora_lib.merge_adapters(params, adapter.adapters, adapter.lora)
-    _, written, _ = checkpoint.load_params(merged, mesh)
+    _, written, _ = convert.load_params(merged, mesh)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, written), jax.tree.map(np.asarray, expected))
 
 

@@ -19,7 +19,7 @@ import pytest
 from flax import traverse_util
 
 import gptj_flax
-from gptj_flax import checkpoint, convert, partitioning
+from gptj_flax import convert, partitioning
 from gptj_flax.checkpoint import Checkpointer
 from gptj_flax.config import Config, ConfigError, TrainConfig, load_config
 from gptj_flax.convert import ConversionError
@@ -119,7 +119,7 @@ def test_the_quantised_kernels_are_the_six_block_projections():
 def test_every_layout_places_the_int8_weights_and_their_scales(layout):
     config = tiny_config(quantize="int8", n_heads=8, vocab_size=256)
     mesh = partitioning.make_mesh(layout)
-    targets, _ = checkpoint.param_targets(config, mesh)  # the divisibility check included
+    targets, _ = convert.param_targets(config, mesh)  # the divisibility check included
     flat = traverse_util.flatten_dict(targets)
 
     def spec(x):

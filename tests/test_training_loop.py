@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from gptj_flax import checkpoint, partitioning
+from gptj_flax import checkpoint, convert, partitioning
 from gptj_flax.training import TrainingDiverged, train
 from tests.training_helpers import make_config, make_corpus, write_config
 
@@ -26,7 +26,7 @@ def corpus(tmp_path_factory):
 
 
 def params_of(run_dir, mesh_shape):
-    _, params, step = checkpoint.load_params(run_dir, partitioning.make_mesh(mesh_shape))
+    _, params, step = convert.load_params(run_dir, partitioning.make_mesh(mesh_shape))
     return step, jax.tree.map(np.asarray, params)
 
 
@@ -116,8 +116,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_latest(corpus, tmp_
     script = f"""
 import os, signal, jax
 jax.config.update("jax_num_cpu_devices", 8)
-from gptj_flax import checkpoint, partitioning
-config, params, _ = checkpoint.load_params({str(run)!r}, partitioning.make_mesh((2, 2, 2)))
+from gptj_flax import checkpoint, convert, partitioning
+config, params, _ = convert.load_params({str(run)!r}, partitioning.make_mesh((2, 2, 2)))
 ckpt = checkpoint.Checkpointer({str(run)!r})
 ckpt.save(3, params=params, config=config, force=True)
 os.kill(os.getpid(), signal.SIGKILL)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gptj_flax import checkpoint, convert, partitioning
+from gptj_flax import convert, partitioning
 from gptj_flax.config import from_dict
 from gptj_flax.training import TrainSetup, aot, steps, train
 from tests.training_helpers import MODEL, make_config, make_corpus
@@ -51,7 +51,7 @@ def builds(monkeypatch):
         (steps, "abstract_trained"),
         (steps, "abstract_state"),
         (steps, "batch_sharding"),
-        (checkpoint, "param_targets"),
+        (convert, "param_targets"),
     ]:
         monkeypatch.setattr(module, name, _counting(counts, name, getattr(module, name)))
     return counts

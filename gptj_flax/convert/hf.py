@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-from gptj_flax import checkpoint
 from gptj_flax.config import Config, ConfigError, ModelConfig, dtype_name, jnp_dtype
 from gptj_flax.convert import safetensors_io
 from gptj_flax.convert.common import (
@@ -37,8 +36,8 @@ from gptj_flax.convert.hf_names import (
     hf_to_ours,
     ours_to_hf,
 )
-from gptj_flax.convert.layout import ParamPath, layer_paths, streamed_params
-from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
+from gptj_flax.convert.layout import ParamPath, Source, layer_paths, streamed_params
+from gptj_flax.convert.orbax_io import OrbaxParams, write_converted
 
 HF_PREFIX = "hf:"
 WEIGHT_FILES = (
@@ -49,6 +48,8 @@ WEIGHT_FILES = (
 )
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' own default for save_pretrained
 GPTJ_EOS = 50256  # GPT-2 BPE's <|endoftext|>, GPT-J's bos and eos
+# A HuggingFace directory holds its tokenizer when it has one of these.
+HF_TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 
 log = logging.getLogger(__name__)
 
@@ -164,13 +165,16 @@ class _TorchFile:
         return self._tensors[name].to(torch.float32).numpy()
 
 
-class HFCheckpoint:
+class HFCheckpoint(Source):
     """A HuggingFace GPT-J directory, validated up front and read one tensor at a time.
 
     ``stored_dtype`` is the precision its weights are stored in: ``config.json``'s ``dtype``
     (``torch_dtype`` before transformers 5), else the weight files' own. ``model_config`` computes
-    in it unless ``open`` is given another ``dtype``; its parameters are kept in float32.
+    in it unless ``open`` is given another ``dtype``; its parameters are kept in float32. It holds
+    one set of weights: ``step`` is 0.
     """
+
+    step = 0
 
     def __init__(
         self,
@@ -236,6 +240,11 @@ class HFCheckpoint:
                 )
         return cls(directory, model_config, {n: readers[n] for n in expected}, stored)
 
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        """The directory itself, where it holds a tokenizer."""
+        return self.directory if any((self.directory / f).is_file() for f in HF_TOKENIZER_FILES) else None
+
     def get(self, path: ParamPath) -> np.ndarray:
         """The parameter at ``path`` (unrolled layout) in our orientation, in its stored dtype."""
         name = hf_name(path)
@@ -299,17 +308,14 @@ def from_hf(
     hf = HFCheckpoint.open(src, scan_layers, dtype)
     carry = _checked_tokenizer(hf.directory) if tokenizer else False
     config = Config(model=hf.model_config)
-    with atomic_directory(out) as tmp:
-        write_checkpoint(
-            tmp,
-            0,
-            params=streamed_params(hf.get, config.model),
-            config=config,
-            meta={"converted_from": f"hf:{Path(src).resolve()}"},
-        )
-        if carry:
-            copy_tokenizer_files(hf.directory, tmp / checkpoint.TOKENIZER_DIR)
-    return Path(out)
+    return write_converted(
+        out,
+        0,
+        params=streamed_params(hf.get, config.model),
+        config=config,
+        meta={"converted_from": f"hf:{Path(src).resolve()}"},
+        tokenizer=hf.directory if carry else None,
+    )
 
 
 def _checked_tokenizer(directory: Path) -> bool:

@@ -1,13 +1,12 @@
 """Starting a training run from existing weights: ``--init-from hf:DIR | legacy:DIR | CKPT``.
 
-The weights go straight from their files onto the shards of the run's mesh, one tensor at a time,
-so a 6B import never holds a second copy of the model in host memory. Any source restores onto any
-mesh and host count: nothing about the mesh it was saved from is needed.
+The weights are resolved and placed as ``gptj_flax.load`` places them (:mod:`.weights`): straight
+from their files onto the shards of the run's mesh, one tensor at a time, so a 6B import never
+holds a second copy of the model in host memory. Any source restores onto any mesh and host count:
+nothing about the mesh it was saved from is needed.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -19,25 +18,12 @@ from gptj_flax import checkpoint
 from gptj_flax.config import Config, ModelConfig
 from gptj_flax.convert.common import ConversionError, require_float
 from gptj_flax.convert.hf import HFCheckpoint
-from gptj_flax.convert.layout import place_on_mesh, streamed_params
-from gptj_flax.convert.legacy import LegacyCheckpoint, load_legacy_opt_state
+from gptj_flax.convert.legacy import load_legacy_opt_state
 from gptj_flax.convert.orbax_io import OrbaxParams
-from gptj_flax.convert.quantize import orbax_streamed, quantize_streamed
-from gptj_flax.model import stack_layers, unstack_layers
+from gptj_flax.convert.weights import open_weights, parse_init_spec, place_weights
 
 # The fields that decide parameter shapes and numerics; a source must agree on all of them.
 ARCHITECTURE_FIELDS = ("n_layers", "d_model", "n_heads", "rotary_dim", "vocab_size", "d_ff", "layer_norm_eps")
-
-
-def parse_init_spec(spec: str) -> tuple[str, str]:
-    """``hf:DIR`` → ("hf", DIR), ``legacy:DIR`` → ("legacy", DIR), anything else → ("orbax", spec)."""
-    for kind in ("hf", "legacy"):
-        if spec.startswith(f"{kind}:"):
-            location = spec[len(kind) + 1 :]
-            if not location:
-                raise ConversionError(f"--init-from {spec!r}: give a directory after '{kind}:'")
-            return kind, location
-    return "orbax", spec
 
 
 def check_architecture(source: ModelConfig, wanted: ModelConfig, where: str) -> None:
@@ -66,38 +52,11 @@ def load_init_params(spec: str, config: Config, mesh: Mesh, legacy_shards: int |
     checked against the checkpoint's shard directories.
     """
     kind, location = parse_init_spec(spec)
-    mc = config.model
-    float_model = dataclasses.replace(mc, quantize=None)
-    # Quantising reads the source in float32, so the int8 kernels do not depend on param_dtype.
-    read_dtype = None if mc.quantize is None else np.float32
-
-    def place(streamed: dict, layout: ModelConfig, desc: str) -> dict:
-        if mc.quantize is not None:
-            _, streamed = quantize_streamed(streamed, dataclasses.replace(layout, quantize=None))
-            desc += f", quantising to {mc.quantize}"
-        target, _ = checkpoint.param_targets(dataclasses.replace(mc, scan_layers=layout.scan_layers), mesh)
-        return place_on_mesh(streamed, target, desc=desc)
-
-    if kind == "hf":
-        source = HFCheckpoint.open(location)
-        check_architecture(source.model_config, mc, f"{location}/config.json")
-        return place(streamed_params(source.get, float_model, read_dtype), mc, "loading hf weights")
-    if kind == "legacy":
-        with LegacyCheckpoint(location, mc, legacy_shards) as legacy:
-            return place(streamed_params(legacy.get, float_model, read_dtype), mc, "loading legacy weights")
-
-    stored = OrbaxParams.open(location)
-    require_float(stored.config.model, location, "training")
-    check_architecture(stored.config.model, mc, location)
-    if mc.quantize is None:
-        _, params, _ = checkpoint.load_params(location, mesh, step=stored.step, dtype=mc.weight_dtype)
-    else:  # in the stored layer layout; restacked below like a float checkpoint
-        params = place(orbax_streamed(stored), stored.config.model, "loading orbax weights")
-    if stored.config.model.scan_layers != mc.scan_layers:
-        _, shardings = checkpoint.param_targets(mc, mesh)
-        params = stack_layers(params, mc.n_layers) if mc.scan_layers else unstack_layers(params)
-        params = jax.device_put(params, shardings)
-    return params
+    with open_weights(spec, model_config=config.model, legacy_shards=legacy_shards) as source:
+        if kind == "orbax":
+            require_float(source.model_config, location, "training")
+        check_architecture(source.model_config, config.model, f"{location}/config.json" if kind == "hf" else location)
+        return place_weights(source, config.model, mesh).params
 
 
 def load_init_opt_state(spec: str, config: Config, mesh: Mesh, target, legacy_shards: int | None = None):
@@ -112,19 +71,18 @@ def load_init_opt_state(spec: str, config: Config, mesh: Mesh, target, legacy_sh
     and layer layout.
     """
     kind, location = parse_init_spec(spec)
-    if kind == "hf":
-        return None
-    if kind == "legacy":
-        with LegacyCheckpoint(location, config.model, legacy_shards) as legacy:
-            if not legacy.full:
-                return None
-        adam = load_legacy_opt_state(location, config, mesh, legacy_shards)
-        fresh = jax.tree.map(_zeros, target, is_leaf=_is_adam)
-        return insert_adam_moments(fresh, adam.mu, adam.nu, adam.count)
+    with open_weights(spec, model_config=config.model, legacy_shards=legacy_shards) as source:
+        if isinstance(source, OrbaxParams):
+            return _orbax_opt_state(source, config, target, location) if source.has_opt_state else None
+        if isinstance(source, HFCheckpoint) or not source.full:
+            return None
+    adam = load_legacy_opt_state(location, config, mesh, legacy_shards)
+    fresh = jax.tree.map(_zeros, target, is_leaf=_is_adam)
+    return insert_adam_moments(fresh, adam.mu, adam.nu, adam.count)
 
-    stored = OrbaxParams.open(location)
-    if not stored.has_opt_state:
-        return None
+
+def _orbax_opt_state(stored: OrbaxParams, config: Config, target, location: str):
+    """``stored``'s optimiser state restored onto ``target``, which must be the same optimiser's."""
     if stored.config.model.scan_layers != config.model.scan_layers:
         raise ConversionError(
             f"{location}: its optimiser state was saved with scan_layers={stored.config.model.scan_layers}; "

@@ -26,11 +26,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from gptj_flax import checkpoint
 from gptj_flax.config import Config, ModelConfig, dtype_name, from_dict, is_legacy
-from gptj_flax.convert.common import ConversionError, atomic_directory
-from gptj_flax.convert.layout import ParamPath, StreamedArray, place_on_mesh, streamed_params
-from gptj_flax.convert.orbax_io import write_checkpoint
+from gptj_flax.convert.common import ConversionError
+from gptj_flax.convert.layout import ParamPath, StreamedArray, param_targets, place_on_mesh, streamed_params
+from gptj_flax.convert.orbax_io import write_converted
 
 PIECES = 16  # the original's `pieces`: files per shard
 _ROOT = "causal_transformer_shard/~/"
@@ -342,6 +341,16 @@ class LegacyCheckpoint:
             return dense.reshape(c.n_heads, c.head_dim, c.d_model)
         return dense
 
+    @property
+    def model_config(self) -> ModelConfig:
+        """The config it was opened with: a legacy checkpoint records none of its own."""
+        return self.config
+
+    @property
+    def tokenizer_dir(self) -> None:
+        """None: the original kept its tokenizer (GPT-2's) apart from its checkpoints."""
+        return None
+
     def get(self, path: ParamPath) -> np.ndarray:
         """A parameter (unrolled path) in our orientation, float32."""
         key = legacy_key(path)
@@ -413,19 +422,18 @@ def from_legacy(
     optimiser state is written too, holding the checkpoint's Adam count and moments, so training
     continues with them (``--init-from OUT``, or resuming with OUT as the run directory).
     """
-    with LegacyCheckpoint(step_dir, config.model, shards) as legacy, atomic_directory(out) as tmp:
+    with LegacyCheckpoint(step_dir, config.model, shards) as legacy:
         compute = legacy.stored_dtype if dtype is None else dtype_name(dtype)
         config = config.replace(model=dataclasses.replace(config.model, dtype=compute))
         opt_state = None if opt_init is None else _streamed_opt_state(legacy, config, opt_init)
-        write_checkpoint(
-            tmp,
+        return write_converted(
+            out,
             legacy.step,
             params=streamed_params(legacy.get, config.model),
             config=config,
             opt_state=opt_state,
             meta={"converted_from": f"legacy:{Path(step_dir).resolve()}"},
         )
-    return Path(out)
 
 
 def _streamed_opt_state(legacy: LegacyCheckpoint, config: Config, opt_init: Callable):
@@ -475,7 +483,7 @@ def load_legacy_opt_state(
     Each moment tensor goes straight onto its shards, so host memory holds one tensor at a time.
     Hand the result to :func:`gptj_flax.convert.insert_adam_moments` to continue training with it.
     """
-    target, _ = checkpoint.param_targets(config.model, mesh, dtype=jnp.float32)
+    target, _ = param_targets(config.model, mesh, dtype=jnp.float32)
     with LegacyCheckpoint(step_dir, config.model, shards) as legacy:
         count = jnp.asarray(legacy.adam_count(), jnp.int32)
         moments = {

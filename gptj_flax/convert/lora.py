@@ -36,12 +36,13 @@ from jax.sharding import Mesh
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import Config, ConfigError, LoraConfig, ModelConfig, max_lora_rank, projection_shape
 from gptj_flax.convert import safetensors_io
-from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files, scratch_directory
+from gptj_flax.convert.common import ConversionError, atomic_directory, scratch_directory
 from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE, to_hf
-from gptj_flax.convert.init_from import load_init_params, parse_init_spec
+from gptj_flax.convert.init_from import load_init_params
 from gptj_flax.convert.layout import StreamedArray
-from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
+from gptj_flax.convert.orbax_io import OrbaxParams, write_converted
 from gptj_flax.convert.quantize import dequantize_params
+from gptj_flax.convert.weights import parse_init_spec
 from gptj_flax.model import abstract_adapters, stack_layers, unstack_layers
 
 BASE_KEY = checkpoint.LORA_BASE_KEY  # the meta key of a LoRA checkpoint that names its base
@@ -331,17 +332,14 @@ def merge_lora(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "
         base, model = dequantize_params(base, dtype), dataclasses.replace(model, quantize=None)
     config = Config(model=model, mesh=adapter.config.mesh)
     merged = merged_streamed(base, adapter.adapters, adapter.lora)
-    with atomic_directory(out) as tmp:
-        write_checkpoint(
-            tmp,
-            adapter.step,
-            params=merged,
-            config=config,
-            meta={"merged_lora": adapter.where, "lora_base_path": adapter.base.path},
-        )
-        tokenizer = adapter.tokenizer_dir
-        copy_tokenizer_files(Path(str(tokenizer)) if tokenizer else None, tmp / checkpoint.TOKENIZER_DIR)
-    return Path(out)
+    return write_converted(
+        out,
+        adapter.step,
+        params=merged,
+        config=config,
+        meta={"merged_lora": adapter.where, "lora_base_path": adapter.base.path},
+        tokenizer=adapter.tokenizer_dir,
+    )
 
 
 def to_hf_merged(

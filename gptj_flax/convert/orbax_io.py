@@ -1,8 +1,7 @@
 """Orbax checkpoints written and read one parameter at a time.
 
 The layout is :mod:`gptj_flax.checkpoint`'s (``RUN_DIR/STEP/{params,meta,config}``, the tokenizer in
-``RUN_DIR/tokenizer``), so :func:`gptj_flax.checkpoint.load_params` restores what we write onto any
-mesh. What differs is memory: ``Checkpointer.save`` takes a tree of arrays already in memory, which
+``RUN_DIR/tokenizer``), so :func:`load_params` restores what we write onto any mesh. What differs is memory: ``Checkpointer.save`` takes a tree of arrays already in memory, which
 for a converter would be the whole model. Here the params are :class:`~layout.StreamedArray`s and a
 type handler materialises, writes and drops them one by one, so writing holds one leaf at a time.
 Reading likewise restores one leaf per call (Orbax partial restore) as a host numpy array.
@@ -17,18 +16,20 @@ import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.sharding import Mesh
 from orbax.checkpoint import future, type_handlers
 
-from gptj_flax import checkpoint
-from gptj_flax.config import Config
-from gptj_flax.convert.common import progress
-from gptj_flax.convert.layout import ParamPath, StreamedArray, leaves_with_paths, param_shapes
+from gptj_flax import checkpoint, partitioning
+from gptj_flax.config import Config, ModelConfig
+from gptj_flax.convert.common import atomic_directory, copy_tokenizer_files, progress
+from gptj_flax.convert.layout import ParamPath, Source, StreamedArray, leaves_with_paths, param_shapes, param_targets
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +157,30 @@ def write_checkpoint(
     manager.close()
 
 
+def write_converted(
+    out: str | os.PathLike,
+    step: int,
+    *,
+    params: dict,
+    config: Config,
+    meta: Mapping[str, Any],
+    tokenizer: str | os.PathLike | None = None,
+    opt_state: Any = None,
+) -> Path:
+    """Every converter's output: the checkpoint ``out`` holding ``step`` (:func:`write_checkpoint`'s
+    arguments) and the tokenizer files found in the directory ``tokenizer``, if any.
+
+    It is written into a temporary sibling renamed to ``out`` once complete, so a failure or Ctrl-C
+    leaves no ``out`` behind; an existing ``out`` is refused before anything is written.
+    """
+    with atomic_directory(out) as tmp:
+        write_checkpoint(tmp, step, params=params, config=config, meta=meta, opt_state=opt_state)
+        copy_tokenizer_files(None if tokenizer is None else Path(os.fspath(tokenizer)), tmp / checkpoint.TOKENIZER_DIR)
+    return Path(out)
+
+
 @dataclasses.dataclass
-class OrbaxParams:
+class OrbaxParams(Source):
     """The params of one checkpoint step, readable one leaf at a time without a device mesh."""
 
     directory: epath.Path  # the run directory (absolute)
@@ -183,6 +206,10 @@ class OrbaxParams:
         checkpoint.refuse_lora_checkpoint(directory, step, config, meta)
         checkpoint.notice_if_unverified(directory / str(step), meta)
         return cls(directory, step, config, meta, has_opt_state, steps)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
 
     @property
     def params_dir(self) -> epath.Path:
@@ -220,3 +247,30 @@ class OrbaxParams:
         for key in path:
             out = out[key]
         return out
+
+
+def load_params(
+    path: str | os.PathLike,
+    mesh: Mesh | None = None,
+    *,
+    step: int | None = None,
+    dtype: Any = None,
+    rules: partitioning.Rules = partitioning.DEFAULT_RULES,
+) -> tuple[Config, Any, int]:
+    """Load only the parameters of the checkpoint at ``path`` (run dir or step dir) onto ``mesh``.
+
+    Returns ``(config, params, step)``; ``params`` leaves are sharded ``jax.Array``s of ``dtype``
+    (default: as stored), verified against their checksums as they are read.
+    """
+    directory, path_step = checkpoint.split_step_path(path)
+    ckpt = checkpoint.Checkpointer(directory, read_only=True)
+    try:
+        step = ckpt.resolve_step(path_step if step is None else step)
+        config = ckpt.read_config(step)
+        checkpoint.refuse_lora_checkpoint(directory, step, config, ckpt.read_json(step, "meta"))
+        mesh = mesh or partitioning.make_mesh(config.mesh)
+        target, _ = param_targets(config.model, mesh, rules, dtype)
+        restored = ckpt.restore(step, params_target=target)
+    finally:
+        ckpt.close()
+    return config, restored.params, step

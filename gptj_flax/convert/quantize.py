@@ -18,17 +18,16 @@ import functools
 import os
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from gptj_flax import checkpoint, model
+from gptj_flax import model
 from gptj_flax.config import ModelConfig
-from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files
-from gptj_flax.convert.layout import ParamPath, StreamedArray
-from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
+from gptj_flax.convert.common import ConversionError
+from gptj_flax.convert.layout import ParamPath, ParamTree, StreamedArray
+from gptj_flax.convert.orbax_io import OrbaxParams, write_converted
 
 INT8_MAX = 127  # symmetric: -128 is never used, so negating a weight never overflows
 
@@ -106,24 +105,21 @@ def quantized_config(config: ModelConfig) -> ModelConfig:
 def quantized_kernels(config: ModelConfig) -> dict[ParamPath, tuple[int, int]]:
     """Every quantised kernel's path in an int8 ``config``'s tree, with its number of leading
     stacked-layer dims and of output dims (its scale's shape is the kernel's at those dims)."""
-    flat = traverse_util.flatten_dict(nn.meta.unbox(model.abstract_params(config)))
-    kernels = {}
-    for path, leaf in flat.items():
-        if path[-1].endswith(model.SCALE_SUFFIX):
-            lead = int(path[0] == "layers")
-            kernels[(*path[:-1], path[-1].removesuffix(model.SCALE_SUFFIX))] = (lead, leaf.ndim - lead)
-    return kernels
+    return ParamTree.of(config).quantized_kernels()
 
 
-def quantize_streamed(params: dict, config: ModelConfig) -> tuple[ModelConfig, dict]:
+def quantize_streamed(
+    params: dict, config: ModelConfig, kernels: dict[ParamPath, tuple[int, int]] | None = None
+) -> tuple[ModelConfig, dict]:
     """``(int8 config, int8 params)`` from float ``params`` (StreamedArray leaves) of ``config``.
 
     Each quantised kernel becomes two streamed leaves, the int8 kernel and its scale, computed from
     one read of the float kernel when both are materialised one after the other (as the writers
     and :func:`~layout.place_on_mesh` do, in sorted order); the other leaves pass through.
+    ``kernels``: :func:`quantized_kernels` of the int8 config, where the caller has them.
     """
     int8_config = quantized_config(config)
-    kernels = quantized_kernels(int8_config)
+    kernels = quantized_kernels(int8_config) if kernels is None else kernels
     flat: dict[ParamPath, StreamedArray] = traverse_util.flatten_dict(params)
     missing = sorted(set(kernels) - set(flat))
     if missing:
@@ -175,13 +171,14 @@ def quantize_params(params: dict, config: ModelConfig) -> tuple[ModelConfig, dic
     return int8_config, traverse_util.unflatten_dict({path: leaf.materialize() for path, leaf in flat.items()})
 
 
-def orbax_streamed(source: OrbaxParams) -> dict:
-    """A stored checkpoint's params as StreamedArrays in their stored dtypes, read on demand."""
+def orbax_streamed(source: OrbaxParams, shapes: dict[ParamPath, tuple[int, ...]] | None = None) -> dict:
+    """A stored checkpoint's params as StreamedArrays in their stored dtypes, read on demand.
+    ``shapes``: its leaves, where the caller has them (default :meth:`OrbaxParams.leaf_shapes`)."""
     dtypes = source.stored_dtypes()
     return traverse_util.unflatten_dict(
         {
             path: StreamedArray(shape, dtypes[path], functools.partial(source.read, path), name="/".join(path))
-            for path, shape in source.leaf_shapes().items()
+            for path, shape in (source.leaf_shapes() if shapes is None else shapes).items()
         }
     )
 
@@ -191,16 +188,15 @@ def quantize(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
     block projections int8. Its config records ``model.quantize="int8"``, so ``load(out)`` reads it
     as int8 with no argument."""
     source = OrbaxParams.open(ckpt)
-    int8_config, params = quantize_streamed(orbax_streamed(source), source.config.model)
+    tree = ParamTree.of(quantized_config(source.config.model))
+    streamed = orbax_streamed(source, tree.shapes(scales=False))
+    int8_config, params = quantize_streamed(streamed, source.config.model, tree.quantized_kernels())
     meta = {k: v for k, v in source.meta.items() if k != "step"}
-    with atomic_directory(out) as tmp:
-        write_checkpoint(
-            tmp,
-            source.step,
-            params=params,
-            config=source.config.replace(model=int8_config),
-            meta={**meta, "quantized_from": str(Path(str(source.directory)).resolve()), "quantize": "int8"},
-        )
-        tokenizer = source.tokenizer_dir
-        copy_tokenizer_files(Path(str(tokenizer)) if tokenizer else None, tmp / checkpoint.TOKENIZER_DIR)
-    return Path(out)
+    return write_converted(
+        out,
+        source.step,
+        params=params,
+        config=source.config.replace(model=int8_config),
+        meta={**meta, "quantized_from": str(Path(str(source.directory)).resolve()), "quantize": "int8"},
+        tokenizer=source.tokenizer_dir,
+    )

@@ -15,11 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from gptj_flax import checkpoint
 from gptj_flax.config import dtype_name
-from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files, require_float
+from gptj_flax.convert.common import ConversionError, require_float
 from gptj_flax.convert.layout import StreamedArray
-from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
+from gptj_flax.convert.orbax_io import OrbaxParams, write_converted
 
 SLIM_DTYPES = {"bfloat16": np.dtype(jnp.bfloat16), "float16": np.dtype(np.float16)}
 
@@ -39,14 +38,11 @@ def slim(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "bfloa
         }
     )
     meta = {k: v for k, v in source.meta.items() if k != "step"}
-    with atomic_directory(out) as tmp:
-        write_checkpoint(
-            tmp,
-            source.step,
-            params=params,
-            config=source.config,
-            meta={**meta, "slimmed_from": str(Path(str(source.directory)).resolve()), "slim_dtype": dtype},
-        )
-        tokenizer = source.tokenizer_dir
-        copy_tokenizer_files(Path(str(tokenizer)) if tokenizer else None, tmp / checkpoint.TOKENIZER_DIR)
-    return Path(out)
+    return write_converted(
+        out,
+        source.step,
+        params=params,
+        config=source.config,
+        meta={**meta, "slimmed_from": str(Path(str(source.directory)).resolve()), "slim_dtype": dtype},
+        tokenizer=source.tokenizer_dir,
+    )

@@ -351,7 +351,14 @@ class LanguageModel:
     """
 
     def __init__(
-        self, config: ModelConfig, params: Any, tokenizer=None, mesh: Mesh | None = None, step: int | None = None
+        self,
+        config: ModelConfig,
+        params: Any,
+        tokenizer=None,
+        mesh: Mesh | None = None,
+        step: int | None = None,
+        *,
+        shardings: Any = None,
     ):
         """
         Args:
@@ -361,11 +368,13 @@ class LanguageModel:
           mesh: default one device. Pass a mesh to shard (heads and cache over ``model``, the
             batch over ``data``/``fsdp``).
           step: the checkpoint step the parameters come from, for display.
+          shardings: where unrolled ``params`` already are on ``mesh``, as the partitioning rules
+            place them (:func:`gptj_flax.convert.place_weights`): they are then used as they are.
         """
         self.config, self.tokenizer, self.step = config, tokenizer, step
         self.mesh = partitioning.make_mesh(partitioning.ONE_DEVICE if mesh is None else mesh)
         valid_vocab = None if tokenizer is None else len(tokenizer)
-        self.decoder = Decoder(config, params, self.mesh, valid_vocab=valid_vocab)
+        self.decoder = Decoder(config, params, self.mesh, valid_vocab=valid_vocab, shardings=shardings)
         self.eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
 
     @property

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from gptj_flax import checkpoint, partitioning
+from gptj_flax import convert, partitioning
 from gptj_flax.config import ModelConfig
 from gptj_flax.losses import greedy_matches, token_log_probs
 from gptj_flax.model import GPTJ, KVCache, unstack_layers
@@ -146,13 +146,25 @@ class Progress:
         return bool(np.all(self.finish != RUNNING))
 
 
+def _as_run(config: ModelConfig, params: Any, mesh: Mesh, rules: partitioning.Rules, shardings: Any):
+    """``(config, params, shardings)`` as the Decoder runs them: unrolled, without remat (it only
+    matters for gradients), ``params`` placed as ``rules`` say unless ``shardings`` says they are."""
+    if shardings is None and config.scan_layers:
+        params = unstack_layers(params)
+    config = dataclasses.replace(config, scan_layers=False, remat_policy="none")
+    if shardings is None:
+        _, shardings = convert.param_targets(config, mesh, rules)
+        params = jax.device_put(params, shardings)
+    return config, params, shardings
+
+
 class Decoder:
     """Compiled prefill, decode loop and scoring for one model's parameters on one mesh.
 
-    It always runs the unrolled layer stack, converting scanned parameters once: every layer's
-    weights and cache are then buffers of their own that each decode step reads in place, where a
-    scanned stack would slice (on the CPU: copy) every layer's weights out of the stacked arrays
-    at every step.
+    It always runs the unrolled layer stack, converting scanned parameters once (``gptj_flax.load``
+    hands it unrolled ones already placed): every layer's weights and cache are then buffers of
+    their own that each decode step reads in place, where a scanned stack would slice (on the CPU:
+    copy) every layer's weights out of the stacked arrays at every step.
     """
 
     def __init__(
@@ -163,6 +175,7 @@ class Decoder:
         *,
         valid_vocab: int | None = None,
         rules: partitioning.Rules = partitioning.DEFAULT_RULES,
+        shardings: Any = None,
     ):
         """
         Args:
@@ -170,16 +183,14 @@ class Decoder:
           params: the ``params`` collection; placed onto ``mesh`` as the rules say.
           valid_vocab: ids at or above it are never generated (the tokenizer's size when the
             embedding is padded); default: the whole vocabulary.
+          shardings: where ``params`` are placed already, unrolled whatever ``config.scan_layers``
+            says, as the rules place them on ``mesh`` (:func:`gptj_flax.convert.place_weights`):
+            they are then used as they are.
         """
-        if config.scan_layers:
-            params = unstack_layers(params)
-        # remat only matters for gradients; generation never takes any
-        config = dataclasses.replace(config, scan_layers=False, remat_policy="none")
+        config, self.params, param_shardings = _as_run(config, params, mesh, rules, shardings)
         self.config, self.mesh, self.rules = config, mesh, rules
         self.valid_vocab = config.vocab_size if valid_vocab is None else min(valid_vocab, config.vocab_size)
         self.model = GPTJ(config)
-        _, param_shardings = checkpoint.param_targets(config, mesh, rules)
-        self.params = jax.device_put(params, param_shardings)
         self.batch_multiple = partitioning.data_parallel_size(mesh, rules)
         self.page_columns = PAGE_COLUMNS.get(mesh.devices.flat[0].platform, DEFAULT_PAGE_COLUMNS)
         self.slot_programs: dict[tuple, tuple] = {}  # decode slots' compiled programs, by shape (sampling.slots)

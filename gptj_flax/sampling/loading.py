@@ -10,26 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from gptj_flax import checkpoint, partitioning
-from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, dtype_name, jnp_dtype
+from gptj_flax import partitioning
+from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, ModelConfig, dtype_name
 from gptj_flax.convert import lora as lora_lib
-from gptj_flax.convert.hf import HFCheckpoint, is_hf_source
+from gptj_flax.convert.hf import HFCheckpoint
 from gptj_flax.convert.init_from import check_architecture
-from gptj_flax.convert.layout import place_on_mesh, streamed_params
-from gptj_flax.convert.orbax_io import OrbaxParams
-from gptj_flax.convert.quantize import orbax_streamed, quantize_streamed, round_trip
+from gptj_flax.convert.quantize import round_trip
+from gptj_flax.convert.weights import WeightSource, open_weights, parse_init_spec, place_weights
 from gptj_flax.data.tokenizer import resolve_tokenizer
 from gptj_flax.model import stack_layers, unstack_layers
 from gptj_flax.sampling.api import LanguageModel
 from gptj_flax.sampling.samplers import SamplingError
-
-# A HuggingFace directory holds its tokenizer when it has one of these.
-HF_TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 
 
 def load(
@@ -67,55 +62,51 @@ def load(
       kv_cache: ``"int8"``: generation stores cached keys and values int8 with a float32 scale per
         (row, head, slot), about half a bf16 cache's memory. Default: the compute dtype.
     """
+    _check_options(path, step, quantize, kv_cache)
+    mesh = partitioning.make_mesh(partitioning.ONE_DEVICE if mesh is None else mesh)
+    name = None if dtype is None else dtype_name(dtype)
+    with open_weights(path, step, dtype=name) as source:
+        config = for_inference(source, name, quantize, kv_cache)
+        if adapter is not None and config.quantize is not None:
+            raise SamplingError(
+                f"adapter= merges LoRA adapters into float weights, and this model is {config.quantize}: "
+                "load the float base with adapter=, or write the merged model with `gptj-convert merge-lora` "
+                "and quantise that with `gptj-convert quantize`"
+            )
+        # Held unrolled, as the Decoder runs them: each layer's weights are buffers of their own
+        # that a decode step reads in place, where a scanned stack is sliced at every step.
+        unrolled = dataclasses.replace(config, scan_layers=False)
+        params, shardings = place_weights(source, unrolled, mesh)
+    saved = source.tokenizer_dir
+    if adapter is not None:
+        params, adapter_tokenizer = _merge_adapter(adapter, path, unrolled, params, mesh)
+        saved = adapter_tokenizer or saved
+    tokenizer = resolve_tokenizer(tokenizer, saved=saved)
+    return LanguageModel(config, params, tokenizer=tokenizer, mesh=mesh, step=source.step, shardings=shardings)
+
+
+def _check_options(path, step: int | None, quantize: str | None, kv_cache: str | None) -> None:
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise SamplingError(f"quantize={quantize!r} is not one of {list(QUANTIZATIONS)} (or None: as stored)")
     if kv_cache is not None and kv_cache not in KV_CACHE_DTYPES:
         raise SamplingError(f"kv_cache={kv_cache!r} is not one of {list(KV_CACHE_DTYPES)} (or None: the compute dtype)")
-    mesh = partitioning.make_mesh(partitioning.ONE_DEVICE if mesh is None else mesh)
-    name = None if dtype is None else dtype_name(dtype)
-    if is_hf_source(path):
-        if step is not None:
-            raise SamplingError(
-                f"step={step}: a HuggingFace directory holds one set of weights; step= is for Orbax checkpoints"
-            )
-        source = HFCheckpoint.open(path, dtype=name)
-        held = name or source.stored_dtype
-        model_config = dataclasses.replace(source.model_config, dtype=held, param_dtype=held)
-        params = streamed_params(source.get, model_config)
-        if quantize is not None:
-            model_config, params = quantize_streamed(params, model_config)
-        targets, _ = checkpoint.param_targets(model_config, mesh)
-        params = place_on_mesh(params, targets, desc="loading hf weights")
-        has_tokenizer = any((Path(source.directory) / f).is_file() for f in HF_TOKENIZER_FILES)
-        saved, step = (source.directory if has_tokenizer else None), 0
-    elif quantize is not None and (source := OrbaxParams.open(path, step)).config.model.quantize is None:
-        model_config = source.config.model
-        if name is not None:
-            model_config = dataclasses.replace(model_config, dtype=name, param_dtype=name)
-        model_config, params = quantize_streamed(orbax_streamed(source), model_config)
-        targets, _ = checkpoint.param_targets(model_config, mesh)
-        params = place_on_mesh(params, targets, desc=f"loading and quantising to {quantize}")
-        saved, step = checkpoint.tokenizer_dir(path), source.step
-    else:  # a float checkpoint as it is, or an int8 one (already what quantize= asks)
-        config, params, step = checkpoint.load_params(
-            path, mesh, step=step, dtype=None if name is None else jnp_dtype(name)
-        )
-        model_config = config.model if name is None else dataclasses.replace(config.model, dtype=name, param_dtype=name)
-        saved = checkpoint.tokenizer_dir(path)
-    if adapter is not None and model_config.quantize is not None:
+    if step is not None and parse_init_spec(path)[0] == "hf":
         raise SamplingError(
-            f"adapter= merges LoRA adapters into float weights, and this model is {model_config.quantize}: "
-            "load the float base with adapter=, or write the merged model with `gptj-convert merge-lora` "
-            "and quantise that with `gptj-convert quantize`"
+            f"step={step}: a HuggingFace directory holds one set of weights; step= is for Orbax checkpoints"
         )
-    if adapter is not None:
-        params, adapter_tokenizer = _merge_adapter(adapter, path, model_config, params, mesh)
-        saved = adapter_tokenizer or saved
-    if kv_cache is not None:
-        model_config = dataclasses.replace(model_config, kv_cache=kv_cache)
-    return LanguageModel(
-        model_config, params, tokenizer=resolve_tokenizer(tokenizer, saved=saved), mesh=mesh, step=step
-    )
+
+
+def for_inference(source: WeightSource, dtype: str | None, quantize: str | None, kv_cache: str | None) -> ModelConfig:
+    """The model ``load`` gives: ``source``'s, its parameters in ``dtype`` if given (else a
+    checkpoint's as configured, a HuggingFace directory's as stored), its block projections
+    ``quantize``d unless they are already, its KV cache in ``kv_cache``."""
+    held = dtype or (source.stored_dtype if isinstance(source, HFCheckpoint) else None)
+    config = source.model_config
+    if held is not None:
+        config = dataclasses.replace(config, dtype=held, param_dtype=held)
+    if quantize is not None and config.quantize is None:
+        config = dataclasses.replace(config, quantize=quantize)
+    return config if kv_cache is None else dataclasses.replace(config, kv_cache=kv_cache)
 
 
 def _merge_adapter(adapter, base_path, model_config, params, mesh):
@@ -124,8 +115,7 @@ def _merge_adapter(adapter, base_path, model_config, params, mesh):
     found = lora_lib.read_adapter(adapter, mesh, model_config)
     check_architecture(found.config.model, model_config, f"adapter {adapter}")
     if found.base is not None:
-        spec = f"hf:{base_path}" if is_hf_source(base_path) and not str(base_path).startswith("hf:") else str(base_path)
-        given = lora_lib.identify_base(spec)
+        given = lora_lib.identify_base(os.fspath(base_path))
         if given.checksum != found.base.checksum:
             raise SamplingError(
                 f"adapter {adapter} was trained on the base {found.base.path} (sha256 {found.base.checksum[:12]}…), "

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gptj_flax import attention, checkpoint, partitioning
+from gptj_flax import attention, convert, partitioning
 from gptj_flax.config import Config
 from gptj_flax.errors import GptjFlaxError
 from gptj_flax.model import GPTJ, KVCache, PagedKVCache, abstract_params
@@ -338,7 +338,7 @@ def serving_fit(
 def _serving_programs(mc, mesh, batch: int, cache_len: int, chunk: int) -> tuple[list, int]:
     """``([(program, abstract arguments, donated argument), …], cache bytes per device)`` of the
     decode-slot step and a prefill chunk, as ``gptj-serve`` of ``mc`` runs them on ``mesh``."""
-    params, _ = checkpoint.param_targets(mc, mesh)
+    params, _ = convert.param_targets(mc, mesh)
 
     def targets(shapes, shardings):
         # shardings: a prefix of shapes (a paged cache has one sharding per layer's pool)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from gptj_flax import attention, checkpoint, partitioning
+from gptj_flax import attention, convert, partitioning
 from gptj_flax.config import Config, ConfigError
 from gptj_flax.convert import lora as lora_lib
 from gptj_flax.data import Batch
@@ -51,7 +51,7 @@ class TrainSetup:
                 "base trains only LoRA adapters (QLoRA: set train.lora); for a full fine-tune unset model.quantize"
             )
         mesh = mesh or partitioning.make_mesh(config.mesh)
-        checkpoint.check_mesh(mc, mesh)
+        convert.check_mesh(mc, mesh)
         batch_size = _batch_size(config, mesh)
         seq_len = tc.seq_len or mc.max_len
         model = GPTJ(mc, tc.lora)
@@ -115,7 +115,7 @@ class TrainSetup:
     def base_targets(self) -> Any:
         """A LoRA run's frozen base as it is held (:func:`~gptj_flax.convert.lora.base_model_config`),
         as ShapeDtypeStructs with shardings: what the steps are lowered against without loading it."""
-        return checkpoint.param_targets(lora_lib.base_model_config(self.config), self.mesh)[0]
+        return convert.param_targets(lora_lib.base_model_config(self.config), self.mesh)[0]
 
     def abstract_batch(self) -> Batch:
         """A training batch as ShapeDtypeStructs with their sharding."""
