@@ -43,10 +43,18 @@ COMPUTE_DTYPE_HELP = "compute dtype the checkpoint's config records (default: th
 PATH_ARGUMENTS = ("src", "out", "ckpt", "step_dir", "config")
 
 
-def _main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_imports(commands)
+    _add_exports(commands)
+    for each in (parser, *commands.choices.values()):  # accepted before or after the command
+        add_debug_flag(each)
+    return parser
 
+
+def _add_imports(commands) -> None:
+    """The commands that read another tool's weights."""
     p = commands.add_parser("from-hf", help="HuggingFace GPT-J directory -> Orbax checkpoint")
     p.add_argument("src", help="directory with config.json and safetensors or pytorch_model.bin weights")
     p.add_argument("out", help="new Orbax checkpoint directory")
@@ -58,6 +66,20 @@ def _main() -> None:
     )
     p.add_argument("--dtype", type=cli_dtype, help=COMPUTE_DTYPE_HELP)
 
+    p = commands.add_parser("from-legacy", help="mesh-transformer-jax step directory -> Orbax checkpoint")
+    p.add_argument("step_dir", help="the step_N directory holding shard_0 … shard_{S-1}")
+    p.add_argument("out", help="new Orbax checkpoint directory")
+    p.add_argument("--config", required=True, help="the JSON config the checkpoint was trained with (legacy or modern)")
+    p.add_argument(
+        "--with-opt-state",
+        action="store_true",
+        help="carry Adam's count and moments (full checkpoints) into the training optimiser's state",
+    )
+    p.add_argument("--dtype", type=cli_dtype, help=COMPUTE_DTYPE_HELP)
+
+
+def _add_exports(commands) -> None:
+    """The commands that read a gptj_flax checkpoint."""
     p = commands.add_parser("to-hf", help="Orbax checkpoint -> HuggingFace GPT-J directory")
     p.add_argument("ckpt", help="Orbax run directory (latest step) or step directory")
     p.add_argument("out", help="new HuggingFace model directory")
@@ -77,17 +99,6 @@ def _main() -> None:
         action="store_true",
         help="CKPT is a LoRA checkpoint: export its base with the adapters merged in",
     )
-
-    p = commands.add_parser("from-legacy", help="mesh-transformer-jax step directory -> Orbax checkpoint")
-    p.add_argument("step_dir", help="the step_N directory holding shard_0 … shard_{S-1}")
-    p.add_argument("out", help="new Orbax checkpoint directory")
-    p.add_argument("--config", required=True, help="the JSON config the checkpoint was trained with (legacy or modern)")
-    p.add_argument(
-        "--with-opt-state",
-        action="store_true",
-        help="carry Adam's count and moments (full checkpoints) into the training optimiser's state",
-    )
-    p.add_argument("--dtype", type=cli_dtype, help=COMPUTE_DTYPE_HELP)
 
     p = commands.add_parser("slim", help="drop the optimiser state and store params in half precision")
     p.add_argument("ckpt", help="Orbax run directory (latest step) or step directory")
@@ -110,10 +121,10 @@ def _main() -> None:
     p = commands.add_parser("to-peft", help="LoRA checkpoint -> HuggingFace PEFT adapter directory")
     p.add_argument("ckpt", help="LoRA run directory (latest step) or step directory")
     p.add_argument("out", help="new PEFT adapter directory")
-    for each in (parser, *commands.choices.values()):  # accepted before or after the command
-        add_debug_flag(each)
 
-    args = parser.parse_args()
+
+def _main() -> None:
+    args = _parser().parse_args()
     for name in PATH_ARGUMENTS:  # resolved once, against the directory the command was started in
         if getattr(args, name, None):
             setattr(args, name, str(absolute_path(getattr(args, name))))

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from gptj_flax.data import text as text_io
 from gptj_flax.data import tfrecord
@@ -65,40 +66,20 @@ def create_tfrecords(
     progress: bool = True,
 ) -> CreateResult:
     """Tokenise the text of ``inputs`` into ``output_dir/NAME.index`` + TFRecord files + ``NAME.meta.json``."""
-    from tqdm.auto import tqdm
-
-    for label, value, low in (
-        ("seq_len", seq_len, 1),
-        ("min_unique_tokens", min_unique_tokens, 0),
-        ("n_repack_epochs", n_repack_epochs, 1),
-        ("sequences_per_file", sequences_per_file, 1),
-        ("seed", seed, 0),
-    ):
-        if not isinstance(value, int) or value < low:
-            raise DataError(f"{label} must be an integer >= {low}, got {value!r}")
+    _check_integers(
+        seq_len=(seq_len, 1),
+        min_unique_tokens=(min_unique_tokens, 0),
+        n_repack_epochs=(n_repack_epochs, 1),
+        sequences_per_file=(sequences_per_file, 1),
+        seed=(seed, 0),
+    )
     files = text_io.readable_text_files(inputs)
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
     eos = eos_token_id(tokenizer)
     width = seq_len + 1
     documents = text_io.iter_documents(files, jsonl_key=jsonl_key, normalize_with_ftfy=normalize_with_ftfy)
-
-    # 1. Tokenise everything once; documents stay separable (for shuffling) as (flat ids, lengths).
-    parts, doc_lengths, dropped = [], [], 0
-    n_tokens, start = 0, time.perf_counter()
-    with tqdm(desc="tokenising", unit=" docs", disable=not progress) as bar:
-        for batch in text_io.batched(documents, TOKENIZE_BATCH_DOCUMENTS):
-            ids, lengths = encode_documents(tokenizer, batch)
-            if min_unique_tokens:
-                ids, lengths, n_dropped = _drop_repetitive(ids, lengths, min_unique_tokens)
-                dropped += n_dropped
-            parts.append(ids)
-            doc_lengths.append(lengths)
-            n_tokens += ids.size
-            bar.update(len(batch))
-            bar.set_postfix(tokens=n_tokens, tokens_per_s=f"{n_tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
-    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-    lengths = np.concatenate(doc_lengths) if doc_lengths else np.zeros(0, np.int64)
+    tokens, lengths, dropped = _tokenise_all(documents, tokenizer, min_unique_tokens, progress)
     if tokens.size == 0:
         why = f" (all {dropped} were dropped by min_unique_tokens={min_unique_tokens})" if dropped else ""
         raise DataError(f"no documents in {_describe(inputs)}{why}; nothing to write")
@@ -115,34 +96,12 @@ def create_tfrecords(
     counts = [min(sequences_per_file, n_sequences - i) for i in range(0, n_sequences, sequences_per_file)]
     os.makedirs(output_dir, exist_ok=True)
     paths = [os.path.abspath(os.path.join(output_dir, f"{name}_{i:05d}_{c}.tfrecords")) for i, c in enumerate(counts)]
+    order_rng = None if preserve_data_order else np.random.default_rng(seed)
+    padding = _write_records(
+        _RotatingWriter(paths, counts), tokens, lengths, width, eos, n_repack_epochs, order_rng, progress
+    )
 
-    # 2. Stream every pass's documents into fixed-size records; the tail carries over between passes.
-    starts = np.cumsum(lengths) - lengths
-    rng = np.random.default_rng(seed)
-    writer = _RotatingWriter(paths, counts)
-    carry = np.zeros(0, np.int32)
-    with tqdm(total=n_sequences, desc="writing", unit=" seq", disable=not progress) as bar:
-        write_start = time.perf_counter()
-        for _ in range(n_repack_epochs):
-            order = np.arange(len(lengths)) if preserve_data_order else rng.permutation(len(lengths))
-            for first in range(0, len(order), WRITE_CHUNK_DOCUMENTS):
-                picked = order[first : first + WRITE_CHUNK_DOCUMENTS]
-                stream = np.concatenate([carry, *(tokens[s : s + n] for s, n in zip(starts[picked], lengths[picked]))])
-                full = stream.size // width
-                for row in stream[: full * width].reshape(full, width):
-                    writer.write(tfrecord.serialize_example(row))
-                carry = stream[full * width :]
-                bar.update(full)
-                bar.set_postfix(tokens_per_s=f"{bar.n * width / max(time.perf_counter() - write_start, 1e-9):,.0f}")
-        padding = 0
-        if carry.size:
-            padding = width - carry.size
-            padded = np.concatenate([carry, np.full(padding, eos, np.int32)])
-            writer.write(tfrecord.serialize_example(padded, length=carry.size))
-            bar.update(1)
-    writer.close()
-
-    # 3. The index (legacy) and the sidecar (layouts for our reader).
+    # The index (legacy) and the sidecar (layouts for our reader).
     index_path = os.path.abspath(os.path.join(output_dir, f"{name}.index"))
     runs = [[(width, width, count)] for count in counts]
     if padding:
@@ -166,6 +125,72 @@ def create_tfrecords(
         min_unique_tokens=min_unique_tokens,
     )
     return CreateResult(index_path, meta_path, tuple(paths), len(lengths), dropped, int(total), n_sequences, padding)
+
+
+def _check_integers(**values: tuple[Any, int]) -> None:
+    """Each argument (name → (value, least value)) an integer at or above its least value."""
+    for label, (value, low) in values.items():
+        if not isinstance(value, int) or value < low:
+            raise DataError(f"{label} must be an integer >= {low}, got {value!r}")
+
+
+def _tokenise_all(documents, tokenizer, min_unique_tokens: int, progress: bool) -> tuple[np.ndarray, np.ndarray, int]:
+    """Every document tokenised once, kept separable for shuffling: (flat ids, lengths, documents
+    dropped by ``min_unique_tokens``)."""
+    parts, doc_lengths, dropped = [], [], 0
+    n_tokens, start = 0, time.perf_counter()
+    with tqdm(desc="tokenising", unit=" docs", disable=not progress) as bar:
+        for batch in text_io.batched(documents, TOKENIZE_BATCH_DOCUMENTS):
+            ids, lengths = encode_documents(tokenizer, batch)
+            if min_unique_tokens:
+                ids, lengths, n_dropped = _drop_repetitive(ids, lengths, min_unique_tokens)
+                dropped += n_dropped
+            parts.append(ids)
+            doc_lengths.append(lengths)
+            n_tokens += ids.size
+            bar.update(len(batch))
+            bar.set_postfix(tokens=n_tokens, tokens_per_s=f"{n_tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
+    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    return tokens, np.concatenate(doc_lengths) if doc_lengths else np.zeros(0, np.int64), dropped
+
+
+def _write_records(
+    writer: _RotatingWriter,
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    width: int,
+    eos: int,
+    n_repack_epochs: int,
+    order_rng: np.random.Generator | None,
+    progress: bool,
+) -> int:
+    """Stream every pass's documents (in order, or shuffled by ``order_rng``) into records of
+    ``width`` tokens, the tail carried over between passes; the last record is padded with EOS.
+    Returns the padding's length."""
+    starts = np.cumsum(lengths) - lengths
+    carry = np.zeros(0, np.int32)
+    n_sequences = -(-tokens.size * n_repack_epochs // width)
+    with tqdm(total=n_sequences, desc="writing", unit=" seq", disable=not progress) as bar:
+        write_start = time.perf_counter()
+        for _ in range(n_repack_epochs):
+            order = np.arange(len(lengths)) if order_rng is None else order_rng.permutation(len(lengths))
+            for first in range(0, len(order), WRITE_CHUNK_DOCUMENTS):
+                picked = order[first : first + WRITE_CHUNK_DOCUMENTS]
+                stream = np.concatenate([carry, *(tokens[s : s + n] for s, n in zip(starts[picked], lengths[picked]))])
+                full = stream.size // width
+                for row in stream[: full * width].reshape(full, width):
+                    writer.write(tfrecord.serialize_example(row))
+                carry = stream[full * width :]
+                bar.update(full)
+                bar.set_postfix(tokens_per_s=f"{bar.n * width / max(time.perf_counter() - write_start, 1e-9):,.0f}")
+        padding = 0
+        if carry.size:
+            padding = width - carry.size
+            padded = np.concatenate([carry, np.full(padding, eos, np.int32)])
+            writer.write(tfrecord.serialize_example(padded, length=carry.size))
+            bar.update(1)
+    writer.close()
+    return padding
 
 
 def _drop_repetitive(ids: np.ndarray, lengths: np.ndarray, min_unique: int) -> tuple[np.ndarray, np.ndarray, int]:

@@ -52,6 +52,7 @@ from typing import Any, cast
 
 import numpy as np
 import zstandard
+from tqdm.auto import tqdm
 
 from gptj_flax.data import compression, tfrecord
 from gptj_flax.data import text as text_io
@@ -418,6 +419,56 @@ class ThreadsResult:
     seconds: float
 
 
+@dataclasses.dataclass
+class _Tally:
+    """The running counts of a conversion, and its problems: the first ``max_reported`` kept as
+    messages, every one written to ``problems_file`` when given."""
+
+    strict: bool
+    max_reported: int
+    problems_file: Any = None
+    lines: int = 0
+    threads: int = 0
+    posts: int = 0
+    malformed_lines: int = 0
+    counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    reported: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, path: str, result) -> None:
+        self.lines += result.lines
+        self.threads += len(result.threads)
+        self.posts += result.posts
+        if not result.problems:
+            return
+        if self.strict:
+            raise DataError(result.problems[0].message(path) + " (--strict: stopping)")
+        self.malformed_lines += len({p.line for p in result.problems})
+        for p in result.problems:
+            self.counts[p.kind] += 1
+            if len(self.reported) < self.max_reported:
+                self.reported.append(p.message(path))
+            if self.problems_file:
+                self.problems_file.write(p.message(path) + "\n")
+
+    def check_some_threads(self, source: str) -> None:
+        if self.threads == 0:
+            why = (
+                f"every one of its {self.lines} lines is malformed ({', '.join(sorted(self.counts))})"
+                if self.lines
+                else "it holds no lines"
+            )
+            raise DataError(f"no threads in {source}: {why}; nothing to write")
+
+
+def _check_arguments(**values: Any) -> None:
+    """Each (name → value) an integer at or above its least value."""
+    least = {"max_reported": 0}
+    for label, value in values.items():
+        low = least.get(label, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise DataError(f"{label} must be an integer >= {low}, got {value!r}")
+
+
 def prepare_threads(
     inputs: str | os.PathLike | Sequence[str | os.PathLike],
     *,
@@ -443,79 +494,40 @@ def prepare_threads(
     :class:`DataError`. Every problem goes to ``problems_path`` if given, one message per line.
     Outputs appear only on success.
     """
-    from tqdm.auto import tqdm
-
     paths = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else [os.fspath(p) for p in inputs]
     if not paths:
         raise DataError("no input dumps given")
     if text_output is None and tfrecords_dir is None:
         raise DataError("nothing to write: give a text output path and/or a TFRecord directory")
     workers = (os.cpu_count() or 1) if workers is None else workers
-    for label, value, low in (
-        ("workers", workers, 1),
-        ("seq_len", seq_len, 1),
-        ("chunk_bytes", chunk_bytes, 1),
-        ("sequences_per_file", sequences_per_file, 1),
-        ("max_reported", max_reported, 0),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise DataError(f"{label} must be an integer >= {low}, got {value!r}")
+    _check_arguments(
+        workers=workers,
+        seq_len=seq_len,
+        chunk_bytes=chunk_bytes,
+        sequences_per_file=sequences_per_file,
+        max_reported=max_reported,
+    )
     for path in paths:
         compression.check_readable(path)  # every input exists and is readable before any work starts
-    sizes = [os.path.getsize(p) for p in paths]
     if tfrecords_dir is not None and isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
 
     sinks: list = []
-    problems_file = None
-    counts: collections.Counter = collections.Counter()
-    reported: list[str] = []
-    lines = threads = posts = malformed_lines = 0
+    tally = _Tally(strict, max_reported)
     start = time.perf_counter()
     try:
         text_sink = _TextSink(os.fspath(text_output)) if text_output is not None else None
-        if text_sink:
-            sinks.append(text_sink)
-        record_sink = None
-        if tfrecords_dir is not None:
-            record_sink = _RecordSink(os.fspath(tfrecords_dir), name, tokenizer, seq_len, sequences_per_file)
-            sinks.append(record_sink)
+        record_sink = (
+            None
+            if tfrecords_dir is None
+            else _RecordSink(os.fspath(tfrecords_dir), name, tokenizer, seq_len, sequences_per_file)
+        )
+        sinks = [sink for sink in (text_sink, record_sink) if sink is not None]
         if problems_path is not None:
-            problems_file = open(problems_path, "w", encoding="utf-8")
-
-        def tasks():
-            for chunk in (c for path in paths for c in _read_chunks(path, chunk_bytes)):
-                yield (chunk.path, chunk.input_offset), (chunk.first_line, chunk.data)
-
-        done_before = dict(zip(paths, np.cumsum([0, *sizes[:-1]]).tolist()))
-        with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="threads", disable=not progress) as bar:
-            for (path, offset), result in _ordered_map(convert_chunk, tasks(), workers):
-                for sink in sinks:
-                    sink.add(result.threads)
-                lines += result.lines
-                threads += len(result.threads)
-                posts += result.posts
-                if result.problems:
-                    if strict:
-                        raise DataError(result.problems[0].message(path) + " (--strict: stopping)")
-                    malformed_lines += len({p.line for p in result.problems})
-                    for p in result.problems:
-                        counts[p.kind] += 1
-                        if len(reported) < max_reported:
-                            reported.append(p.message(path))
-                        if problems_file:
-                            problems_file.write(p.message(path) + "\n")
-                bar.update(done_before[path] + offset - bar.n)
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix(lines_per_s=f"{lines / elapsed:,.0f}", threads=threads, malformed=malformed_lines)
+            tally.problems_file = open(problems_path, "w", encoding="utf-8")
+        _convert_all(paths, chunk_bytes, workers, sinks, tally, progress)
         source = ", ".join(paths)
-        if threads == 0:
-            why = (
-                f"every one of its {lines} lines is malformed ({', '.join(sorted(counts))})"
-                if lines
-                else "it holds no lines"
-            )
-            raise DataError(f"no threads in {source}: {why}; nothing to write")
+        tally.check_some_threads(source)
         tfrecords = record_sink.finish(source) if record_sink else None
         if text_sink:
             text_sink.finish()
@@ -524,16 +536,39 @@ def prepare_threads(
             sink.abort()
         raise
     finally:
-        if problems_file:
-            problems_file.close()
+        if tally.problems_file:
+            tally.problems_file.close()
     return ThreadsResult(
-        lines,
-        threads,
-        posts,
-        malformed_lines,
-        dict(counts),
-        tuple(reported),
+        tally.lines,
+        tally.threads,
+        tally.posts,
+        tally.malformed_lines,
+        dict(tally.counts),
+        tuple(tally.reported),
         text_sink.path if text_sink else None,
         tfrecords,
         time.perf_counter() - start,
     )
+
+
+def _convert_all(paths: list[str], chunk_bytes: int, workers: int, sinks: list, tally: _Tally, progress: bool) -> None:
+    """Every chunk of every input, converted by ``workers`` processes, handed in input order to
+    each sink and to ``tally``, with a progress bar in input bytes."""
+    sizes = [os.path.getsize(p) for p in paths]
+    done_before = dict(zip(paths, np.cumsum([0, *sizes[:-1]]).tolist()))
+
+    def tasks():
+        for chunk in (c for path in paths for c in _read_chunks(path, chunk_bytes)):
+            yield (chunk.path, chunk.input_offset), (chunk.first_line, chunk.data)
+
+    start = time.perf_counter()
+    with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="threads", disable=not progress) as bar:
+        for (path, offset), result in _ordered_map(convert_chunk, tasks(), workers):
+            for sink in sinks:
+                sink.add(result.threads)
+            tally.add(path, result)
+            bar.update(done_before[path] + offset - bar.n)
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix(
+                lines_per_s=f"{tally.lines / elapsed:,.0f}", threads=tally.threads, malformed=tally.malformed_lines
+            )
