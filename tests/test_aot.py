@@ -7,11 +7,21 @@ import re
 import subprocess
 import sys
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from gptj_flax import partitioning
 from gptj_flax.config import load_config
-from gptj_flax.training.aot import serving_fit, topology_devices
+from gptj_flax.model import GPTJ
+from gptj_flax.sampling import LanguageModel
+from gptj_flax.sampling.samplers import SamplingParams
+from gptj_flax.sampling.serving_fit import lowered_programs, serving_fit
+from gptj_flax.sampling.slots import Request
+from gptj_flax.training.aot import topology_devices
+from tests.helpers import tiny_config
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed: the TPU path runs")
@@ -121,3 +131,27 @@ def test_aot_check_refuses_serving_flags_without_serve(repo_root):
         timeout=300,
     )
     assert result.returncode == 2 and "--quantize only apply with --serve" in result.stderr
+
+
+def test_the_serving_fit_compiles_the_programs_the_decode_slots_run():
+    """The fit's programs are the slots' own, lowered for their mesh: its decode step, compiled,
+    takes the slots' state as it is and chooses the tokens that the slots' step chooses."""
+    config = tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=96, scan_layers=False)
+    params = nn.unbox(GPTJ(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    lm = LanguageModel(config, params)
+    slots = lm.slots(slots=4, length=64, chunk=16, top_logprobs=3)
+    lowered = lowered_programs(slots.programs, lm.mesh)
+    assert sorted(lowered) == ["admit", "chunk", "decode", "insert"]
+    decode = lowered["decode"].compile()
+    sampling = SamplingParams.build(1, temperature=0.8, top_p=0.9)
+    slots.admit(
+        [Request([5, 6, 7], 10, -1, 1, sampling, want_top=True), Request([9] * 20, 10, -1, 2, sampling)], [0, 2]
+    )
+    for _ in range(4):
+        state = jax.tree.map(lambda x: x.copy(), slots.state)  # the slots' own call donates theirs
+        want = slots.decode([], 1)
+        _, got = decode(lm.decoder.params, state, np.zeros(4, bool), np.int32(1), slots.table.ids)
+        for name in ("tokens", "top_ids", "finish", "num_generated"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, name)), getattr(want, name), err_msg=name)
+        np.testing.assert_allclose(np.asarray(got.logprobs), want.logprobs, rtol=1e-6)
+    assert want.tokens[[0, 2], 0].all()  # both rows ran
