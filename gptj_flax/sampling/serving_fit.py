@@ -106,16 +106,7 @@ def serving_fit(
     )
     devices, kind, compiler = _devices(topology)
     mesh = partitioning.make_mesh(mesh_spec or (1, 1, -1), devices=devices)
-    shape = SlotShape.build(
-        mc,
-        slots=batch,
-        length=cache_len,
-        chunk=chunk,
-        steps=1,  # as the serving engine decodes
-        top_logprobs=top_logprobs,
-        page=PAGE_COLUMNS.get("tpu", DEFAULT_PAGE_COLUMNS),  # the slots' pages on a TPU
-        batch_multiple=partitioning.data_parallel_size(mesh),
-    )
+    shape = serving_shape(mc, mesh, batch=batch, cache_len=cache_len, chunk=chunk, top_logprobs=top_logprobs)
     fit = ServingFit(
         topology=topology,
         device_kind=kind,
@@ -135,6 +126,31 @@ def serving_fit(
     if compiler != XLA_TPU:
         return dataclasses.replace(fit, activation_bytes=serving_activation_estimate(mc, batch, cache_len, chunk))
     return _measured(fit, SlotPrograms(shape), mesh)
+
+
+def serving_shape(
+    mc: ModelConfig,
+    mesh: Mesh,
+    *,
+    batch: int,
+    cache_len: int,
+    chunk: int,
+    top_logprobs: int = SERVE_TOP_LOGPROBS,
+    page: int = PAGE_COLUMNS.get("tpu", DEFAULT_PAGE_COLUMNS),
+) -> SlotShape:
+    """The shape of the slots that ``gptj-serve`` builds on ``mesh`` for ``batch`` slots of
+    ``cache_len`` tokens (``Slots`` of its decoder, one decode step a call); ``page``: the columns
+    of a page on the chip (a TPU's by default)."""
+    return SlotShape.build(
+        mc,
+        slots=batch,
+        length=cache_len,
+        chunk=chunk,
+        steps=1,  # as the serving engine decodes
+        top_logprobs=top_logprobs,
+        page=page,
+        batch_multiple=partitioning.data_parallel_size(mesh),
+    )
 
 
 def _measured(fit: ServingFit, compiled: SlotPrograms, mesh: Mesh) -> ServingFit:
@@ -194,7 +210,12 @@ def _prompt_cache(shape: SlotShape, mesh: Mesh):
     return programs.abstract(cache, NamedSharding(mesh, PartitionSpec()))
 
 
-def _new_rows(rows: int, columns: int, replicated: NamedSharding) -> NewRows:
+def _host(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+    """An argument that the host sends as a numpy array: no sharding of its own (jit places it)."""
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _new_rows(rows: int, columns: int) -> NewRows:
     """The shapes of ``rows`` new prompts of ``columns`` columns, as the host sends them."""
     host = NewRows(
         tokens=np.zeros((rows, columns), np.int32),
@@ -206,7 +227,7 @@ def _new_rows(rows: int, columns: int, replicated: NamedSharding) -> NewRows:
         sampling=SamplingParams.build(rows),
         want_top=np.zeros(rows, bool),
     )
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), host)
+    return jax.tree.map(lambda x: _host(x.shape, x.dtype), host)
 
 
 def lowered_programs(compiled: SlotPrograms, mesh: Mesh) -> dict[str, jax.stages.Lowered]:
@@ -216,16 +237,11 @@ def lowered_programs(compiled: SlotPrograms, mesh: Mesh) -> dict[str, jax.stages
     shape = compiled.shape
     params, _ = checkpoint.param_targets(shape.config, mesh, shape.rules)
     state = programs.abstract_state(shape, mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def host(shape_, dtype):  # what the host sends (numpy), replicated
-        return jax.ShapeDtypeStruct(shape_, dtype, sharding=replicated)
-
     release = jax.ShapeDtypeStruct(
         (shape.slots,), bool, sharding=partitioning.named_sharding(mesh, ("batch",), shape.rules)
     )
-    table, scalar = host((shape.slots, shape.per_row), np.int32), host((), np.int32)
-    short = _new_rows(bucket(min(MAX_PREFILL_ROWS, shape.slots), 1), min(shape.chunk, bucket(shape.length)), replicated)
+    table, scalar = _host((shape.slots, shape.per_row), np.int32), _host((), np.int32)
+    short = _new_rows(bucket(min(MAX_PREFILL_ROWS, shape.slots), 1), min(shape.chunk, bucket(shape.length)))
     lowered = {}
     with partitioning.sharding_scope(mesh, shape.rules):
         step = (params, state, release, scalar, table)
@@ -233,11 +249,13 @@ def lowered_programs(compiled: SlotPrograms, mesh: Mesh) -> dict[str, jax.stages
         lowered["admit"] = compiled.admit.lower(params, state, short, table)
         if _chunked(shape):
             columns, cache = bucket(shape.length), _prompt_cache(shape, mesh)
-            prompt = host((1, columns), np.int32)
+            prompt = _host((1, columns), np.int32)
             lowered["chunk"] = compiled.chunk.lower(params, cache, prompt, scalar, scalar)
-            _, logits = jax.eval_shape(compiled.chunk, params, cache, prompt, scalar, scalar)
-            long = _new_rows(1, columns, replicated)
-            lowered["insert"] = compiled.insert.lower(state, cache, host(logits.shape, logits.dtype), long, table)
+            # the chunk's last logits stay on the devices, replicated as its cache is
+            logits = programs.abstract(
+                jax.eval_shape(compiled.chunk, params, cache, prompt, scalar, scalar)[1], cache.index.sharding
+            )
+            lowered["insert"] = compiled.insert.lower(state, cache, logits, _new_rows(1, columns), table)
     return lowered
 
 
