@@ -95,6 +95,7 @@ class SlotShape:
 
     @property
     def pages(self) -> int:
+        """Pages in the pool; a page table names this one, past its end, for a page not held."""
         return sum(self.blocks)
 
 
