@@ -7,11 +7,24 @@ import re
 import subprocess
 import sys
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from gptj_flax import partitioning
 from gptj_flax.config import load_config
-from gptj_flax.training.aot import serving_fit, topology_devices
+from gptj_flax.model import GPTJ
+from gptj_flax.sampling import LanguageModel, slot_programs
+from gptj_flax.sampling.multihost import to_device
+from gptj_flax.sampling.samplers import SamplingParams
+from gptj_flax.sampling.serving_fit import SERVE_TOP_LOGPROBS, lowered_programs, serving_fit, serving_shape
+from gptj_flax.sampling.slot_programs import SlotPrograms
+from gptj_flax.sampling.slots import Request
+from gptj_flax.serving import schemas
+from gptj_flax.training.aot import topology_devices
+from tests.helpers import tiny_config
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed: the TPU path runs")
@@ -121,3 +134,76 @@ def test_aot_check_refuses_serving_flags_without_serve(repo_root):
         timeout=300,
     )
     assert result.returncode == 2 and "--quantize only apply with --serve" in result.stderr
+
+
+def test_the_serving_fit_compiles_the_programs_the_decode_slots_run():
+    """The fit's programs are the slots' own, lowered for their mesh: its decode step, compiled,
+    takes the slots' state as it is and chooses the tokens that the slots' step chooses."""
+    config = tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=96, scan_layers=False)
+    params = nn.unbox(GPTJ(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    lm = LanguageModel(config, params)
+    slots = lm.slots(slots=4, length=64, chunk=16, top_logprobs=3)
+    lowered = lowered_programs(slots.programs, lm.mesh)
+    assert sorted(lowered) == ["admit", "chunk", "decode", "insert"]
+    decode = lowered["decode"].compile()
+    sampling = SamplingParams.build(1, temperature=0.8, top_p=0.9)
+    slots.admit(
+        [Request([5, 6, 7], 10, -1, 1, sampling, want_top=True), Request([9] * 20, 10, -1, 2, sampling)], [0, 2]
+    )
+    for _ in range(4):
+        state = jax.tree.map(lambda x: x.copy(), slots.state)  # the slots' own call donates theirs
+        want = slots.decode([], 1)
+        _, got = decode(lm.decoder.params, state, np.zeros(4, bool), np.int32(1), slots.table.ids)
+        for name in ("tokens", "top_ids", "finish", "num_generated"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, name)), getattr(want, name), err_msg=name)
+        np.testing.assert_allclose(np.asarray(got.logprobs), want.logprobs, rtol=1e-6)
+    assert want.tokens[[0, 2], 0].all()  # both rows ran
+
+
+def _engine_lowered(slots, params) -> dict:
+    """The slot programs lowered as the slots call them, with the real arguments they pass: every
+    slot decoding over the whole pool, four short prompts admitted, a prompt of the slots' whole
+    length prefilled by chunks and inserted."""
+    sampling = SamplingParams.build(1, temperature=0.0)
+    short = [Request([1, 2, 3], 4, -1, 0, sampling)] * 4
+    long = Request(list(range(1, slots.length + 1)), 4, -1, 0, sampling)
+    programs, table = slots.programs, slots.table.ids
+    release = to_device(np.zeros(slots.slots, bool), partitioning.named_sharding(slots.decoder.mesh, ("batch",)))
+    prefill = slots.start_prefill(long)
+    new_cache = prefill.cache
+    slots.prefill_chunk(prefill)
+    with partitioning.sharding_scope(slots.decoder.mesh, slots.decoder.rules):
+        step = (params, slots.state, release, np.int32(1), table)
+        return {
+            "decode": programs.decode.lower(*step, blocks=len(slots.blocks), rows=slots.slots),
+            "admit": programs.admit.lower(params, slots.state, slots._prompts(short, [0, 1, 2, 3]), table),
+            "chunk": programs.chunk.lower(params, new_cache, prefill.tokens, np.int32(slots.length), np.int32(0)),
+            "insert": programs.insert.lower(
+                slots.state, prefill.cache, prefill.logits, slots._long_prompt(prefill, 0), table
+            ),
+        }
+
+
+def test_the_serving_fit_lowers_the_engines_own_functions_for_the_engines_shape():
+    """The fit builds the shape that the engine's slots build, jits the same module functions, and
+    each program it measures lowers to the very program the slots run (the same StableHLO, from
+    abstract arguments against the slots' real ones)."""
+    assert SERVE_TOP_LOGPROBS == schemas.MAX_LOGPROBS  # the alternatives gptj-serve's slots are built for
+    config = tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=96, scan_layers=False)
+    params = nn.unbox(GPTJ(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    lm = LanguageModel(config, params)
+    slots = lm.slots(slots=4, length=64, chunk=16, top_logprobs=3)  # one step a call, as the engine's
+    decoder = lm.decoder
+    shape = serving_shape(
+        decoder.config, lm.mesh, batch=4, cache_len=64, chunk=16, top_logprobs=3, page=decoder.page_columns
+    )
+    assert shape == slots.shape
+    fit = SlotPrograms(shape)
+    for name in ("decode", "admit", "chunk", "insert"):
+        module_function = getattr(slot_programs, name)
+        assert getattr(fit, name).__wrapped__.__wrapped__ is module_function  # jit(with_rules(function))
+        assert getattr(slots.programs, name).__wrapped__.__wrapped__ is module_function
+    measured, run = lowered_programs(fit, lm.mesh), _engine_lowered(slots, decoder.params)
+    assert sorted(measured) == sorted(run)
+    for name, lowered in measured.items():
+        assert lowered.as_text() == run[name].as_text(), name

@@ -20,8 +20,8 @@ from gptj_flax.config import Config, ConfigError, ModelConfig
 from gptj_flax.model import GPTJ, KVCache, dequantize_kv, quantize_kv
 from gptj_flax.sampling import SamplingError
 from gptj_flax.sampling.samplers import SamplingParams
+from gptj_flax.sampling.serving_fit import serving_fit
 from gptj_flax.sampling.slots import Request
-from gptj_flax.training.aot import serving_fit
 from tests.helpers import tiny_config
 from tests.test_quantize import random_params, save
 from tests.test_sampling_api import make_tokenizer
@@ -171,10 +171,12 @@ def test_serving_fit_counts_the_int8_cache_and_its_scales():
     config = Config(model=INT8)
     float_fit = serving_fit(Config(model=CFG), "v5e:1x1", batch=4, cache_len=32, chunk=16)
     fit = serving_fit(config, "v5e:1x1", batch=4, cache_len=32, chunk=16)
-    rows, layers, d, h = 4 + 1, CFG.n_layers, CFG.d_model, CFG.n_heads  # the slots and the prefill chunk's row
-    index_and_segments = 32 * 4 + rows * 4  # the prefill row's segment ids; every row's index
-    assert float_fit.cache_bytes == 2 * layers * rows * 32 * d * 4 + index_and_segments
-    assert fit.cache_bytes == layers * rows * 32 * (2 * d + 2 * h * 4) + index_and_segments
+    layers, d, h = CFG.n_layers, CFG.d_model, CFG.n_heads
+    # the 4 slots hold whole pages, 256 columns each on a TPU, and the chunked prompt's own row 32
+    columns = 4 * 256 + 32
+    index_and_segments = 32 * 4 + (4 + 1) * 4  # the prompt row's segment ids; every row's index
+    assert float_fit.cache_bytes == 2 * layers * columns * d * 4 + index_and_segments
+    assert fit.cache_bytes == layers * columns * (2 * d + 2 * h * 4) + index_and_segments
     assert fit.kv_cache == "int8" and "(int8 KV cache)" in fit.format()
 
 

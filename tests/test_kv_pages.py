@@ -200,8 +200,8 @@ def test_the_slots_decode_step_never_copies_a_pool_block():
     slots.admit([_request(3, 4)], [2])
     decoder = lm.decoder
     with partitioning.sharding_scope(decoder.mesh, decoder.rules):
-        args = (decoder.params, slots.state, np.zeros(8, bool), np.int32(1), slots.table.ids, 1, 8)
-        hlo = slots._decode.lower(*args).compile().as_text()
+        args = (decoder.params, slots.state, np.zeros(8, bool), np.int32(1), slots.table.ids)
+        hlo = slots.programs.decode.lower(*args, blocks=1, rows=8).compile().as_text()
     shapes = {
         f"f32[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves((slots.state.cache.k, slots.state.cache.v))
     }

@@ -4,9 +4,10 @@ pip install -e '.[tpu]'
 python scripts/aot_check.py --config configs/gptj_6b.json --topology v3:2x2 [--mesh 1,1,8]
                             [--set model.remat_policy=full --set train.per_replica_batch=2 …]
 
---serve asks the same of serving instead (gptj-serve's decode step over --batch slots of
---cache-len tokens, and a prefill chunk), parameters in the compute dtype, --quantize int8 for int8
-block projections, --kv-cache int8 for an int8 KV cache:
+--serve asks the same of serving instead (gptj-serve's own decode-slot programs for --batch slots of
+--cache-len tokens: a decode step, a batch of short prompts admitted, a long prompt's chunk and its
+insert), parameters in the compute dtype, --quantize int8 for int8 block projections, --kv-cache
+int8 for an int8 KV cache:
 
 python scripts/aot_check.py --serve --config configs/gptj_6b.json --topology v5e:1x1 --topology v4:1x1x1 \
                             --quantize int8 --batch 8 --cache-len 2048
@@ -23,7 +24,8 @@ from gptj_flax.cli import LONE_HOST_TPU_ENV, libtpu_without_tpu
 from gptj_flax.cli.args import cli_path, join_negative_values
 from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, load_config
 from gptj_flax.errors import add_debug_flag, run_cli
-from gptj_flax.training.aot import AotReport, ServingFit, compile_for_topology, serving_fit
+from gptj_flax.sampling.serving_fit import ServingFit, serving_fit
+from gptj_flax.training.aot import AotReport, compile_for_topology
 
 
 def _main() -> int:

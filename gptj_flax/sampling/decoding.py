@@ -193,7 +193,7 @@ class Decoder:
         self.model = GPTJ(config)
         self.batch_multiple = partitioning.data_parallel_size(mesh, rules)
         self.page_columns = PAGE_COLUMNS.get(mesh.devices.flat[0].platform, DEFAULT_PAGE_COLUMNS)
-        self.slot_programs: dict[tuple, tuple] = {}  # decode slots' compiled programs, by shape (sampling.slots)
+        self.slot_programs: dict = {}  # the decode slots' programs, by SlotShape (sampling.slot_programs)
         self._copies: dict[Mesh, Decoder] = {}
 
         def sharding(*axes):

@@ -21,72 +21,36 @@ prefilled there, beside the decode step running here, and their first tokens cho
 (:meth:`Slots.dispatch_prefill`); :meth:`Slots.place` then moves the prefilled rows into free slots
 between two steps, which costs a copy, not a prefill.
 
+The device programs are in :mod:`gptj_flax.sampling.slot_programs`, pure functions of a
+:class:`~gptj_flax.sampling.slot_programs.SlotShape`; this module is their host side: the page
+table, what is dispatched when, and the warm-up.
+
 Draws are those of :meth:`Decoder.start`: a row's ``n``-th token uses ``fold_in(key(seed), n)``,
 so a sequence comes out the same in a slot as in a batch of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import flax
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gptj_flax import partitioning
-from gptj_flax.losses import token_log_probs
-from gptj_flax.model import GPTJ, KVCache, PagedKVCache, pool_blocks, write_pool
-from gptj_flax.sampling.decoding import EOS, LENGTH, RUNNING, STOPPED, Decoder, bucket, per_row_axes
+from gptj_flax.model import KVCache
+from gptj_flax.sampling.decoding import Decoder, bucket
 from gptj_flax.sampling.multihost import to_device, to_host
-from gptj_flax.sampling.samplers import SamplingParams, next_tokens, top_logprobs
+from gptj_flax.sampling.samplers import SamplingParams
+from gptj_flax.sampling.slot_programs import NewRows, SlotPrograms, SlotShape, SlotState, Tokens
 
 Array = jax.Array
 
 MAX_PREFILL_ROWS = 8  # prompts prefilled together; more would stall decoding for longer
-# Pages in the first pool block (see model.pool_blocks): a step reads whole blocks, so smaller ones
-# read fewer idle pages, while each block costs a few operations per layer, and a decode program is
-# compiled for each count of blocks (XLA:CPU maps each compiled kernel into memory, and a process
-# may hold only so many maps).
-FIRST_BLOCK = 4
-
-
-@flax.struct.dataclass
-class SlotState:
-    """Every slot's sequence and settings, on the device. ``cache.index[r]`` is row r's length."""
-
-    cache: PagedKVCache
-    last: Array  # int32 [S]: the newest token, fed at the next step
-    num_generated: Array  # int32 [S]
-    max_new_tokens: Array  # int32 [S]
-    finish: Array  # int32 [S]: RUNNING, EOS, LENGTH or STOPPED (a free slot is never RUNNING)
-    eos_id: Array  # int32 [S]; -1: do not stop at EOS
-    seeds: Array  # uint32 [S]
-    seen: Array  # bool [S, V]: prompt and generated ids, for the repetition penalty
-    want_top: Array  # bool [S]: record the most likely alternatives of each token
-    sampling: SamplingParams
-
-    @classmethod
-    def logical_axes(cls, config) -> SlotState:
-        rows = PartitionSpec("batch")
-        return cls(cache=PagedKVCache.logical_axes(config), last=rows, want_top=rows, **per_row_axes())
-
-
-@flax.struct.dataclass
-class Tokens:
-    """Tokens chosen for some rows over ``steps`` steps; on the host after :func:`to_host`."""
-
-    tokens: Array  # int32 [R, K] (0 where a row was not running)
-    logprobs: Array  # float32 [R, K]
-    top_ids: Array  # int32 [R, K, T]: the T most likely ids at each step (where a row asked)
-    top_logprobs: Array  # float32 [R, K, T]
-    finish: Array  # int32 [R] after the last step
-    num_generated: Array  # int32 [R] after the last step
 
 
 @dataclasses.dataclass
@@ -133,8 +97,7 @@ class Prefilled:
     """Prompts prefilled on the prefill mesh, their first tokens chosen, waiting to be placed in slots."""
 
     requests: list[Request]
-    tokens: np.ndarray  # int32 [b, P]: the prompts, left-padded (rows past the requests are padding)
-    lengths: np.ndarray  # int32 [b]
+    rows: NewRows  # on the host: the prompts, left-padded (rows past the requests are padding), and settings
     cache: KVCache  # on the prefill mesh
     first: Tokens  # on the prefill mesh
     seen: Array  # bool [b, V]: each prompt's ids and its first token
@@ -189,7 +152,8 @@ class PageTable:
 
 
 class Slots:
-    """Compiled programs over one slot cache, for a :class:`Decoder`'s model and parameters.
+    """Decode slots over one slot cache, for a :class:`Decoder`'s model and parameters: the host side
+    of :mod:`~gptj_flax.sampling.slot_programs` (the page table, what is dispatched when, the warm-up).
 
     Args:
       decoder: gives the model, its placed parameters, the mesh and the valid vocabulary.
@@ -213,316 +177,56 @@ class Slots:
         top_logprobs: int,
         prefill: Decoder | None = None,
     ):
-        if chunk < 16 or chunk & (chunk - 1):
-            raise ValueError(f"the prefill chunk must be a power of two >= 16, got {chunk}")
-        if not 1 <= length <= decoder.config.max_len:
-            raise ValueError(f"the slot length must be in [1, {decoder.config.max_len}] (the context), got {length}")
         if prefill is not None and set(prefill.mesh.devices.flat) & set(decoder.mesh.devices.flat):
             raise ValueError("the prefill decoder's devices must be other than the decode slots'")
         self.decoder, self.config, self.prefill = decoder, decoder.config, prefill
         self._prefiller = decoder if prefill is None else prefill  # where prompts are prefilled
-        multiple = decoder.batch_multiple
-        self.slots = -(-slots // multiple) * multiple
-        self.length, self.chunk, self.steps, self.top = length, chunk, steps, top_logprobs
-        # the pool: every slot's whole length in pages, in blocks of pages (each a multiple of the
-        # data-parallel size, as the pages are split like rows); see the module's docstring
-        self.page, self._per_row = decoder.page_columns, -(-length // decoder.page_columns)
-        self.blocks = pool_blocks(self.slots * self._per_row, multiple * -(-FIRST_BLOCK // multiple))
+        self.shape = SlotShape.build(
+            decoder.config,
+            slots=slots,
+            length=length,
+            chunk=chunk,
+            steps=steps,
+            top_logprobs=top_logprobs,
+            page=decoder.page_columns,
+            batch_multiple=decoder.batch_multiple,
+            valid_vocab=decoder.valid_vocab,
+            rules=decoder.rules,
+        )
+        shape = self.shape
+        # The programs depend on the shape alone (the parameters and state are arguments), so every
+        # Slots of one decoder and shape shares them, as its Decoder's programs are shared: a new
+        # server on a loaded model compiles nothing new, and no compiled program is freed while one
+        # compiles (servers that each freed their own crashed XLA compiles).
+        if shape not in decoder.slot_programs:
+            decoder.slot_programs[shape] = SlotPrograms(shape)
+        self.programs: SlotPrograms = decoder.slot_programs[shape]
+        self.slots, self.length, self.chunk, self.steps = shape.slots, shape.length, shape.chunk, shape.steps
+        self.page, self.blocks = shape.page, shape.blocks
         self._block_ends = np.cumsum(self.blocks)  # pages held by the first 1, 2 … blocks
-        self._model = GPTJ(self.config)
-        mesh, rules = decoder.mesh, decoder.rules
-        self._rows = partitioning.named_sharding(mesh, ("batch",), rules)
-        self._state_sharding = partitioning.logical_to_sharding(SlotState.logical_axes(self.config), mesh, rules)
-        # The programs depend on the shapes alone (the state is an argument), so every Slots of one
-        # decoder and shape shares them, as its Decoder's programs are shared: a new server on a
-        # loaded model compiles nothing new, and no compiled program is freed while one compiles.
-        programs = decoder.slot_programs
-        key = (self.slots, length, chunk, steps, top_logprobs, None if prefill is None else prefill.mesh)
-        if key not in programs:
-            # a long prompt's cache starts on the devices that prefill it
-            new_cache = None if prefill is None else NamedSharding(prefill.mesh, PartitionSpec())
-            programs[key] = (
-                jax.jit(self._decode_fn, static_argnums=(5, 6), donate_argnums=(1,)),
-                jax.jit(self._admit_fn, donate_argnums=(1,)),
-                jax.jit(self._chunk_fn, donate_argnums=(1,)),
-                jax.jit(self._new_cache_fn, static_argnums=(0,), out_shardings=new_cache),
-                jax.jit(self._insert_fn, donate_argnums=(0,)),
-                jax.jit(self._empty_fn, out_shardings=self._state_sharding),
-                jax.jit(self._prefill_fn),
-                jax.jit(self._first_fn),
-                jax.jit(self._place_fn, donate_argnums=(0,)),
-            )
-        (
-            self._decode,
-            self._admit,
-            self._chunk,
-            self._new_cache,
-            self._insert,
-            self._build,
-            self._prefill,
-            self._first,
-            self._place,
-        ) = programs[key]
+        self._rows = partitioning.named_sharding(decoder.mesh, ("batch",), decoder.rules)
         self.reset()
+
+    def _on(self, decoder: Decoder) -> contextlib.AbstractContextManager:
+        """The scope in which a program runs on ``decoder``'s devices."""
+        return partitioning.sharding_scope(decoder.mesh, decoder.rules)
 
     def reset(self) -> None:
         """Empty every slot (a fresh cache and state)."""
-        self.table = PageTable(self.slots, self._per_row, self.page)
-        with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
-            self.state: SlotState = self._build()
+        self.table = PageTable(self.slots, self.shape.per_row, self.page)
+        with self._on(self.decoder):
+            self.state: SlotState = self.programs.empty_state()
 
-    # -- device programs ---------------------------------------------------------------------
-    def _empty_fn(self) -> SlotState:
-        s, cfg = self.slots, self.config
-        return SlotState(
-            cache=PagedKVCache.empty(cfg, self.blocks, self.page, s),
-            last=jnp.zeros((s,), jnp.int32),
-            num_generated=jnp.zeros((s,), jnp.int32),
-            max_new_tokens=jnp.zeros((s,), jnp.int32),
-            finish=jnp.full((s,), LENGTH, jnp.int32),
-            eos_id=jnp.full((s,), -1, jnp.int32),
-            seeds=jnp.zeros((s,), jnp.uint32),
-            seen=jnp.zeros((s, cfg.vocab_size), bool),
-            want_top=jnp.zeros((s,), bool),
-            sampling=jax.tree.map(jnp.asarray, SamplingParams.build(s, temperature=0.0)),
-        )
-
-    def _choose(self, logits, sampling, seen, seeds, n, want_top):
-        """Each row's next token, its log-probability and (where asked) the ``top`` likeliest ids."""
-        keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(seeds, n)
-        token = next_tokens(logits, sampling, seen, keys, self.decoder.valid_vocab)
-        logprob = token_log_probs(logits, token)
-        rows, top = logits.shape[0], self.top
-
-        def alternatives(logits):
-            return top_logprobs(logits, top, self.decoder.valid_vocab)
-
-        def nothing(logits):
-            return jnp.zeros((rows, top), jnp.int32), jnp.zeros((rows, top), jnp.float32)
-
-        top_ids, top_values = lax.cond(jnp.any(want_top), alternatives, nothing, logits)
-        return token, logprob, top_ids, top_values
-
-    def _decode_fn(
-        self, params, state: SlotState, release, steps, table, blocks: int, rows: int
-    ) -> tuple[SlotState, Tokens]:
-        """Up to ``steps`` steps of the first ``rows`` slots (every busy one), over the first
-        ``blocks`` pool blocks (every page that ``table`` names for them)."""
-        state = state.replace(finish=jnp.where(release & (state.finish == RUNNING), STOPPED, state.finish))
-        cache = state.cache.view(blocks)  # whole buffers, each read and written in place
-        s = jax.tree.map(lambda x: x[:rows], state.replace(cache=None))
-        k_, t_ = self.steps, self.top
-        out = Tokens(
-            tokens=jnp.zeros((rows, k_), jnp.int32),
-            logprobs=jnp.zeros((rows, k_), jnp.float32),
-            top_ids=jnp.zeros((rows, k_, t_), jnp.int32),
-            top_logprobs=jnp.zeros((rows, k_, t_), jnp.float32),
-            finish=s.finish,
-            num_generated=s.num_generated,
-        )
-
-        def unfinished(carry):
-            s, _, _, i = carry
-            return (i < steps) & jnp.any(s.finish == RUNNING)
-
-        def step(carry):
-            s, cache, o, i = carry
-            active = s.finish == RUNNING
-            logits, cache = self._model.apply(
-                {"params": params},
-                s.last[:, None],
-                cache.index[:rows, None],
-                active,
-                cache,
-                table[:rows],
-                method=GPTJ.decode_slots,
-            )
-            token, logprob, top_ids, top_values = self._choose(
-                logits[:, -1], s.sampling, s.seen, s.seeds, s.num_generated, s.want_top & active
-            )
-            token = jnp.where(active, token, 0)
-            num = s.num_generated + active
-            finish = jnp.where(active & (token == s.eos_id), EOS, s.finish)
-            finish = jnp.where((finish == RUNNING) & (num >= s.max_new_tokens), LENGTH, finish)
-            s = s.replace(
-                last=jnp.where(active, token, s.last),
-                num_generated=num,
-                finish=finish,
-                seen=s.seen.at[jnp.arange(rows), token].max(active),
-            )
-            o = o.replace(
-                tokens=o.tokens.at[:, i].set(token),
-                logprobs=o.logprobs.at[:, i].set(jnp.where(active, logprob, 0.0)),
-                top_ids=o.top_ids.at[:, i].set(top_ids),
-                top_logprobs=o.top_logprobs.at[:, i].set(top_values),
-            )
-            return s, cache, o, i + 1
-
-        s, cache, out, _ = lax.while_loop(unfinished, step, (s, cache, out, jnp.zeros((), jnp.int32)))
-        whole = jax.tree.map(
-            lambda full, part: lax.dynamic_update_slice_in_dim(full, part, 0, axis=0),
-            state.replace(cache=None),
-            s,
-        )
-        return whole.replace(cache=state.cache.merge(cache)), out.replace(
-            finish=s.finish, num_generated=s.num_generated
-        )
-
-    def _prompt_fn(self, params, tokens, lengths) -> tuple[KVCache, Array]:
-        """Prefill short prompts [b, P] (left-padded) at once: their cache and last logits."""
-        columns = jnp.arange(tokens.shape[1])[None, :]
-        padding = (tokens.shape[1] - lengths)[:, None]
-        segments, positions = (columns >= padding).astype(jnp.int32), jnp.maximum(columns - padding, 0)
-        cache = KVCache.empty(self.config, *tokens.shape)
-        logits, cache = self._model.apply(
-            {"params": params}, tokens, positions, segments, cache, last_logits_only=True, method=GPTJ.decode
-        )
-        return cache, logits[:, -1]
-
-    def _admit_fn(self, params, state, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top, table):
-        """Prefill short prompts [b, P] (left-padded) at once and insert them into rows ``slots``."""
-        cache, logits = self._prompt_fn(params, tokens, lengths)
-        return self._insert_fn(
-            state, cache, logits, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top, table
-        )
-
-    def _prefill_fn(self, params, tokens, lengths, max_new, eos_id, seeds, sampling, want_top):
-        """Prefill short prompts as :meth:`_admit_fn` does, and choose their first tokens, without
-        touching the slots (on the prefill mesh)."""
-        cache, logits = self._prompt_fn(params, tokens, lengths)
-        return (cache, *self._first_fn(logits, tokens, lengths, max_new, eos_id, seeds, sampling, want_top))
-
-    def _new_cache_fn(self, columns: int) -> KVCache:
-        return KVCache.empty(self.config, 1, columns)
-
-    def _chunk_fn(self, params, cache: KVCache, prompt, length, start) -> tuple[KVCache, Array]:
-        """Prefill the chunk of ``prompt`` [1, P] (left-padded) that starts at column ``start``."""
-        columns = prompt.shape[1]
-        chunk = lax.dynamic_slice_in_dim(prompt, start, self.chunk, axis=1)
-        index = start + jnp.arange(self.chunk)[None, :]
-        padding = columns - length
-        segments, positions = (index >= padding).astype(jnp.int32), jnp.maximum(index - padding, 0)
-        logits, cache = self._model.apply(
-            {"params": params},
-            chunk,
-            positions,
-            segments,
-            cache.replace(index=start),
-            last_logits_only=True,
-            method=GPTJ.decode,
-        )
-        return cache, logits[:, -1]
-
-    def _insert_fn(
-        self,
-        state: SlotState,
-        cache: KVCache,
-        logits,
-        tokens,
-        lengths,
-        slots,
-        max_new,
-        eos_id,
-        seeds,
-        sampling,
-        want_top,
-        table,
-    ) -> tuple[SlotState, Tokens]:
-        """Move prefilled prompts into rows ``slots`` and choose their first tokens."""
-        first, seen = self._first_fn(logits, tokens, lengths, max_new, eos_id, seeds, sampling, want_top)
-        state = self._place_fn(
-            state, cache, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top, first, seen, table
-        )
-        return state, first
-
-    def _first_fn(self, logits, tokens, lengths, max_new, eos_id, seeds, sampling, want_top) -> tuple[Tokens, Array]:
-        """The first tokens of prefilled prompts [b, P] (left-padded), and the ids each row has seen."""
-        b, columns = tokens.shape
-        real = jnp.arange(columns)[None, :] >= (columns - lengths)[:, None]
-        seen = jnp.zeros((b, self.config.vocab_size), bool).at[jnp.arange(b)[:, None], tokens].max(real)
-        token, logprob, top_ids, top_values = self._choose(
-            logits, sampling, seen, seeds, jnp.zeros((b,), jnp.int32), want_top
-        )
-        seen = seen.at[jnp.arange(b), token].set(True)
-        finish = jnp.where(token == eos_id, EOS, jnp.where(max_new <= 1, LENGTH, RUNNING)).astype(jnp.int32)
-        first = Tokens(
-            tokens=token[:, None],
-            logprobs=logprob[:, None],
-            top_ids=top_ids[:, None],
-            top_logprobs=top_values[:, None],
-            finish=finish,
-            num_generated=jnp.ones((b,), jnp.int32),
-        )
-        return first, seen
-
-    def _place_fn(
-        self, state, cache, tokens, lengths, slots, max_new, eos_id, seeds, sampling, want_top, first, seen, table
-    ) -> SlotState:
-        """Write prefilled prompts (real tokens first) and their first tokens into rows ``slots``, the
-        prompts' keys and values into the pages ``table`` names for those rows.
-
-        Rows whose slot is out of range (batch padding, or a row not to be placed) change nothing.
-        """
-        b, columns = tokens.shape
-        kept = min(columns, self.length)  # a prompt never needs more columns than a row has
-        pages = -(-kept // self.page)
-        # row j's real tokens sit in its last lengths[j] columns: rotate them to the front
-        source = (jnp.arange(kept)[None, :] + (columns - lengths)[:, None]) % columns
-        inside = (slots >= 0) & (slots < self.slots)
-        targets = jnp.where(inside[:, None], table[jnp.where(inside, slots, 0), :pages], sum(self.blocks))
-
-        def paged(new: Array, axis: int) -> Array:
-            """``new``'s rotated rows cut into pages: [b·pages, …] with the page's slots at ``axis``."""
-            shape = [1] * new.ndim
-            shape[0], shape[axis] = b, kept
-            new = jnp.take_along_axis(new, source.reshape(shape), axis=axis)
-            padding = [(0, 0)] * new.ndim
-            padding[axis] = (0, pages * self.page - kept)
-            new = jnp.pad(new, padding)
-            new = jnp.moveaxis(new.reshape(*new.shape[:axis], pages, self.page, *new.shape[axis + 1 :]), axis, 1)
-            return new.reshape(b * pages, *new.shape[2:])
-
-        def put(pools, new, axis):
-            return tuple(
-                write_pool(pool, targets.reshape(-1), None, paged(x, axis), 0)
-                for pool, x in zip(pools, new, strict=True)
-            )
-
-        old = state.cache
-        row_values = {
-            "last": first.tokens[:, 0],
-            "num_generated": jnp.ones((b,), jnp.int32),
-            "max_new_tokens": max_new,
-            "finish": first.finish,
-            "eos_id": eos_id,
-            "seeds": seeds,
-            "seen": seen,
-            "want_top": want_top,
-        }
-
-        def put_rows(big, rows):
-            return big.at[slots].set(rows.astype(big.dtype), mode="drop")
-
-        return state.replace(
-            cache=PagedKVCache(
-                k=put(old.k, cache.k, 3),
-                v=put(old.v, cache.v, 2),
-                index=put_rows(old.index, lengths),
-                # an int8 cache's scales, [rows, heads, columns], move with the keys and values they scale
-                k_scale=put(old.k_scale, cache.k_scale, 2),
-                v_scale=put(old.v_scale, cache.v_scale, 2),
-            ),
-            sampling=jax.tree.map(put_rows, state.sampling, sampling),
-            **{name: put_rows(getattr(state, name), value) for name, value in row_values.items()},
-        )
-
-    # -- host side ---------------------------------------------------------------------------
+    # -- new sequences -----------------------------------------------------------------------
     def prompt_columns(self, n: int) -> int:
         """Columns a prompt of ``n`` tokens is prefilled in: a power of two (at least 16)."""
         return bucket(n)
 
-    def _settings(self, requests: list[Request], rows: int, slots: list[int]):
-        n = len(requests)
+    def _new_rows(self, requests: list[Request], tokens: np.ndarray, lengths: np.ndarray, slots) -> NewRows:
+        """``requests`` as rows: their prompts ``tokens`` [b, P] (left-padded; rows past the requests
+        are padding) of ``lengths``, their settings, and the ``slots`` they go to (None or past the
+        last: none)."""
+        rows, n = len(tokens), len(requests)
 
         def pad(values, dtype, fill=0):
             out = np.full(rows, fill, dtype)
@@ -530,21 +234,19 @@ class Slots:
             return out
 
         sampling = jax.tree.map(lambda *xs: np.concatenate(xs), *(r.sampling for r in requests))
-        return (
-            pad(slots, np.int32, self.slots),  # padding rows point past the last slot: dropped
-            pad([r.max_new_tokens for r in requests], np.int32),
-            pad([r.eos_id for r in requests], np.int32, -1),
-            pad([r.seed for r in requests], np.uint32),
-            sampling.pad_to(rows),
-            pad([r.want_top for r in requests], bool, False),
+        return NewRows(
+            tokens=tokens,
+            lengths=lengths,
+            slot=pad([self.slots if s is None else s for s in slots], np.int32, self.slots),
+            max_new_tokens=pad([r.max_new_tokens for r in requests], np.int32),
+            eos_id=pad([r.eos_id for r in requests], np.int32, -1),
+            seeds=pad([r.seed for r in requests], np.uint32),
+            sampling=sampling.pad_to(rows),
+            want_top=pad([r.want_top for r in requests], bool, False),
         )
 
-    def admit(self, requests: list[Request], slots: list[int]) -> Tokens:
-        """Prefill short prompts (at most ``chunk`` columns) together and insert them into ``slots``."""
-        return self.dispatch_admit(requests, slots).result()
-
-    def _prompts(self, requests: list[Request]) -> tuple[np.ndarray, np.ndarray]:
-        """Short prompts left-padded into [rows, columns] (rows a power of two), and their lengths."""
+    def _prompts(self, requests: list[Request], slots) -> NewRows:
+        """Short prompts left-padded into [rows, columns] (rows a power of two), bound for ``slots``."""
         rows = bucket(len(requests), 1)
         columns = max(self.prompt_columns(len(r.tokens)) for r in requests)
         tokens = np.zeros((rows, columns), np.int32)
@@ -552,7 +254,7 @@ class Slots:
         for i, r in enumerate(requests):
             tokens[i, columns - len(r.tokens) :] = r.tokens
             lengths[i] = len(r.tokens)
-        return tokens, lengths
+        return self._new_rows(requests, tokens, lengths, slots)
 
     def _start(self, requests: list[Request], slots: list[int | None]) -> np.ndarray:
         """Give each of ``slots`` (None or past the last: none) pages for its new request's prompt;
@@ -569,14 +271,16 @@ class Slots:
         for slot in slots:
             self.table.free(slot)
 
+    def admit(self, requests: list[Request], slots: list[int]) -> Tokens:
+        """Prefill short prompts (at most ``chunk`` columns) together and insert them into ``slots``."""
+        return self.dispatch_admit(requests, slots).result()
+
     def dispatch_admit(self, requests: list[Request], slots: list[int]) -> Pending:
         """:meth:`admit`, returning as soon as the call is queued on the device."""
-        tokens, lengths = self._prompts(requests)
+        rows = self._prompts(requests, slots)
         table = self._start(requests, slots)
-        with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
-            self.state, first = self._admit(
-                self.decoder.params, self.state, tokens, lengths, *self._settings(requests, len(tokens), slots), table
-            )
+        with self._on(self.decoder):
+            self.state, first = self.programs.admit(self.decoder.params, self.state, rows, table)
         return Pending(first, len(requests))
 
     def dispatch_prefill(self, requests: list[Request]) -> Prefilled:
@@ -584,42 +288,36 @@ class Slots:
         (``.pending``), leaving the slots as they are: :meth:`place` puts them in."""
         if self.prefill is None:
             raise ValueError("these slots have no prefill decoder: admit() prefills between decode steps")
-        tokens, lengths = self._prompts(requests)
-        _, *settings = self._settings(requests, len(tokens), [self.slots] * len(requests))
-        with partitioning.sharding_scope(self.prefill.mesh, self.prefill.rules):
-            cache, first, seen = self._prefill(self.prefill.params, tokens, lengths, *settings)
-        return Prefilled(requests, tokens, lengths, cache, first, seen)
+        rows = self._prompts(requests, [None] * len(requests))
+        with self._on(self.prefill):
+            cache, first, seen = self.programs.prefill(self.prefill.params, rows)
+        return Prefilled(requests, rows, cache, first, seen)
 
     def dispatch_first(self, prefill: Prefill) -> Prefilled:
         """A long prompt prefilled chunk by chunk on the prefill decoder: its first token, to :meth:`place`."""
         if self.prefill is None:
             raise ValueError("these slots have no prefill decoder: insert() finishes a prefill between decode steps")
-        requests = [prefill.request]
-        lengths = np.array([len(prefill.request.tokens)], np.int32)
-        _, *settings = self._settings(requests, 1, [self.slots])
-        with partitioning.sharding_scope(self.prefill.mesh, self.prefill.rules):
-            first, seen = self._first(prefill.logits, prefill.tokens, lengths, *settings)
-        return Prefilled(requests, prefill.tokens, lengths, prefill.cache, first, seen)
+        rows = self._long_prompt(prefill, None)
+        with self._on(self.prefill):
+            first, seen = self.programs.first_tokens(prefill.logits, rows)
+        return Prefilled([prefill.request], rows, prefill.cache, first, seen)
 
     def place(self, prefilled: Prefilled, slots: list[int | None]) -> None:
         """Put prefilled prompts into ``slots`` (one per request; None: not placed, as for a row that
         ended at its first token or whose client left), queued behind the decode step in flight."""
-        mesh, rules = self.decoder.mesh, self.decoder.rules
-        moved = jax.device_put((prefilled.cache, prefilled.first, prefilled.seen), NamedSharding(mesh, PartitionSpec()))
+        moved = jax.device_put(
+            (prefilled.cache, prefilled.first, prefilled.seen), NamedSharding(self.decoder.mesh, PartitionSpec())
+        )
         cache, first, seen = moved
-        targets = [self.slots if s is None else s for s in slots]
+        old = prefilled.rows
+        rows = self._new_rows(prefilled.requests, old.tokens, old.lengths, slots)
         table = self._start(prefilled.requests, slots)
-        with partitioning.sharding_scope(mesh, rules):
-            self.state = self._place(
-                self.state,
-                cache,
-                prefilled.tokens,
-                prefilled.lengths,
-                *self._settings(prefilled.requests, len(prefilled.tokens), targets),
-                first,
-                seen,
-                table,
-            )
+        with self._on(self.decoder):
+            self.state = self.programs.place(self.state, cache, rows, first, seen, table)
+
+    def _long_prompt(self, prefill: Prefill, slot: int | None) -> NewRows:
+        lengths = np.array([len(prefill.request.tokens)], np.int32)
+        return self._new_rows([prefill.request], prefill.tokens, lengths, [slot])
 
     def start_prefill(self, request: Request) -> Prefill:
         """A long prompt's prefill, to be advanced with :meth:`prefill_chunk` until done."""
@@ -627,13 +325,13 @@ class Slots:
         tokens = np.zeros((1, columns), np.int32)
         tokens[0, columns - len(request.tokens) :] = request.tokens
         first = (columns - len(request.tokens)) // self.chunk * self.chunk  # chunks of padding only are skipped
-        with partitioning.sharding_scope(self._prefiller.mesh, self._prefiller.rules):
-            cache = self._new_cache(columns)
+        with self._on(self._prefiller):
+            cache = self.programs.new_cache(columns)
         return Prefill(request, tokens, first, cache)
 
     def prefill_chunk(self, prefill: Prefill) -> None:
-        with partitioning.sharding_scope(self._prefiller.mesh, self._prefiller.rules):
-            prefill.cache, prefill.logits = self._chunk(
+        with self._on(self._prefiller):
+            prefill.cache, prefill.logits = self.programs.chunk(
                 self._prefiller.params,
                 prefill.cache,
                 prefill.tokens,
@@ -648,20 +346,13 @@ class Slots:
 
     def dispatch_insert(self, prefill: Prefill, slot: int) -> Pending:
         """:meth:`insert`, returning as soon as the call is queued on the device."""
-        request = prefill.request
-        table = self._start([request], [slot])
-        with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
-            self.state, first = self._insert(
-                self.state,
-                prefill.cache,
-                prefill.logits,
-                prefill.tokens,
-                np.array([len(request.tokens)], np.int32),
-                *self._settings([request], 1, [slot]),
-                table,
-            )
+        rows = self._long_prompt(prefill, slot)
+        table = self._start([prefill.request], [slot])
+        with self._on(self.decoder):
+            self.state, first = self.programs.insert(self.state, prefill.cache, prefill.logits, rows, table)
         return Pending(first, 1)
 
+    # -- decode steps ------------------------------------------------------------------------
     def blocks_for(self, pages: int) -> int:
         """The pool blocks a step reads when the first ``pages`` pages hold every sequence's: the
         fewest that hold them (at least one)."""
@@ -699,18 +390,19 @@ class Slots:
     def _run(self, release: list[int], steps: int, blocks: int, rows: int) -> Pending:
         stop = np.zeros(self.slots, bool)
         stop[release] = True
-        with partitioning.sharding_scope(self.decoder.mesh, self.decoder.rules):
-            self.state, out = self._decode(
+        with self._on(self.decoder):
+            self.state, out = self.programs.decode(
                 self.decoder.params,
                 self.state,
                 to_device(stop, self._rows),
                 np.int32(steps),
                 self.table.ids.copy(),
-                blocks,
-                rows,
+                blocks=blocks,
+                rows=rows,
             )
         return Pending(out, rows)
 
+    # -- warm-up -----------------------------------------------------------------------------
     def warm_up(self, stop: Callable[[], bool] = lambda: False) -> bool:
         """Compile every program a request can need: nothing compiles once requests come. ``stop`` is
         asked before each program (a compile cannot be cut short); False if it said stop."""
@@ -745,6 +437,6 @@ class Slots:
                 self._run([], 1, blocks, rows).result()
 
     def compilations(self) -> int:
-        """Programs compiled so far, for checking that nothing recompiles as requests come and go."""
-        programs = (self._decode, self._admit, self._chunk, self._new_cache, self._insert)
-        return sum(f._cache_size() for f in (*programs, self._prefill, self._first, self._place))
+        """Programs compiled so far (for this decoder and shape), for checking that nothing
+        recompiles as requests come and go."""
+        return self.programs.compilations()

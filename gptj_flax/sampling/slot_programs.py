@@ -1,0 +1,452 @@
+"""The decode slots' device programs (:mod:`gptj_flax.sampling.slots` runs them).
+
+Each program is a pure function of a :class:`SlotShape`, which says what it is compiled for (the
+model's config and the slots' sizes), and of device pytrees: the parameters, the :class:`SlotState`
+of every slot, and the :class:`NewRows` that a prefill starts. :class:`SlotPrograms` jits them for
+one shape; the serving engine's slots and the AOT serving fit (:mod:`gptj_flax.sampling.serving_fit`)
+both compile them from there. A program runs (or is lowered) under ``jax.set_mesh`` of the devices
+it runs on, and resolves logical axis names with the shape's rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from gptj_flax.config import ModelConfig
+from gptj_flax.losses import token_log_probs
+from gptj_flax.model import GPTJ, KVCache, PagedKVCache, pool_blocks, write_pool
+from gptj_flax.partitioning import DEFAULT_RULES, Rules
+from gptj_flax.sampling.decoding import EOS, LENGTH, RUNNING, STOPPED, per_row_axes
+from gptj_flax.sampling.samplers import SamplingParams, next_tokens, top_logprobs
+
+Array = jax.Array
+
+# Pages in the first pool block (see model.pool_blocks): a step reads whole blocks, so smaller ones
+# read fewer idle pages, while each block costs a few operations per layer, and a decode program is
+# compiled for each count of blocks (XLA:CPU maps each compiled kernel into memory, and a process
+# may hold only so many maps).
+FIRST_BLOCK = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotShape:
+    """What the slot programs are compiled for; hashable, a static argument of each.
+
+    ``slots`` rows of ``length`` columns, in pages of ``page`` columns drawn from a pool of pages in
+    blocks of ``blocks`` pages; prompts longer than ``chunk`` prefilled chunk by chunk; at most
+    ``steps`` decode steps a call; ``top_logprobs`` alternatives for a row that asks for them; ids
+    from ``valid_vocab`` up never generated; logical names resolved by ``rules``.
+    """
+
+    config: ModelConfig
+    slots: int
+    length: int
+    chunk: int
+    steps: int
+    top_logprobs: int
+    page: int
+    blocks: tuple[int, ...]
+    valid_vocab: int
+    rules: Rules = DEFAULT_RULES
+
+    @classmethod
+    def build(
+        cls,
+        config: ModelConfig,
+        *,
+        slots: int,
+        length: int,
+        chunk: int,
+        steps: int,
+        top_logprobs: int,
+        page: int,
+        batch_multiple: int = 1,
+        valid_vocab: int | None = None,
+        rules: Rules = DEFAULT_RULES,
+    ) -> SlotShape:
+        """The shape of ``slots`` rows (rounded up to a multiple of ``batch_multiple``, the mesh's
+        data-parallel size, as rows and pages are split over it), the pool holding every row's
+        whole length."""
+        if chunk < 16 or chunk & (chunk - 1):
+            raise ValueError(f"the prefill chunk must be a power of two >= 16, got {chunk}")
+        if not 1 <= length <= config.max_len:
+            raise ValueError(f"the slot length must be in [1, {config.max_len}] (the context), got {length}")
+        slots = -(-slots // batch_multiple) * batch_multiple
+        per_row = -(-length // page)
+        blocks = pool_blocks(slots * per_row, batch_multiple * -(-FIRST_BLOCK // batch_multiple))
+        vocab = config.vocab_size if valid_vocab is None else valid_vocab
+        return cls(config, slots, length, chunk, steps, top_logprobs, page, blocks, vocab, rules)
+
+    @property
+    def per_row(self) -> int:
+        """Pages one row's whole length takes."""
+        return -(-self.length // self.page)
+
+    @property
+    def pages(self) -> int:
+        """Pages in the pool; a page table names this one, past its end, for a page not held."""
+        return sum(self.blocks)
+
+
+@flax.struct.dataclass
+class SlotState:
+    """Every slot's sequence and settings, on the device. ``cache.index[r]`` is row r's length."""
+
+    cache: PagedKVCache
+    last: Array  # int32 [S]: the newest token, fed at the next step
+    num_generated: Array  # int32 [S]
+    max_new_tokens: Array  # int32 [S]
+    finish: Array  # int32 [S]: RUNNING, EOS, LENGTH or STOPPED (a free slot is never RUNNING)
+    eos_id: Array  # int32 [S]; -1: do not stop at EOS
+    seeds: Array  # uint32 [S]
+    seen: Array  # bool [S, V]: prompt and generated ids, for the repetition penalty
+    want_top: Array  # bool [S]: record the most likely alternatives of each token
+    sampling: SamplingParams
+
+    @classmethod
+    def logical_axes(cls, config) -> SlotState:
+        rows = PartitionSpec("batch")
+        return cls(cache=PagedKVCache.logical_axes(config), last=rows, want_top=rows, **per_row_axes())
+
+
+@flax.struct.dataclass
+class NewRows:
+    """New sequences: their prompts, left-padded, and each one's settings and slot. Rows past the
+    real ones are padding, and a row whose slot is out of range is placed nowhere."""
+
+    tokens: Array  # int32 [b, P]
+    lengths: Array  # int32 [b]
+    slot: Array  # int32 [b]
+    max_new_tokens: Array  # int32 [b]
+    eos_id: Array  # int32 [b]; -1: do not stop at EOS
+    seeds: Array  # uint32 [b]
+    sampling: SamplingParams
+    want_top: Array  # bool [b]
+
+
+@flax.struct.dataclass
+class Tokens:
+    """Tokens chosen for some rows over ``steps`` steps; on the host after ``to_host``."""
+
+    tokens: Array  # int32 [R, K] (0 where a row was not running)
+    logprobs: Array  # float32 [R, K]
+    top_ids: Array  # int32 [R, K, T]: the T most likely ids at each step (where a row asked)
+    top_logprobs: Array  # float32 [R, K, T]
+    finish: Array  # int32 [R] after the last step
+    num_generated: Array  # int32 [R] after the last step
+
+
+def abstract(shapes: Any, shardings: Any) -> Any:
+    """``shapes`` (a tree of shapes and dtypes) with ``shardings`` (a prefix of it) attached."""
+    return jax.tree.map(
+        lambda sharding, sub: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), sub),
+        shardings,
+        shapes,
+    )
+
+
+def abstract_state(shape: SlotShape, mesh: Mesh) -> SlotState:
+    """The slot state's shapes, dtypes and shardings on ``mesh``: what a program is lowered against."""
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), state_specs(shape), is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+    return abstract(jax.eval_shape(lambda: empty_state(shape)), shardings)
+
+
+def empty_state(shape: SlotShape) -> SlotState:
+    """Every slot empty: a zero pool, no sequence running."""
+    s, cfg = shape.slots, shape.config
+    return SlotState(
+        cache=PagedKVCache.empty(cfg, shape.blocks, shape.page, s),
+        last=jnp.zeros((s,), jnp.int32),
+        num_generated=jnp.zeros((s,), jnp.int32),
+        max_new_tokens=jnp.zeros((s,), jnp.int32),
+        finish=jnp.full((s,), LENGTH, jnp.int32),
+        eos_id=jnp.full((s,), -1, jnp.int32),
+        seeds=jnp.zeros((s,), jnp.uint32),
+        seen=jnp.zeros((s, cfg.vocab_size), bool),
+        want_top=jnp.zeros((s,), bool),
+        sampling=jax.tree.map(jnp.asarray, SamplingParams.build(s, temperature=0.0)),
+    )
+
+
+def state_specs(shape: SlotShape) -> SlotState:
+    """The slot state's mesh axes (a prefix of it: each layer's pool blocks are split alike), for
+    whichever mesh the programs run on."""
+    logical = SlotState.logical_axes(shape.config)
+    return jax.tree.map(
+        lambda spec: nn.logical_to_mesh_axes(spec, shape.rules), logical, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def _choose(shape: SlotShape, logits, sampling, seen, seeds, n, want_top):
+    """Each row's next token, its log-probability and (where asked) the ``top_logprobs`` likeliest ids."""
+    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(seeds, n)
+    token = next_tokens(logits, sampling, seen, keys, shape.valid_vocab)
+    logprob = token_log_probs(logits, token)
+    rows, top = logits.shape[0], shape.top_logprobs
+
+    def alternatives(logits):
+        return top_logprobs(logits, top, shape.valid_vocab)
+
+    def nothing(logits):
+        return jnp.zeros((rows, top), jnp.int32), jnp.zeros((rows, top), jnp.float32)
+
+    top_ids, top_values = lax.cond(jnp.any(want_top), alternatives, nothing, logits)
+    return token, logprob, top_ids, top_values
+
+
+def _advance(shape: SlotShape, params, s: SlotState, cache: PagedKVCache, table) -> tuple[SlotState, PagedKVCache, Any]:
+    """One decode step of the rows of ``s`` (a state cut to its first rows, ``cache`` apart): the
+    new state, cache, and the step's (token, log-prob, top ids, top log-probs) of each row."""
+    rows = s.last.shape[0]
+    active = s.finish == RUNNING
+    logits, cache = GPTJ(shape.config).apply(
+        {"params": params}, s.last[:, None], cache.index[:rows, None], active, cache, table, method=GPTJ.decode_slots
+    )
+    token, logprob, top_ids, top_values = _choose(
+        shape, logits[:, -1], s.sampling, s.seen, s.seeds, s.num_generated, s.want_top & active
+    )
+    token = jnp.where(active, token, 0)
+    num = s.num_generated + active
+    finish = jnp.where(active & (token == s.eos_id), EOS, s.finish)
+    finish = jnp.where((finish == RUNNING) & (num >= s.max_new_tokens), LENGTH, finish)
+    s = s.replace(
+        last=jnp.where(active, token, s.last),
+        num_generated=num,
+        finish=finish,
+        seen=s.seen.at[jnp.arange(rows), token].max(active),
+    )
+    return s, cache, (token, jnp.where(active, logprob, 0.0), top_ids, top_values)
+
+
+def decode(
+    shape: SlotShape, params, state: SlotState, release, steps, table, *, blocks: int, rows: int
+) -> tuple[SlotState, Tokens]:
+    """Stop the rows in ``release`` [S], then run up to ``steps`` decode steps of the first ``rows``
+    slots (every busy one), over the first ``blocks`` pool blocks (every page that ``table`` names
+    for them). Returns the state and those rows' tokens."""
+    state = state.replace(finish=jnp.where(release & (state.finish == RUNNING), STOPPED, state.finish))
+    cache = state.cache.view(blocks)  # whole buffers, each read and written in place
+    s = jax.tree.map(lambda x: x[:rows], state.replace(cache=None))
+    k, t = shape.steps, shape.top_logprobs
+    out = Tokens(
+        tokens=jnp.zeros((rows, k), jnp.int32),
+        logprobs=jnp.zeros((rows, k), jnp.float32),
+        top_ids=jnp.zeros((rows, k, t), jnp.int32),
+        top_logprobs=jnp.zeros((rows, k, t), jnp.float32),
+        finish=s.finish,
+        num_generated=s.num_generated,
+    )
+
+    def unfinished(carry):
+        s, _, _, i = carry
+        return (i < steps) & jnp.any(s.finish == RUNNING)
+
+    def step(carry):
+        s, cache, o, i = carry
+        s, cache, (token, logprob, top_ids, top_values) = _advance(shape, params, s, cache, table[:rows])
+        o = o.replace(
+            tokens=o.tokens.at[:, i].set(token),
+            logprobs=o.logprobs.at[:, i].set(logprob),
+            top_ids=o.top_ids.at[:, i].set(top_ids),
+            top_logprobs=o.top_logprobs.at[:, i].set(top_values),
+        )
+        return s, cache, o, i + 1
+
+    s, cache, out, _ = lax.while_loop(unfinished, step, (s, cache, out, jnp.zeros((), jnp.int32)))
+    whole = jax.tree.map(
+        lambda full, part: lax.dynamic_update_slice_in_dim(full, part, 0, axis=0), state.replace(cache=None), s
+    )
+    return whole.replace(cache=state.cache.merge(cache)), out.replace(finish=s.finish, num_generated=s.num_generated)
+
+
+def _prompt_cache(shape: SlotShape, params, tokens, lengths) -> tuple[KVCache, Array]:
+    """Prefill short prompts [b, P] (left-padded) at once: their cache and last logits."""
+    columns = jnp.arange(tokens.shape[1])[None, :]
+    padding = (tokens.shape[1] - lengths)[:, None]
+    segments, positions = (columns >= padding).astype(jnp.int32), jnp.maximum(columns - padding, 0)
+    cache = KVCache.empty(shape.config, *tokens.shape)
+    logits, cache = GPTJ(shape.config).apply(
+        {"params": params}, tokens, positions, segments, cache, last_logits_only=True, method=GPTJ.decode
+    )
+    return cache, logits[:, -1]
+
+
+def admit(shape: SlotShape, params, state: SlotState, rows: NewRows, table) -> tuple[SlotState, Tokens]:
+    """Prefill short prompts at once, insert them into their slots and choose their first tokens."""
+    cache, logits = _prompt_cache(shape, params, rows.tokens, rows.lengths)
+    return insert(shape, state, cache, logits, rows, table)
+
+
+def prefill(shape: SlotShape, params, rows: NewRows) -> tuple[KVCache, Tokens, Array]:
+    """Prefill short prompts as :func:`admit` does and choose their first tokens, leaving the slots
+    alone (on the prefill devices): their cache, first tokens and seen ids, for :func:`place`."""
+    cache, logits = _prompt_cache(shape, params, rows.tokens, rows.lengths)
+    return (cache, *first_tokens(shape, logits, rows))
+
+
+def new_cache(shape: SlotShape, columns: int) -> KVCache:
+    """An empty one-row cache of ``columns`` columns, for a long prompt prefilled chunk by chunk."""
+    return KVCache.empty(shape.config, 1, columns)
+
+
+def chunk(shape: SlotShape, params, cache: KVCache, prompt, length, start) -> tuple[KVCache, Array]:
+    """Prefill the chunk of ``prompt`` [1, P] (left-padded, ``length`` real tokens) that starts at
+    column ``start``: the cache, and the logits of its last column."""
+    columns = prompt.shape[1]
+    tokens = lax.dynamic_slice_in_dim(prompt, start, shape.chunk, axis=1)
+    index = start + jnp.arange(shape.chunk)[None, :]
+    padding = columns - length
+    segments, positions = (index >= padding).astype(jnp.int32), jnp.maximum(index - padding, 0)
+    logits, cache = GPTJ(shape.config).apply(
+        {"params": params},
+        tokens,
+        positions,
+        segments,
+        cache.replace(index=start),
+        last_logits_only=True,
+        method=GPTJ.decode,
+    )
+    return cache, logits[:, -1]
+
+
+def insert(
+    shape: SlotShape, state: SlotState, cache: KVCache, logits, rows: NewRows, table
+) -> tuple[SlotState, Tokens]:
+    """Move prefilled prompts (their cache and last logits) into their slots and choose their first tokens."""
+    first, seen = first_tokens(shape, logits, rows)
+    return place(shape, state, cache, rows, first, seen, table), first
+
+
+def first_tokens(shape: SlotShape, logits, rows: NewRows) -> tuple[Tokens, Array]:
+    """The first tokens of prefilled prompts, and the ids each row has seen."""
+    b, columns = rows.tokens.shape
+    real = jnp.arange(columns)[None, :] >= (columns - rows.lengths)[:, None]
+    seen = jnp.zeros((b, shape.config.vocab_size), bool).at[jnp.arange(b)[:, None], rows.tokens].max(real)
+    token, logprob, top_ids, top_values = _choose(
+        shape, logits, rows.sampling, seen, rows.seeds, jnp.zeros((b,), jnp.int32), rows.want_top
+    )
+    seen = seen.at[jnp.arange(b), token].set(True)
+    running = jnp.where(rows.max_new_tokens <= 1, LENGTH, RUNNING)
+    first = Tokens(
+        tokens=token[:, None],
+        logprobs=logprob[:, None],
+        top_ids=top_ids[:, None],
+        top_logprobs=top_values[:, None],
+        finish=jnp.where(token == rows.eos_id, EOS, running).astype(jnp.int32),
+        num_generated=jnp.ones((b,), jnp.int32),
+    )
+    return first, seen
+
+
+def _paged(new: Array, source: Array, pages: int, page: int, axis: int) -> Array:
+    """The rows of ``new`` (a prompt cache's buffer, its columns at ``axis``) rotated by ``source``
+    [b, kept] (real tokens first) and cut into pages: [b·pages, …] with the page's columns at ``axis``."""
+    b, kept = source.shape
+    shape = [1] * new.ndim
+    shape[0], shape[axis] = b, kept
+    new = jnp.take_along_axis(new, source.reshape(shape), axis=axis)
+    padding = [(0, 0)] * new.ndim
+    padding[axis] = (0, pages * page - kept)
+    new = jnp.pad(new, padding)
+    new = jnp.moveaxis(new.reshape(*new.shape[:axis], pages, page, *new.shape[axis + 1 :]), axis, 1)
+    return new.reshape(b * pages, *new.shape[2:])
+
+
+def place(shape: SlotShape, state: SlotState, cache: KVCache, rows: NewRows, first: Tokens, seen, table) -> SlotState:
+    """Write prefilled prompts (real tokens first) and their first tokens into their slots, the
+    prompts' keys and values into the pages ``table`` names for those slots. Rows whose slot is out
+    of range (batch padding, or a row not to be placed) change nothing."""
+    columns = rows.tokens.shape[1]
+    kept = min(columns, shape.length)  # a prompt never needs more columns than a row has
+    pages = -(-kept // shape.page)
+    # row j's real tokens sit in its last lengths[j] columns: rotate them to the front
+    source = (jnp.arange(kept)[None, :] + (columns - rows.lengths)[:, None]) % columns
+    inside = (rows.slot >= 0) & (rows.slot < shape.slots)
+    targets = jnp.where(inside[:, None], table[jnp.where(inside, rows.slot, 0), :pages], shape.pages).reshape(-1)
+
+    def put(pools, new, axis):
+        return tuple(
+            write_pool(pool, targets, None, _paged(x, source, pages, shape.page, axis), 0)
+            for pool, x in zip(pools, new, strict=True)
+        )
+
+    def put_rows(big, new):
+        return big.at[rows.slot].set(new.astype(big.dtype), mode="drop")
+
+    old = state.cache
+    paged = PagedKVCache(
+        k=put(old.k, cache.k, 3),
+        v=put(old.v, cache.v, 2),
+        index=put_rows(old.index, rows.lengths),
+        # an int8 cache's scales, [rows, heads, columns], move with the keys and values they scale
+        k_scale=put(old.k_scale, cache.k_scale, 2),
+        v_scale=put(old.v_scale, cache.v_scale, 2),
+    )
+    row_values = {
+        "last": first.tokens[:, 0],
+        "num_generated": first.num_generated,
+        "max_new_tokens": rows.max_new_tokens,
+        "finish": first.finish,
+        "eos_id": rows.eos_id,
+        "seeds": rows.seeds,
+        "seen": seen,
+        "want_top": rows.want_top,
+    }
+    return state.replace(
+        cache=paged,
+        sampling=jax.tree.map(put_rows, state.sampling, rows.sampling),
+        **{name: put_rows(getattr(state, name), value) for name, value in row_values.items()},
+    )
+
+
+def _jit(fn: Callable, shape: SlotShape, *, static: tuple[str, ...] = (), donate: tuple[str, ...] = (), **jit) -> Any:
+    """``jax.jit`` of ``fn`` with ``shape`` bound (``static`` static, ``donate`` donated; ``jit``: more
+    of its options), the shape's logical rules in force while it is traced (they are no part of
+    JAX's cache key)."""
+    bound = functools.partial(fn, shape)
+
+    @functools.wraps(fn)
+    def under_rules(*args, **kwargs):
+        with nn.logical_axis_rules(shape.rules):
+            return bound(*args, **kwargs)
+
+    under_rules.__signature__ = inspect.signature(bound)  # what jit reads argument names from
+    return jax.jit(under_rules, static_argnames=static, donate_argnames=donate, **jit)
+
+
+class SlotPrograms:
+    """The slot programs for one shape, each the ``jax.jit`` of the function of its name with the
+    shape bound. Compiled programs live as long as this object: a :class:`~gptj_flax.sampling.slots.Slots`
+    keeps its on its decoder, so that every Slots of one decoder and shape shares them and none is
+    freed while the decoder lives (XLA:CPU maps each compiled kernel into memory, and a process
+    may hold only so many maps: a cache for the process's life would keep every model's)."""
+
+    def __init__(self, shape: SlotShape):
+        self.shape = shape
+        self.empty_state = _jit(empty_state, shape, out_shardings=state_specs(shape))
+        self.decode = _jit(decode, shape, static=("blocks", "rows"), donate=("state",))
+        self.admit = _jit(admit, shape, donate=("state",))
+        self.prefill = _jit(prefill, shape)
+        self.new_cache = _jit(new_cache, shape, static=("columns",))
+        self.chunk = _jit(chunk, shape, donate=("cache",))
+        self.insert = _jit(insert, shape, donate=("state",))
+        self.first_tokens = _jit(first_tokens, shape)
+        self.place = _jit(place, shape, donate=("state",))
+
+    def compilations(self) -> int:
+        """Programs compiled so far, for checking that nothing recompiles as requests come and go."""
+        programs = (self.empty_state, self.decode, self.admit, self.prefill, self.new_cache, self.chunk)
+        return sum(f._cache_size() for f in (*programs, self.insert, self.first_tokens, self.place))
