@@ -12,7 +12,7 @@ from gptj_flax.sampling.api import (
 )
 from gptj_flax.sampling.decoding import Decoder
 from gptj_flax.sampling.loading import load
-from gptj_flax.sampling.samplers import SamplingError, SamplingParams
+from gptj_flax.sampling.samplers import Sampling, SamplingError, SamplingParams
 
 __all__ = [
     "CheckedSettings",
@@ -20,6 +20,7 @@ __all__ = [
     "Decoder",
     "LanguageModel",
     "MissingTokenizer",
+    "Sampling",
     "SamplingError",
     "SamplingParams",
     "Scored",
