@@ -16,7 +16,8 @@ import numpy as np
 
 from benchmarks.common import REPO, machine_summary
 from gptj_flax import data, partitioning
-from gptj_flax.config import cli_path, load_config
+from gptj_flax.cli.args import cli_path
+from gptj_flax.config import load_config
 from gptj_flax.data import tfrecord
 from gptj_flax.data.corpus import stdlib_sources
 from gptj_flax.training import TrainSetup

@@ -27,7 +27,8 @@ from benchmarks.common import BENCH_MODEL, hf_gptj_config, machine_summary
 from gptj_flax import partitioning
 from gptj_flax.config import Config, ModelConfig, TrainConfig
 from gptj_flax.data import Batch
-from gptj_flax.model import GPTJ, Block, attention_mask, chunked_loss_sums, rotary_tables
+from gptj_flax.losses import chunked_loss_sums
+from gptj_flax.model import GPTJ, Block, attention_mask, rotary_tables
 from gptj_flax.training import TrainSetup, optimizer
 
 

@@ -13,7 +13,6 @@ to fix it; unknown keys are rejected by name rather than silently ignored.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import fnmatch
@@ -363,7 +362,9 @@ class TrainConfig:
     name: str = "gptj"
     wandb_project: str | None = None
     comment: str = ""
-    tpu_size: int | None = None  # legacy, informational
+    tpu_size: int | None = None  # legacy: the slice the config was written for; a warning when the run's differs
+    # The EMA rate of the gradient-noise statistics (noise/*, docs/train.md); None: not computed.
+    noise_scale_alpha: float | None = None
 
     def __post_init__(self):
         if (self.batch_size is None) == (self.per_replica_batch is None):
@@ -378,6 +379,12 @@ class TrainConfig:
             value = getattr(self, name)
             if not _is_finite_number(value) or value < 0:
                 raise ConfigError(f"train.{name} must be a finite non-negative number, got {value!r}")
+        alpha = self.noise_scale_alpha
+        if alpha is not None and not (_is_finite_number(alpha) and 0 < alpha <= 1):
+            raise ConfigError(
+                f"train.noise_scale_alpha must be a number in (0, 1] (the weight of each new step in the "
+                f"statistics' moving averages; device_train.py used 0.01) or null, got {alpha!r}"
+            )
         object.__setattr__(self, "adam_mu_dtype", dtype_name(self.adam_mu_dtype, "train.adam_mu_dtype"))
         _check_choice("train.adam_mu_dtype", self.adam_mu_dtype, ("float32", "bfloat16"))
         if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
@@ -484,6 +491,7 @@ LEGACY_KEYS: dict[str, tuple[str, str]] = {
     "name": ("train", "name"),
     "wandb_project": ("train", "wandb_project"),
     "comment": ("train", "comment"),
+    "noise_scale_alpha": ("train", "noise_scale_alpha"),
 }
 # Legacy keys handled specially: fixed architecture choices, and the GCS bucket.
 LEGACY_SPECIAL = ("norm", "pe", "bucket", "model_dir")
@@ -531,7 +539,17 @@ def from_legacy_dict(raw: Mapping[str, Any]) -> Config:
     if model_dir is not None:
         bucket = raw.get("bucket")
         is_url = "://" in str(model_dir)
+        if bucket and is_url and not str(model_dir).startswith(f"gs://{bucket}/"):
+            raise ConfigError(
+                f"legacy keys 'bucket'={bucket!r} and 'model_dir'={model_dir!r} disagree: a model_dir URL is the "
+                "run directory itself; drop 'bucket', or give model_dir as a path inside the bucket"
+            )
         sections["train"]["run_dir"] = f"gs://{bucket}/{model_dir}" if bucket and not is_url else model_dir
+    elif raw.get("bucket"):  # the original required both; a bucket alone would leave checkpoints in runs/default
+        raise ConfigError(
+            f"legacy key 'bucket'={raw['bucket']!r} is set without 'model_dir': checkpoints go to "
+            "gs://BUCKET/MODEL_DIR; add 'model_dir', or drop 'bucket' and set the run directory (train.run_dir)"
+        )
     sections["mesh"].setdefault("data", 1)
     sections["mesh"]["fsdp"] = -1
     return Config(
@@ -633,47 +651,3 @@ def save_config(config: Config, path: str | os.PathLike) -> None:
     with open(tmp, "w") as f:
         json.dump(config.to_dict(), f, indent=2)
     os.replace(tmp, path)
-
-
-# --------------------------------------------------------------------------------------------
-# Command lines
-
-
-def cli_path(text: str) -> str:
-    """A path argument made absolute against the current directory.
-
-    ``hf:DIR`` and ``legacy:DIR`` keep their prefix; URLs (``gs://…``) and ``tfds:NAME`` are no paths.
-    """
-    if "://" in text or text.startswith("tfds:"):
-        return text
-    for prefix in ("hf:", "legacy:"):
-        if text.startswith(prefix) and len(text) > len(prefix):
-            return prefix + cli_path(text[len(prefix) :])
-    return os.path.abspath(os.path.expanduser(text))
-
-
-def cli_tokenizer(text: str) -> str:
-    """A ``--tokenizer`` argument: a local directory made absolute, a bare hub name (``gpt2``) as it is."""
-    return cli_path(text) if os.path.exists(text) or os.sep in text or text.startswith(("~", ".")) else text
-
-
-def cli_dtype(text: str) -> str:
-    """A ``--dtype`` argument in any spelling :func:`dtype_name` reads, as its canonical name."""
-    try:
-        return dtype_name(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("dtype=")) from None
-
-
-def join_negative_values(argv: Sequence[str], options: Sequence[str] = ("--mesh",)) -> list[str]:
-    """``--mesh -1,8,1`` → ``--mesh=-1,8,1``: argparse would read a value starting with "-" as an option."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        if argv[i] in options and i + 1 < len(argv) and re.match(r"-\d", argv[i + 1]):
-            out.append(f"{argv[i]}={argv[i + 1]}")
-            i += 2
-        else:
-            out.append(argv[i])
-            i += 1
-    return out

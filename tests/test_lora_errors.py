@@ -361,3 +361,42 @@ def test_merge_lora_still_writes_the_merged_model(lora_run, base, tmp_path):
     expected = lora_lib.merge_adapters(params, adapter.adapters, adapter.lora)
     _, written, _ = checkpoint.load_params(merged, mesh)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, written), jax.tree.map(np.asarray, expected))
+
+
+@pytest.mark.parametrize(
+    "lora, now",
+    [
+        (None, "null (the whole model trains)"),
+        ({**LORA, "rank": 2}, '{"rank": 2, "alpha": 8, "targets": ["*"]}'),
+        ({**LORA, "targets": ["q_proj", "v_proj"]}, '{"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}'),
+    ],
+    ids=["no-lora", "rank", "targets"],
+)
+def test_resuming_a_lora_run_with_other_adapters_says_what_differs(lora_run, corpus, tmp_path, lora, now):
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run)
+    config = make_config(corpus, run, **{**SHORT, "total_steps": 4}, **({} if lora is None else {"lora": lora}))
+    saved = '{"rank": 4, "alpha": 8, "targets": ["*"]}'
+    message = (
+        f"cannot resume {run}: its saved config (step 2) has train.lora={saved}, but this config has "
+        f"train.lora={now}, so the checkpoint's trained parameters do not fit. Resume it with its own train.lora, "
+        "or start a new run directory (--set train.run_dir=NEW)"
+    )
+    with pytest.raises(ConfigError) as error:
+        train(config, progress=False)
+    assert str(error.value).startswith(message), str(error.value)
+    if lora is None:
+        assert f"merge it (gptj-convert merge-lora {run} OUT) and --init-from OUT" in str(error.value)
+
+
+def test_resuming_a_full_run_as_a_lora_run_says_what_differs(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(make_config(corpus, run, **SHORT), progress=False)
+    with pytest.raises(ConfigError) as error:
+        train(make_config(corpus, run, lora=LORA, **{**SHORT, "total_steps": 4}), progress=False)
+    assert str(error.value) == (
+        f"cannot resume {run}: its saved config (step 2) has train.lora=null (the whole model trains), but this "
+        'config has train.lora={"rank": 4, "alpha": 8, "targets": ["*"]}, so the checkpoint\'s trained '
+        "parameters do not fit. Resume it with its own train.lora, or start a new run directory "
+        f"(--set train.run_dir=NEW); to train adapters on this run's model, --init-from {run}"
+    )

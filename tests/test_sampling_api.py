@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import gptj_flax
+import gptj_flax.sampling
 from gptj_flax.checkpoint import Checkpointer, CheckpointError
 from gptj_flax.config import Config, TrainConfig
 from gptj_flax.model import GPTJ
@@ -22,6 +23,13 @@ from tests.helpers import CORPUS, tiny_config
 TOKENIZER_VOCAB = 300
 # The model's vocabulary is padded past the tokenizer's (as GPT-J's 50400 > 50257).
 CFG = tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=320, max_len=128)
+
+
+def test_the_sampling_namespace_leaves_the_device_programs_in_their_modules():
+    """``gptj_flax.sampling`` exports what a library user calls (``load``, ``LanguageModel`` and its
+    settings, results and errors), not the compiled programs behind them (``Decoder``, ``Slots``)."""
+    assert {"load", "LanguageModel", "SamplingParams"} <= set(gptj_flax.sampling.__all__)
+    assert not {"Decoder", "Slots"} & set(dir(gptj_flax.sampling))
 
 
 def make_tokenizer():

@@ -12,7 +12,8 @@ import pytest
 from gptj_flax import partitioning
 from gptj_flax.config import ConfigError, TrainConfig
 from gptj_flax.data import Batch
-from gptj_flax.model import GPTJ, chunked_loss_sums
+from gptj_flax.losses import chunked_loss_sums
+from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
 from tests.helpers import mean_loss, tiny_config
 

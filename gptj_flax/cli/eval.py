@@ -18,8 +18,8 @@ import sys
 import jax
 
 from gptj_flax.cli import no_tokenizer
+from gptj_flax.cli.args import cli_dtype, cli_path, cli_tokenizer, join_negative_values
 from gptj_flax.cli.distributed import start_processes
-from gptj_flax.config import cli_dtype, cli_path, cli_tokenizer, join_negative_values
 from gptj_flax.errors import MissingExtraError, add_debug_flag, missing_extra, run_cli
 from gptj_flax.evaluation import compare
 from gptj_flax.evaluation.errors import EvaluationError

@@ -21,15 +21,9 @@ import jax
 
 import gptj_flax
 from gptj_flax.cli import no_tokenizer
+from gptj_flax.cli.args import cli_dtype, cli_path, cli_tokenizer, join_negative_values
 from gptj_flax.cli.distributed import start_processes
-from gptj_flax.config import (
-    KV_CACHE_DTYPES,
-    QUANTIZATIONS,
-    cli_dtype,
-    cli_path,
-    cli_tokenizer,
-    join_negative_values,
-)
+from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from gptj_flax.errors import add_debug_flag, run_cli
 from gptj_flax.sampling import MissingTokenizer, Sampling, SamplingError, check_settings, check_text
 from gptj_flax.sampling.multihost import read_on_process_0

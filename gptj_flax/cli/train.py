@@ -16,7 +16,8 @@ import os
 import sys
 
 from gptj_flax import partitioning
-from gptj_flax.config import Config, ConfigError, cli_path, join_negative_values, load_config
+from gptj_flax.cli.args import cli_path, join_negative_values
+from gptj_flax.config import Config, ConfigError, load_config
 from gptj_flax.data import DataOrderChanged
 from gptj_flax.errors import (
     EXIT_INTERRUPTED,

@@ -10,14 +10,12 @@ from gptj_flax.sampling.api import (
     check_settings,
     check_text,
 )
-from gptj_flax.sampling.decoding import Decoder
 from gptj_flax.sampling.loading import load
 from gptj_flax.sampling.samplers import Sampling, SamplingError, SamplingParams
 
 __all__ = [
     "CheckedSettings",
     "Completion",
-    "Decoder",
     "LanguageModel",
     "MissingTokenizer",
     "Sampling",

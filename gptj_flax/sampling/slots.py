@@ -40,8 +40,9 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gptj_flax import partitioning
-from gptj_flax.model import GPTJ, KVCache, PagedKVCache, pool_blocks, token_log_probs, write_pool
-from gptj_flax.sampling.decoding import EOS, LENGTH, RUNNING, STOPPED, Decoder, bucket
+from gptj_flax.losses import token_log_probs
+from gptj_flax.model import GPTJ, KVCache, PagedKVCache, pool_blocks, write_pool
+from gptj_flax.sampling.decoding import EOS, LENGTH, RUNNING, STOPPED, Decoder, bucket, per_row_axes
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingParams, next_tokens, top_logprobs
 
@@ -72,19 +73,8 @@ class SlotState:
 
     @classmethod
     def logical_axes(cls, config) -> SlotState:
-        rows, table = PartitionSpec("batch"), PartitionSpec("batch", None)
-        return cls(
-            cache=PagedKVCache.logical_axes(config),
-            last=rows,
-            num_generated=rows,
-            max_new_tokens=rows,
-            finish=rows,
-            eos_id=rows,
-            seeds=rows,
-            seen=table,
-            want_top=rows,
-            sampling=SamplingParams.logical_axes(),
-        )
+        rows = PartitionSpec("batch")
+        return cls(cache=PagedKVCache.logical_axes(config), last=rows, want_top=rows, **per_row_axes())
 
 
 @flax.struct.dataclass

@@ -18,11 +18,14 @@ from gptj_flax import checkpoint, data
 from gptj_flax.config import Config
 from gptj_flax.errors import GptjFlaxError
 from gptj_flax.training import steps
-from gptj_flax.training.metrics import MetricsWriter, peak_flops_per_device
+from gptj_flax.training.metrics import GradientNoiseScale, MetricsWriter, peak_flops_per_device
 from gptj_flax.training.setup import TrainSetup
 from gptj_flax.training.start import LoraBase, RunData
 
 log = logging.getLogger(__name__)
+
+# Where a checkpoint's meta keeps the gradient-noise statistics' moving averages.
+NOISE_META_KEY = "noise_scale"
 
 
 class TrainingDiverged(GptjFlaxError, RuntimeError):
@@ -99,25 +102,23 @@ class Checkpointing(PeriodicAction):
     train_batches: data.DataIterator
     saved_step: int | None = None  # the last step this call saved
     meta: dict = dataclasses.field(default_factory=dict)  # saved with every step (a LoRA run: its base)
+    noise: GradientNoiseScale | None = None  # its averages are saved with every step
 
     def should_run(self, step: int, last: int, stopping: bool) -> bool:
         return super().should_run(step, last, stopping) or stopping
 
     def run(self, step: int, state: steps.TrainState) -> None:
-        self.ckpt.save(
-            step,
-            params=state.params,
-            opt_state=state.opt_state,
-            config=self.config,
-            meta={"data": self.train_batches.state(), "seed": self.config.train.seed, **self.meta},
-            force=True,
-        )
+        meta = {"data": self.train_batches.state(), "seed": self.config.train.seed, **self.meta}
+        if self.noise is not None:
+            meta[NOISE_META_KEY] = self.noise.state()
+        self.ckpt.save(step, params=state.params, opt_state=state.opt_state, config=self.config, meta=meta, force=True)
         self.saved_step = step
 
 
 class MetricsLog:
-    """Each step's loss, gradient norm, learning rate and speed, fetched one step late so the host
-    never waits for the devices; a non-finite loss stops the run (:class:`TrainingDiverged`)."""
+    """Each step's loss, gradient norm, learning rate and speed (and with ``noise``, the
+    gradient-noise statistics), fetched one step late so the host never waits for the devices; a
+    non-finite loss stops the run (:class:`TrainingDiverged`)."""
 
     def __init__(
         self,
@@ -128,8 +129,9 @@ class MetricsLog:
         flops_per_step: float,
         peak_flops: float | None,
         bar: tqdm,
+        noise: GradientNoiseScale | None = None,
     ):
-        self.writer, self.ckpt, self.run_dir, self.bar = writer, ckpt, run_dir, bar
+        self.writer, self.ckpt, self.run_dir, self.bar, self.noise = writer, ckpt, run_dir, bar, noise
         self.tokens_per_step, self.flops_per_step, self.peak_flops = tokens_per_step, flops_per_step, peak_flops
         self.losses: dict[int, float] = {}
         self._pending: tuple[int, Any, float] | None = None  # (step, metrics, start time) not fetched yet
@@ -171,8 +173,21 @@ class MetricsLog:
         }
         if self.peak_flops:
             row["perf/mfu"] = self.flops_per_step / seconds / (self.peak_flops * jax.device_count())
+        if self.noise is not None:
+            row.update(self.noise.update(metrics["grad_norm_replica"], metrics["grad_norm_micro"]))
         self.writer.write(step, row)
         self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{row['perf/tokens_per_s']:,.0f}")
+
+
+def _noise_scale(setup: TrainSetup, meta: dict) -> GradientNoiseScale | None:
+    """The run's gradient-noise statistics, continuing the averages ``meta`` recorded; None when
+    its steps do not compute them (setup.noise_replicas)."""
+    tc = setup.config.train
+    if setup.noise_replicas is None or tc.noise_scale_alpha is None:
+        return None
+    noise = GradientNoiseScale(tc.grad_accum_steps, tc.noise_scale_alpha)
+    noise.restore(meta.get(NOISE_META_KEY))
+    return noise
 
 
 @dataclasses.dataclass
@@ -201,8 +216,10 @@ class Hooks:
         end: int,
         peak_flops: float | None,
         progress: bool,
+        meta: dict | None = None,
     ) -> Hooks:
-        """The hooks of a call that runs steps ``first`` + 1 … ``end``."""
+        """The hooks of a call that runs steps ``first`` + 1 … ``end``, after the checkpoint whose
+        ``meta`` was restored (None: a new run)."""
         config, tc = setup.config, setup.config.train
         # Rows past the restored step were written by a run that died before its next checkpoint; the
         # step-0 baseline is recomputed when there is no checkpoint at all.
@@ -216,8 +233,16 @@ class Hooks:
         disable = not progress or jax.process_index() != 0
         bar = tqdm(total=end, initial=first, desc="train", unit="step", dynamic_ncols=True, disable=disable)
         flops_per_step = config.model.flops_per_token(setup.seq_len) * setup.tokens_per_step
+        noise = _noise_scale(setup, meta or {})
         metrics = MetricsLog(
-            writer, ckpt, tc.run_dir, setup.tokens_per_step, flops_per_step, peak_flops_per_device(peak_flops), bar
+            writer,
+            ckpt,
+            tc.run_dir,
+            setup.tokens_per_step,
+            flops_per_step,
+            peak_flops_per_device(peak_flops),
+            bar,
+            noise,
         )
         validation = Validation(tc.val_every, eval_step, run_data.val_sets, setup.eval_sharding, writer)
         hook = None
@@ -227,7 +252,7 @@ class Hooks:
             model_params = (lambda params: params) if lora is None else lora.merged  # LoRA: merged into the base
             hook = HarnessAction(tc.val_every, harness, writer, hook_args, model_params=model_params)
         saving = Checkpointing(
-            tc.ckpt_every, ckpt, config, run_data.train_batches, meta={} if lora is None else lora.meta
+            tc.ckpt_every, ckpt, config, run_data.train_batches, meta={} if lora is None else lora.meta, noise=noise
         )
         return cls(writer, bar, metrics, validation, hook, saving)
 

@@ -9,7 +9,8 @@ done between steps (metrics, validation, the harness, checkpoints); this module 
 Every process of a multi-host run executes this same function; each reads only its own share of
 every batch and the shares are assembled into global arrays. Metrics are fetched one step late so
 the host prepares batch n+1 while the devices run step n. One trainer at a time owns a run
-directory (``train.lock``); SIGTERM or a first Ctrl-C finishes the step, saves and returns.
+directory (``train.lock``); SIGTERM or a first Ctrl-C finishes the step, saves and returns, on every
+process at the same step however many of them were signalled.
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from jax.sharding import Mesh
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gptj_flax import checkpoint, data, partitioning
 from gptj_flax.config import Config, ConfigError
@@ -49,17 +54,43 @@ class TrainResult:
     base_bytes: int | None = None  # LoRA runs: the base's size on disk, which no checkpoint holds
 
 
+# What a process asks for, and what the processes agree on: the largest code asked for wins.
+STOP, INTERRUPT = 1, 2
+
+
+class _StopVote:
+    """The largest of the codes every process casts for a step, computed by the devices: a cast
+    returns at once, and reading its result waits only for the steps dispatched before it."""
+
+    def __init__(self, mesh: Mesh):
+        self._local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        self._sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))  # one element per device
+        self._shape = (mesh.devices.size,)
+        self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+    def cast(self, code: int) -> jax.Array:
+        shards = [jax.device_put(np.full((1,), code, np.int32), d) for d in self._local]
+        return self._max(jax.make_array_from_single_device_arrays(self._shape, self._sharding, shards))
+
+
 class _StopRequests:
     """SIGTERM (a TPU VM being preempted) or a first Ctrl-C → finish the current step, save, return.
 
     A second Ctrl-C ends the process at once: the first one hands SIGINT back to the kernel's
     default action, which works even while the main thread waits inside XLA.
+
+    The processes of a multi-host run must stop at the same step: one that saves while another
+    waits in the next step's collectives would hang both. With ``mesh`` spanning several
+    processes, every step casts each one's request into a :class:`_StopVote`, and the run stops
+    after the step that follows a vote that asked for it, on every process alike.
     """
 
-    def __init__(self):
+    def __init__(self, mesh: Mesh | None = None):
         self.requested = False
         self.interrupted = False
-        self._previous = {}
+        self._previous: dict[int, Any] = {}
+        self._vote = _StopVote(mesh) if mesh is not None and jax.process_count() > 1 else None
+        self._pending: jax.Array | None = None  # the vote cast after the previous step
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
@@ -77,6 +108,19 @@ class _StopRequests:
         else:
             log.warning("SIGTERM received: finishing this step, then saving and exiting")
         self.requested = True
+
+    def answer(self, step: int) -> int:
+        """After step ``step`` was dispatched: 0 to go on, or :data:`STOP` / :data:`INTERRUPT` to stop
+        after it. One process answers its own request at once; several answer the vote of the step
+        before, which every process reads alike."""
+        asked = INTERRUPT if self.interrupted else STOP if self.requested else 0
+        if self._vote is None:
+            return asked
+        previous, self._pending = self._pending, self._vote.cast(asked)
+        agreed = 0 if previous is None else int(previous)
+        if agreed and not self.requested:
+            log.warning("another process of this run was asked to stop: stopping with it after step %d", step)
+        return agreed
 
     def __exit__(self, *exc):
         for signum, previous in self._previous.items():
@@ -132,6 +176,7 @@ def train(
     """
     _check_call(config, stop_after, harness)
     setup = TrainSetup.build(config, mesh)
+    _warn_unused_settings(setup)
     log.info("attention: %s", setup.attention.describe())
     tc = config.train
     ckpt = checkpoint.Checkpointer(tc.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every)
@@ -143,7 +188,17 @@ def train(
     first = int(state.step)
     end = tc.total_steps if stop_after is None else min(tc.total_steps, first + stop_after)
     hooks = Hooks.create(
-        setup, ckpt, run_data, lora, eval_step, harness, first=first, end=end, peak_flops=peak_flops, progress=progress
+        setup,
+        ckpt,
+        run_data,
+        lora,
+        eval_step,
+        harness,
+        first=first,
+        end=end,
+        peak_flops=peak_flops,
+        progress=progress,
+        meta=meta,
     )
     step, preempted, interrupted = run_loop(
         state, first, end, run_data.train_batches, train_step, setup.train_sharding, hooks, ckpt
@@ -176,6 +231,31 @@ def _check_call(config: Config, stop_after: int | None, harness) -> None:
         )
 
 
+def _warn_unused_settings(setup: TrainSetup) -> None:
+    """Say once which settings of the config this run cannot act on, by key."""
+    tc = setup.config.train
+    if tc.noise_scale_alpha is not None and setup.noise_replicas is None:
+        log.warning(
+            "train.noise_scale_alpha=%s (legacy noise_scale_alpha) is set, but train.grad_accum_steps=1: the "
+            "gradient-noise statistics compare each micro-batch's gradient with their accumulated mean, so "
+            "they need gradient accumulation; none are logged. Set train.grad_accum_steps > 1 to get them.",
+            tc.noise_scale_alpha,
+        )
+    if tc.tpu_size is not None and tc.tpu_size != setup.mesh.size:
+        # The original's pod launcher made a slice of tpu_size devices; here the devices present decide.
+        model_parallel = setup.config.mesh.model if setup.config.mesh.model > 0 else 1
+        there = tc.grad_accum_steps * tc.global_batch_size(max(tc.tpu_size // model_parallel, 1))
+        log.warning(
+            "train.tpu_size=%d (legacy tpu_size) does not size this run: its %d devices do, and a step trains on "
+            "%d sequences (%d on %d devices)",
+            tc.tpu_size,
+            setup.mesh.size,
+            tc.grad_accum_steps * setup.batch_size,
+            there,
+            tc.tpu_size,
+        )
+
+
 def run_loop(
     state: steps.TrainState,
     step: int,
@@ -192,9 +272,9 @@ def run_loop(
     whether a stop request ended the run and whether that was a Ctrl-C. The checkpointer is closed,
     so every save has finished, before it returns or raises.
     """
-    preempted = False
+    stopping = 0
     # Installed until the final save has finished: a first Ctrl-C never abandons a save.
-    with _StopRequests() as stop:
+    with _StopRequests(sharding.mesh) as stop:
         try:
             with partitioning.sharding_scope(sharding.mesh):
                 if step == 0:  # the baseline the run improves on
@@ -205,9 +285,9 @@ def run_loop(
                     started = time.perf_counter()
                     state, metrics = train_step(state, batch)
                     step += 1
-                    preempted = stop.requested  # read once: a later request is answered after the next step
-                    hooks.after_step(step, end, state, metrics, started, stopping=preempted)
-                    if preempted:
+                    stopping = stop.answer(step)  # read once: a later request is answered after the next step
+                    hooks.after_step(step, end, state, metrics, started, stopping=bool(stopping))
+                    if stopping:
                         break
                 hooks.metrics.flush()
         finally:
@@ -216,4 +296,4 @@ def run_loop(
             hooks.writer.flush()
     hooks.writer.plot()
     hooks.writer.close()
-    return step, preempted, preempted and stop.interrupted
+    return step, bool(stopping), stopping == INTERRUPT

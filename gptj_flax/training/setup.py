@@ -78,6 +78,15 @@ class TrainSetup:
         """Tokens one optimiser step trains on (every micro-batch)."""
         return self.config.train.grad_accum_steps * self.batch_size * self.seq_len
 
+    @property
+    def noise_replicas(self) -> int | None:
+        """The data-parallel replicas whose gradients a step keeps apart for the gradient-noise
+        statistics: set with ``train.noise_scale_alpha`` and gradient accumulation; else None."""
+        tc = self.config.train
+        if tc.noise_scale_alpha is None or tc.grad_accum_steps < 2:
+            return None
+        return partitioning.data_parallel_size(self.mesh)
+
     def init_state(self, params: Any = None) -> steps.TrainState:
         """A fresh state born sharded (seeded by ``train.seed``); with ``params``, only the optimiser's is new."""
         rng = jax.random.key(self.config.train.seed)
@@ -96,6 +105,7 @@ class TrainSetup:
             lr_fn=self.schedule,
             z_loss=self.config.train.z_loss,
             base_shardings=base_shardings,
+            noise_replicas=self.noise_replicas,
         )
         eval_step = steps.compile_eval_step(
             self.model, self.shardings.params, data_sharding=self.eval_sharding, base_shardings=base_shardings

@@ -5,6 +5,7 @@ checkpoint recorded."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from gptj_flax import checkpoint, convert, data
-from gptj_flax.config import Config, ConfigError, ModelConfig
+from gptj_flax.config import Config, ConfigError, LoraConfig, ModelConfig
 from gptj_flax.convert import lora as lora_lib
 from gptj_flax.convert.quantize import dequantize_params
 from gptj_flax.training import optimizer, steps
@@ -67,6 +68,7 @@ def _resume(
             init_from,
         )
     step = latest if resume_step is None else ckpt.resolve_step(resume_step)
+    _check_same_trained(ckpt, step, setup.config)
     try:
         restored = ckpt.restore(step, params_target=setup.targets.params, opt_state_target=setup.targets.opt_state)
     except checkpoint.CheckpointCorrupted as e:
@@ -95,6 +97,39 @@ def _resume(
     )
     log.info("resumed from %s at step %d", ckpt.directory, step)
     return state, restored.meta
+
+
+def _lora_text(lora: LoraConfig | None) -> str:
+    if lora is None:
+        return "null (the whole model trains)"
+    return json.dumps({"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)})
+
+
+def _check_same_trained(ckpt: checkpoint.Checkpointer, step: int, config: Config) -> None:
+    """Refuse to resume a checkpoint whose trained parameters this config does not have: the whole
+    model against LoRA adapters, or adapters of another rank or on other projections."""
+    saved, now = ckpt.read_config(step).train.lora, config.train.lora
+
+    def trained(lora: LoraConfig | None):
+        return None if lora is None else (lora.rank, lora.projections)
+
+    if trained(saved) == trained(now):
+        return
+    run_dir = ckpt.directory
+    if saved is not None and now is None:
+        other = (
+            f"; to train the whole model from it, merge it (gptj-convert merge-lora {run_dir} OUT) and --init-from OUT"
+        )
+    elif saved is None:
+        other = f"; to train adapters on this run's model, --init-from {run_dir}"
+    else:
+        other = ""
+    ckpt.close()  # the run stops here, as when a LoRA run has no base
+    raise ConfigError(
+        f"cannot resume {run_dir}: its saved config (step {step}) has train.lora={_lora_text(saved)}, but this "
+        f"config has train.lora={_lora_text(now)}, so the checkpoint's trained parameters do not fit. Resume it "
+        f"with its own train.lora, or start a new run directory (--set train.run_dir=NEW){other}"
+    )
 
 
 def _initialise(setup: TrainSetup, init_from: str | None, fresh_opt: bool) -> steps.TrainState:

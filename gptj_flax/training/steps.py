@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from gptj_flax import model as model_lib
 from gptj_flax import partitioning
 from gptj_flax.data import Batch
-from gptj_flax.model import GPTJ, chunked_loss_sums
+from gptj_flax.losses import chunked_loss_sums
+from gptj_flax.model import GPTJ
 
 BATCH_AXES = ("batch", "length")
 ACCUM_BATCH_AXES = (None, "batch", "length")
@@ -133,7 +134,57 @@ def _accumulate(micro_grads: Callable, params, batch: Batch):
     return grads, loss_sum, tokens
 
 
-def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callable, z_loss: float = 0.0):
+def _replica_norms(tree) -> jax.Array:
+    """[R]: the global norm of each slice ``[r]`` of a tree whose leaves lead with a replica axis."""
+    squares = [
+        jnp.sum(jnp.square(x.astype(jnp.float32)).reshape(x.shape[0], -1), axis=1) for x in jax.tree.leaves(tree)
+    ]
+    return jnp.sqrt(sum(squares))
+
+
+def _accumulate_per_replica(micro_grads: Callable, params, batch: Batch, replicas: int):
+    """:func:`_accumulate`, with each data-parallel replica's gradient of each micro-batch kept apart
+    for the gradient-noise statistics (docs/train.md): ``(grads, loss_sum, tokens, norms)``.
+
+    Each micro-batch is split into the ``replicas`` shares its replicas hold, and ``micro_grads`` is
+    vmapped over them, the shares staying on their own devices; a replica's accumulated gradient
+    is carried apart from the others' (a float32 copy of the trained parameters per replica, on
+    that replica's devices) and the global gradient is their sum. With ``w`` a share's gradient
+    (its summed loss over the whole step's tokens) and ``GA`` micro-batches, ``GA · R · w`` is the
+    share's mean-token gradient and ``R · Σ_i w_i`` a replica's mean over its micro-batches, so
+    ``norms`` holds ``grad_norm_micro``, the mean of the first's norms over micro-batches and
+    replicas, and ``grad_norm_replica``, the mean of the second's over replicas.
+    """
+    accum = batch.tokens.shape[0]
+
+    def per_replica(micro):
+        shares = jax.tree.map(lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]), micro)
+        with partitioning.within_replica():
+            vmapped = jax.vmap(micro_grads, in_axes=(None, 0), spmd_axis_name=partitioning.replica_axes() or None)
+            return vmapped(params, shares)
+
+    def body(carry, micro):
+        grads, loss_sum, tokens = carry
+        g, (micro_loss, n) = per_replica(micro)
+        carry = (jax.tree.map(jnp.add, grads, g), loss_sum + jnp.sum(micro_loss), tokens + jnp.sum(n))
+        return carry, _replica_norms(g)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), params)
+    (per_replica_grads, loss_sum, tokens), micro_norms = jax.lax.scan(body, (zeros, 0.0, 0.0), batch)
+    norms = {
+        "grad_norm_micro": accum * replicas * jnp.mean(micro_norms),
+        "grad_norm_replica": replicas * jnp.mean(_replica_norms(per_replica_grads)),
+    }
+    return jax.tree.map(lambda g: jnp.sum(g, axis=0), per_replica_grads), loss_sum, tokens, norms
+
+
+def make_train_step(
+    model: GPTJ,
+    tx: optax.GradientTransformation,
+    lr_fn: Callable,
+    z_loss: float = 0.0,
+    noise_replicas: int | None = None,
+):
     """``train_step(state, batch) -> (state, metrics)``, to be jitted by :func:`compile_train_step`;
     with LoRA ``train_step(state, batch, base)``, the base params frozen (no gradient is taken for them).
 
@@ -141,6 +192,10 @@ def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callab
     by the token count of the *whole* batch (known before any forward pass), so the accumulated
     gradient is already the mean over every token — k micro-batches give exactly the gradient of
     one k-times larger batch — and no extra pass over the gradients is needed.
+
+    ``noise_replicas``: the mesh's data-parallel size, to keep each replica's gradients apart and
+    return the norms of the gradient-noise statistics (:func:`_accumulate_per_replica`); None
+    compiles none of that.
     """
 
     def train_step(state: TrainState, batch: Batch, base):
@@ -154,7 +209,13 @@ def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callab
 
             return jax.grad(loss_fn, has_aux=True)(params)
 
-        grads, loss_sum, tokens = _accumulate(micro_grads, state.params, batch)
+        if noise_replicas is None:
+            grads, loss_sum, tokens = _accumulate(micro_grads, state.params, batch)
+            noise_norms = {}
+        else:
+            grads, loss_sum, tokens, noise_norms = _accumulate_per_replica(
+                micro_grads, state.params, batch, noise_replicas
+            )
         with jax.named_scope("optimizer"):  # a name for profiles: optax's operations carry none
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
@@ -163,6 +224,7 @@ def make_train_step(model: GPTJ, tx: optax.GradientTransformation, lr_fn: Callab
             "grad_norm": optax.tree.norm(grads),
             "lr": lr_fn(state.step),
             "tokens": tokens,
+            **noise_norms,
         }
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
@@ -207,13 +269,14 @@ def compile_train_step(
     lr_fn: Callable,
     z_loss: float = 0.0,
     base_shardings: Any = None,
+    noise_replicas: int | None = None,
 ):
     """Jit the train step with NamedShardings in and out; the state is donated (updated in place).
     ``data_sharding``: the batch's (:func:`batch_sharding`). With LoRA, ``base_shardings`` are the
-    base params' (an input, never donated)."""
+    base params' (an input, never donated). ``noise_replicas``: see :func:`make_train_step`."""
     replicated = NamedSharding(data_sharding.mesh, PartitionSpec())
     return jax.jit(
-        make_train_step(model, tx, lr_fn, z_loss),
+        make_train_step(model, tx, lr_fn, z_loss, noise_replicas),
         in_shardings=(shardings, data_sharding, *_base_in(model, base_shardings)),
         out_shardings=(shardings, replicated),
         donate_argnums=0,
