@@ -42,11 +42,12 @@ COMPLETION_RESPONSES = {
 }
 
 Prompts = list[tuple[str, list[int]]]  # each prompt's text and tokens
+Body = schemas.CompletionFields  # the /v1/completions body: completion_request_model fills in its limits
 
 
 # -- /v1/completions ---------------------------------------------------------------------------------
-async def create_completion(service: Service, body: Any, request: Request):
-    """Answer ``body``, a :func:`~gptj_flax.serving.schemas.completion_request_model` request: a
+async def create_completion(service: Service, body: Body, request: Request):
+    """Answer ``body`` (of :func:`~gptj_flax.serving.schemas.completion_request_model`'s type): a
     completion, or (``stream``) its server-sent events."""
     started, key = time.monotonic(), caller(request)
     prompts = checked_prompts(service, body)
@@ -82,7 +83,7 @@ async def create_completion(service: Service, body: Any, request: Request):
     )
 
 
-def checked_prompts(service: Service, body: Any) -> Prompts:
+def checked_prompts(service: Service, body: Body) -> Prompts:
     """The request's prompts, once the request as a whole is one this server can answer."""
     service.check_model(body.model)
     if body.echo and body.stream:
@@ -106,7 +107,7 @@ def checked_prompts(service: Service, body: Any) -> Prompts:
     return prompts
 
 
-def completion_rows(body: Any, prompts: Prompts) -> list[Prompt]:
+def completion_rows(body: Body, prompts: Prompts) -> list[Prompt]:
     """``n`` rows per prompt, choice i·n + j drawing with seed + i·n + j (as OpenAI numbers choices)."""
     return [
         Prompt(
@@ -122,7 +123,7 @@ def completion_rows(body: Any, prompts: Prompts) -> list[Prompt]:
     ]
 
 
-async def _results(service: Service, body: Any, request: Request, prompts: Prompts, rows: list[Prompt]) -> list:
+async def _results(service: Service, body: Body, request: Request, prompts: Prompts, rows: list[Prompt]) -> list:
     """Each choice's prompt score (with ``echo`` and ``logprobs``) and completion (unless
     ``max_tokens`` is 0), ``None`` where not asked for."""
     scored = (
@@ -138,7 +139,7 @@ async def _results(service: Service, body: Any, request: Request, prompts: Promp
     return [(scored[index // body.n], completion) for index, completion in enumerate(completions)]
 
 
-def _choice(service: Service, body: Any, prompt: tuple[str, list[int]], scored, index: int, completion):
+def _choice(service: Service, body: Body, prompt: tuple[str, list[int]], scored, index: int, completion):
     text, tokens = prompt
     return schemas.Choice(
         text=(text if body.echo else "") + ("" if completion is None else completion.text),
@@ -157,7 +158,7 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def _log(service: Service, body: Any, prompts: Prompts, key: str | None, started: float, responses: list[str]):
+def _log(service: Service, body: Body, prompts: Prompts, key: str | None, started: float, responses: list[str]):
     """The request log's record: a text prompt with one choice as texts, otherwise a response per
     choice (``n`` per prompt)."""
     single = isinstance(body.prompt, str) and len(responses) == 1
