@@ -80,15 +80,33 @@ def test_the_layers_contract_holds():
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "1 kept, 0 broken" in done.stdout
+    assert "gptj_flax layers KEPT" in done.stdout and "gptj_flax.serving layers KEPT" in done.stdout
+    assert "2 kept, 0 broken" in done.stdout
 
 
-def test_the_contract_catches_an_upward_import(tmp_path):
-    """The same contract on a copy of the package with one upward import added: broken."""
+@pytest.mark.parametrize(
+    "module, added, broken",
+    [
+        # an upward import, hidden in a function
+        (
+            "convert/__init__.py",
+            "def _hidden():\n    from gptj_flax import training",
+            "gptj_flax.convert -> gptj_flax.training",
+        ),
+        # one serving route module importing another
+        (
+            "serving/gpt4chan.py",
+            "from gptj_flax.serving import openai",
+            "gptj_flax.serving.gpt4chan -> gptj_flax.serving.openai",
+        ),
+    ],
+)
+def test_the_contract_catches_an_import_across_its_layers(tmp_path, module, added, broken):
+    """The same contracts on a copy of the package with one forbidden import added: broken."""
     copy = tmp_path / "gptj_flax"
     subprocess.run(["cp", "-r", str(PACKAGE), str(copy)], check=True)
-    convert_init = copy / "convert" / "__init__.py"
-    convert_init.write_text(convert_init.read_text() + "\n\ndef _hidden():\n    from gptj_flax import training\n")
+    changed = copy / module
+    changed.write_text(changed.read_text() + f"\n\n{added}\n")
     lint = Path(sys.executable).parent / "lint-imports"
     done = subprocess.run(
         [str(lint), "--config", str(REPO / "pyproject.toml")],
@@ -98,4 +116,4 @@ def test_the_contract_catches_an_upward_import(tmp_path):
         timeout=300,
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
     )
-    assert done.returncode == 1 and "gptj_flax.convert -> gptj_flax.training" in done.stdout, done.stdout[-3000:]
+    assert done.returncode == 1 and broken in done.stdout, done.stdout[-3000:]

@@ -17,7 +17,7 @@ import gptj_flax.sampling
 from gptj_flax.checkpoint import Checkpointer, CheckpointError
 from gptj_flax.config import Config, TrainConfig
 from gptj_flax.model import GPTJ
-from gptj_flax.sampling import LanguageModel, SamplingError
+from gptj_flax.sampling import LanguageModel, Sampling, SamplingError
 from tests.helpers import CORPUS, tiny_config
 
 TOKENIZER_VOCAB = 300
@@ -156,6 +156,30 @@ def test_stream_pieces_add_up_to_generate(lm):
     assert [(c.text, c.finish_reason, c.completion_tokens) for c in stream.completions] == [
         (c.text, c.finish_reason, c.completion_tokens) for c in batch
     ]
+
+
+def test_sampling_settings_as_one_value_are_the_keywords(lm):
+    """``sampling=Sampling(...)`` (one for every prompt, or one per prompt) generates and streams what
+    the same six keywords do; both at once, or a list of the wrong length, is refused by name."""
+    prompts = ["def ", "import os"]
+    keywords = dict(temperature=0.8, top_k=20, top_p=0.9, typical_p=0.95, min_p=0.05, repetition_penalty=1.2)
+    by_keywords = lm.generate(prompts, 16, seed=3, return_tokens=True, **keywords)
+    by_value = lm.generate(prompts, 16, seed=3, return_tokens=True, sampling=Sampling(**keywords))
+    assert [c.tokens for c in by_value] == [c.tokens for c in by_keywords]
+    rows = [Sampling(temperature=0), Sampling(**keywords)]
+    per_row = lm.generate(prompts, 16, seed=3, return_tokens=True, sampling=rows)
+    per_keyword = lm.generate(
+        prompts, 16, seed=3, return_tokens=True, **{k: [getattr(r, k) for r in rows] for k in keywords}
+    )
+    assert [c.tokens for c in per_row] == [c.tokens for c in per_keyword]
+    assert per_row[1].tokens == by_keywords[1].tokens  # a row's draw is its own, whatever its neighbours
+    assert "".join(lm.stream(prompts[0], 16, seed=3, sampling=Sampling(**keywords))) == by_keywords[0].text
+    with pytest.raises(SamplingError, match=r"^got sampling and temperature: give the sampling settings as a"):
+        lm.generate("x", 4, sampling=Sampling(), temperature=0.5)
+    with pytest.raises(SamplingError, match=r"^sampling: got 1 for 2 prompts"):
+        lm.generate(prompts, 4, sampling=[Sampling()])
+    with pytest.raises(SamplingError, match=r"^sampling must be a Sampling, or a list of one per prompt"):
+        lm.generate("x", 4, sampling={"temperature": 0})
 
 
 def test_top_logprobs_of_generate_stream_and_score_agree(lm):

@@ -1,5 +1,6 @@
 """Samplers on constructed and random logits: exact kept sets, HuggingFace parity, seeded draws."""
 
+import dataclasses
 import re
 
 import jax
@@ -18,6 +19,7 @@ from transformers.generation.logits_process import (
 
 from gptj_flax.losses import first_argmax, mask_vocab
 from gptj_flax.sampling.samplers import (
+    Sampling,
     SamplingError,
     SamplingParams,
     min_p_filter,
@@ -244,6 +246,67 @@ def test_greedy_and_sampled_rows_mix_in_one_batch():
 def test_bad_settings_are_rejected_by_name(settings, message):
     with pytest.raises(SamplingError, match=re.escape(message)):
         SamplingParams.build(2, **settings)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(top_p=1.5),
+        dict(top_p=0.0),
+        dict(typical_p=-0.1),
+        dict(top_k=-1),
+        dict(top_k=2.5),
+        dict(top_k=2**31),
+        dict(temperature=-1.0),
+        dict(temperature=float("nan")),
+        dict(temperature=1e39),
+        dict(min_p=2.0),
+        dict(repetition_penalty=0.0),
+        dict(top_k=True),
+        dict(temperature="hot"),
+    ],
+)
+def test_a_sampling_is_checked_as_it_is_made_with_the_batch_settings_message(settings):
+    """A Sampling out of range never reaches the device: it is refused with the words a batch's
+    settings are refused with (those of one value for every row)."""
+    with pytest.raises(SamplingError) as batch:
+        SamplingParams.build(2, **settings)
+    with pytest.raises(SamplingError) as one:
+        Sampling(**settings)
+    assert str(one.value) == str(batch.value).replace(", or a list of one per prompt;", ",")
+
+
+def test_sampling_params_of_samplings_are_the_rows_numpy_arrays():
+    rows = [Sampling(temperature=0, top_k=5, min_p=0.1), Sampling(top_p=0.5, typical_p=0.9, repetition_penalty=1.3)]
+    params = SamplingParams.of(rows)
+    expected = {
+        "temperature": np.array([0.0, 1.0], np.float32),
+        "top_k": np.array([5, 0], np.int32),
+        "top_p": np.array([1.0, 0.5], np.float32),
+        "typical_p": np.array([1.0, 0.9], np.float32),
+        "min_p": np.array([0.1, 0.0], np.float32),
+        "repetition_penalty": np.array([1.0, 1.3], np.float32),
+    }
+    for name, want in expected.items():
+        got = getattr(params, name)
+        assert got.dtype == want.dtype and got.tolist() == want.tolist(), name
+    # per-row keyword lists are the same rows
+    built = SamplingParams.build(
+        2,
+        temperature=[0, 1.0],
+        top_k=[5, 0],
+        top_p=[1.0, 0.5],
+        typical_p=[1, 0.9],
+        min_p=[0.1, 0],
+        repetition_penalty=[1, 1.3],
+    )
+    assert jax.tree.all(jax.tree.map(np.array_equal, built, params))
+    assert (
+        Sampling(temperature=0) == Sampling(temperature=0.0)
+        and repr(Sampling(top_k=np.int64(3))).count("top_k=3,") == 1
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rows[0].temperature = 1.0
 
 
 def test_first_argmax_is_numpys_argmax():

@@ -14,6 +14,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -22,6 +23,7 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from benchmarks import serve as serve_benchmark
+from gptj_flax.sampling import Sampling
 from gptj_flax.serving import schemas
 from gptj_flax.serving.auth import key_id
 from gptj_flax.serving.schemas import MAX_TEXT_CHARS, SEED_LIMIT
@@ -75,6 +77,23 @@ def complete(client, prompt, **fields):
 
 
 # -- each endpoint with valid input -----------------------------------------------------------------
+def test_each_api_body_gives_its_settings_as_one_sampling():
+    """What each API's fields mean to the samplers: top_p / typical_p 0 keep the fewest tokens a filter
+    can (the smallest positive float32), top_k -1 is off, a temperature past float32's range is the
+    hottest float32, and the original servers' `temp` is the temperature."""
+    fewest, hottest = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    gpt4chan = schemas.CompleteRequest(prompt="x", temperature=1e300, top_p=0, typical_p=0.5)
+    assert gpt4chan.sampling == Sampling(temperature=hottest, top_p=fewest, typical_p=0.5)
+    openai = schemas.completion_request_model(MAX_BATCH, 300)
+    body = openai(prompt="x", temperature=0, top_k=-1, top_p=0, min_p=0.1, repetition_penalty=1.5)
+    assert body.sampling == Sampling(temperature=0, top_p=fewest, min_p=0.1, repetition_penalty=1.5)
+    assert openai(prompt=[1, 2], top_k=7).sampling == Sampling(top_k=7)
+    assert schemas.DeviceServeRequest(context="x", top_p=0, temp=2e300).sampling == Sampling(
+        temperature=hottest, top_p=fewest
+    )
+    assert schemas.PredictRequest(context="x").sampling == Sampling(top_p=0.9, top_k=50)  # the docker API's defaults
+
+
 def test_complete_equals_generate_greedy_and_seeded(lm, client):
     prompt = PROMPTS[0]
     response = complete(client, prompt, temperature=0)

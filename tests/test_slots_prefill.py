@@ -14,7 +14,7 @@ from gptj_flax.model import GPTJ
 from gptj_flax.sampling import LanguageModel
 from gptj_flax.sampling.samplers import SamplingParams
 from gptj_flax.sampling.slots import Request
-from gptj_flax.serving.app import prefill_mesh
+from gptj_flax.serving.service import prefill_mesh
 from gptj_flax.serving.settings import ServingError
 from tests.helpers import tiny_config
 

@@ -25,7 +25,7 @@ from gptj_flax.cli.args import cli_dtype, cli_path, cli_tokenizer, join_negative
 from gptj_flax.cli.distributed import start_processes
 from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from gptj_flax.errors import add_debug_flag, run_cli
-from gptj_flax.sampling import MissingTokenizer, SamplingError, check_settings, check_text
+from gptj_flax.sampling import MissingTokenizer, Sampling, SamplingError, check_settings, check_text
 from gptj_flax.sampling.multihost import read_on_process_0
 
 
@@ -102,14 +102,17 @@ def show(*values, **kwargs) -> None:
 
 def generation_settings(args: argparse.Namespace) -> dict:
     """The settings every prompt is completed with, checked as generation checks them (before loading)."""
-    settings = dict(
-        max_new_tokens=args.max_new_tokens,
+    sampling = Sampling(
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         typical_p=args.typical_p,
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
+    )
+    settings = dict(
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
         stop=args.stop or None,
         seed=args.seed,  # sample i draws with seed + i
         ignore_eos=args.ignore_eos,

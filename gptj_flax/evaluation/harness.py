@@ -48,7 +48,7 @@ from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig, dtype_name
 from gptj_flax.evaluation.errors import EvaluationError
 from gptj_flax.evaluation.scoring import TokenScorer
-from gptj_flax.sampling import LanguageModel, MissingTokenizer, load
+from gptj_flax.sampling import LanguageModel, MissingTokenizer, Sampling, load
 
 MODEL_NAME = "gptj_flax"
 DEFAULT_BATCH_SIZE = 16
@@ -61,14 +61,9 @@ class GenerationSettings:
 
     until: tuple[str, ...]
     max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    typical_p: float
-    min_p: float
-    repetition_penalty: float
+    sampling: Sampling
 
-    # lm-eval task keys → generate() arguments (with their "off" values when a task leaves them out)
+    # lm-eval task keys → Sampling fields (with their "off" values when a task leaves them out)
     FILTERS: ClassVar[dict[str, float]] = {
         "top_k": 0,
         "top_p": 1.0,
@@ -105,7 +100,9 @@ class GenerationSettings:
         if max_new_tokens < 1:
             raise ValueError(f"max_gen_toks must be >= 1, got {max_new_tokens}")
         return cls(
-            until=tuple(s for s in until if s), max_new_tokens=max_new_tokens, temperature=temperature, **filters
+            until=tuple(s for s in until if s),
+            max_new_tokens=max_new_tokens,
+            sampling=Sampling(temperature=temperature, **filters),
         )
 
 
@@ -364,19 +361,10 @@ class GPTJFlaxLM(TemplateLM):
         batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         for batch in tqdm(batches, desc="generate_until", unit="batch", disable=disable_tqdm):
             settings = [jobs[i][3] for i in batch]
-
-            def each(field: str, settings: list = settings) -> list:
-                return [getattr(s, field) for s in settings]
-
             completions = sampler.generate(
                 [jobs[i][2] for i in batch],
-                each("max_new_tokens"),
-                temperature=each("temperature"),
-                top_k=each("top_k"),
-                top_p=each("top_p"),
-                typical_p=each("typical_p"),
-                min_p=each("min_p"),
-                repetition_penalty=each("repetition_penalty"),
+                [s.max_new_tokens for s in settings],
+                sampling=[s.sampling for s in settings],
                 stop=[list(s.until) for s in settings],
                 seed=[self.seed] * len(batch),
             )

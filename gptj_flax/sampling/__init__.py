@@ -11,13 +11,14 @@ from gptj_flax.sampling.api import (
     check_text,
 )
 from gptj_flax.sampling.loading import load
-from gptj_flax.sampling.samplers import SamplingError, SamplingParams
+from gptj_flax.sampling.samplers import Sampling, SamplingError, SamplingParams
 
 __all__ = [
     "CheckedSettings",
     "Completion",
     "LanguageModel",
     "MissingTokenizer",
+    "Sampling",
     "SamplingError",
     "SamplingParams",
     "Scored",

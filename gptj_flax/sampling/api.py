@@ -3,6 +3,7 @@
     lm = gptj_flax.load("runs/demo")
     lm.generate("def fib(n):", max_new_tokens=64, temperature=0)            # one Completion
     lm.generate(["a", "b"], 32, temperature=[0, 0.8], top_p=[1, 0.9], seed=[1, 2])  # per-prompt settings
+    lm.generate("a", 32, sampling=Sampling(temperature=0.7, top_p=0.9))    # the settings as one value
     for piece in lm.stream("Once upon a time", 100, stop="\\n\\n"):
         print(piece, end="")
     lm.score("The cat sat on the mat").logprobs
@@ -30,7 +31,7 @@ from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig, dtype_name
 from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING, Decoder, DecodeRun
 from gptj_flax.sampling.multihost import check_same_call
-from gptj_flax.sampling.samplers import SamplingError, SamplingParams, per_example
+from gptj_flax.sampling.samplers import Sampling, SamplingError, SamplingParams, per_example, sampling_rows
 from gptj_flax.sampling.slots import Slots
 from gptj_flax.sampling.stopping import TextTracker, decode
 
@@ -167,34 +168,24 @@ def check_settings(
     n: int = 1,
     *,
     max_new_tokens=128,
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    typical_p=1.0,
-    min_p=0.0,
-    repetition_penalty=1.0,
+    sampling: Sampling | Sequence[Sampling] | None = None,
     stop=None,
     seed=0,
     ignore_eos=False,
+    **settings,
 ) -> CheckedSettings:
     """The settings of a :meth:`LanguageModel.generate` or ``stream`` call for ``n`` prompts, checked
     as those calls check them, which needs no model: a program can refuse bad settings before it
-    loads one. Raises :class:`SamplingError` naming the first setting out of its range.
+    loads one. ``sampling`` and ``settings`` (the six sampling settings as keywords) are as
+    :func:`~gptj_flax.sampling.samplers.sampling_rows` takes them. Raises :class:`SamplingError`
+    naming the first setting out of its range.
     """
     max_new = per_example("max_new_tokens", max_new_tokens, n, int, lambda x: x >= 1, "an integer >= 1")
     seeds = per_example("seed", seed, n, int, lambda x: 0 <= x < 2**32, "an integer in [0, 2**32)", np.int64)
     if isinstance(seed, (int, np.integer)):
         seeds = (seeds.astype(np.int64) + np.arange(n)) % 2**32  # distinct draws for repeated prompts
-    sampling = SamplingParams.build(
-        n,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        typical_p=typical_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-    )
-    return CheckedSettings(max_new, seeds, sampling, _stop_lists(stop, n), _flags("ignore_eos", ignore_eos, n))
+    rows = SamplingParams.of(sampling_rows(n, sampling, **settings))
+    return CheckedSettings(max_new, seeds, rows, _stop_lists(stop, n), _flags("ignore_eos", ignore_eos, n))
 
 
 class _Generation:
@@ -436,51 +427,13 @@ class LanguageModel:
             prefill=None if prefill_mesh is None else self.decoder.on(prefill_mesh),
         )
 
-    def _start(
-        self,
-        method,
-        prompts,
-        max_new_tokens,
-        temperature,
-        top_k,
-        top_p,
-        typical_p,
-        min_p,
-        repetition_penalty,
-        stop,
-        seed,
-        ignore_eos,
-        original_order,
-        top_logprobs=0,
-    ) -> tuple[_Generation, bool]:
-        settings = (
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            typical_p,
-            min_p,
-            repetition_penalty,
-            stop,
-            seed,
-            top_logprobs,
-        )
-        check_same_call(method, (prompts, settings, ignore_eos, original_order, self.eos_token_id))
+    def _start(self, method: str, prompts, *, original_order, top_logprobs, **settings) -> tuple[_Generation, bool]:
+        """Check a ``generate`` or ``stream`` call and start its device run; ``settings`` are
+        :func:`check_settings`' keywords."""
+        check_same_call(method, (prompts, settings, original_order, top_logprobs, self.eos_token_id))
         batch, single = _as_batch(prompts)
         n = len(batch)
-        checked = check_settings(
-            n,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            typical_p=typical_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            stop=stop,
-            seed=seed,
-            ignore_eos=ignore_eos,
-        )
+        checked = check_settings(n, **settings)
         vocab = self.decoder.valid_vocab
         alternatives = per_example(
             "return_top_logprobs", top_logprobs, n, int, lambda x: 0 <= x <= vocab, f"an integer in [0, {vocab}]"
@@ -508,12 +461,13 @@ class LanguageModel:
         prompts,
         max_new_tokens=128,
         *,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        typical_p=1.0,
-        min_p=0.0,
-        repetition_penalty=1.0,
+        temperature=None,
+        top_k=None,
+        top_p=None,
+        typical_p=None,
+        min_p=None,
+        repetition_penalty=None,
+        sampling: Sampling | Sequence[Sampling] | None = None,
         stop=None,
         seed=0,
         ignore_eos=False,
@@ -527,11 +481,13 @@ class LanguageModel:
         Args:
           prompts: text, a list of token ids, or a list of those (a batch).
           max_new_tokens: at most this many new tokens (≥ 1).
-          temperature: 0 is greedy; otherwise logits are divided by it before sampling.
-          top_k, top_p, typical_p, min_p, repetition_penalty: the usual filters; the defaults
+          temperature: 0 is greedy; otherwise logits are divided by it before sampling (default 1).
+          top_k, top_p, typical_p, min_p, repetition_penalty: the usual filters; their defaults
             (0, 1, 1, 0, 1) switch them off. Applied in HuggingFace's order (temperature first), or
             with ``original_order`` temperature last as mesh-transformer-jax did (a separately
-            compiled program: the order is fixed at compile time).
+            compiled program: the order is fixed at compile time). ``None`` is the default.
+          sampling: instead of those six keywords, a :class:`~gptj_flax.sampling.Sampling` (or one
+            per prompt) holding them.
           stop: a string or a list of strings ending the output (which is cut before them), or one
             such entry per prompt.
           seed: an int (prompt i draws with seed + i) or one per prompt. The same prompt, settings
@@ -549,18 +505,19 @@ class LanguageModel:
         job, single = self._start(
             "generate",
             prompts,
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            typical_p,
-            min_p,
-            repetition_penalty,
-            stop,
-            seed,
-            ignore_eos,
-            original_order,
-            return_top_logprobs,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            typical_p=typical_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            stop=stop,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            original_order=original_order,
+            top_logprobs=return_top_logprobs,
         )
         job.pieces()
         while not job.finished:
@@ -573,12 +530,13 @@ class LanguageModel:
         prompts,
         max_new_tokens=128,
         *,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        typical_p=1.0,
-        min_p=0.0,
-        repetition_penalty=1.0,
+        temperature=None,
+        top_k=None,
+        top_p=None,
+        typical_p=None,
+        min_p=None,
+        repetition_penalty=None,
+        sampling: Sampling | Sequence[Sampling] | None = None,
         stop=None,
         seed=0,
         ignore_eos=False,
@@ -603,18 +561,19 @@ class LanguageModel:
         job, single = self._start(
             "stream",
             prompts,
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            typical_p,
-            min_p,
-            repetition_penalty,
-            stop,
-            seed,
-            ignore_eos,
-            original_order,
-            return_top_logprobs,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            typical_p=typical_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            stop=stop,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            original_order=original_order,
+            top_logprobs=return_top_logprobs,
         )
         return TextStream(job, single, bool(return_logprobs))
 

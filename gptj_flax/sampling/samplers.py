@@ -1,10 +1,11 @@
 """From logits to the next token, per example, inside ``jit``.
 
-Every setting is an array with one value per batch row, so one compiled program serves a batch
-whose requests all want different things. A value that switches a filter off (``top_k`` 0,
-``top_p``/``typical_p`` 1, ``min_p`` 0, ``repetition_penalty`` 1) leaves that row untouched, and a
-filter no row uses is skipped at run time (``lax.cond``), so greedy decoding never sorts the
-vocabulary.
+A :class:`Sampling` is one sequence's settings, checked as it is made; :class:`SamplingParams` is
+a batch of them on their way to the device: every setting an array with one value per batch row, so
+one compiled program serves a batch whose requests all want different things. A value that switches
+a filter off (``top_k`` 0, ``top_p``/``typical_p`` 1, ``min_p`` 0, ``repetition_penalty`` 1) leaves
+that row untouched, and a filter no row uses is skipped at run time (``lax.cond``), so greedy
+decoding never sorts the vocabulary.
 
 Order (HuggingFace ``generate``): repetition penalty → temperature → top-k → top-p → min-p →
 typical-p → sample. ``original_order=True`` moves temperature after the filters, as
@@ -18,6 +19,7 @@ a sort breaks ties.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -32,15 +34,74 @@ from gptj_flax.errors import GptjFlaxError
 from gptj_flax.losses import first_argmax, mask_vocab
 
 Array = jax.Array
+_DTYPES = {int: np.int32, float: np.float32}
 
 
 class SamplingError(GptjFlaxError, ValueError):
     """A generation request is malformed: the message names the setting and the accepted range."""
 
 
+# Each setting's kind, its range, and how an error states the range.
+SETTINGS = {
+    "temperature": (float, lambda x: x >= 0, ">= 0 (0 is greedy)"),
+    "top_k": (int, lambda x: x >= 0, "an integer >= 0 (0 is off)"),
+    "top_p": (float, lambda x: 0 < x <= 1, "in (0, 1] (1 is off)"),
+    "typical_p": (float, lambda x: 0 < x <= 1, "in (0, 1] (1 is off)"),
+    "min_p": (float, lambda x: 0 <= x <= 1, "in [0, 1] (0 is off)"),
+    "repetition_penalty": (float, lambda x: x > 0, "> 0 (1 is off)"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How one sequence chooses its tokens: temperature (0 is greedy) and the filters, whose
+    defaults switch them off.
+
+    Every value is checked as the Sampling is made (:class:`SamplingError` names the first one out
+    of its range), so any Sampling is one the device programs can run.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self):
+        for name, (kind, valid, accepted) in SETTINGS.items():
+            value = check_value(name, getattr(self, name), kind, valid, accepted, _DTYPES[kind])
+            object.__setattr__(self, name, kind(value))  # one spelling per value: 0 and 0.0 alike
+
+
+def sampling_rows(n: int, sampling: Sampling | Sequence[Sampling] | None = None, **settings) -> list[Sampling]:
+    """One :class:`Sampling` per row of a batch of ``n``: ``sampling`` (one for every row, or one per
+    row), or else made of ``settings`` (each one value or one per row; ``None`` or absent: the
+    default), as :meth:`LanguageModel.generate` takes them."""
+    unknown = sorted(set(settings) - SETTINGS.keys())
+    if unknown:
+        raise TypeError(f"unknown sampling setting(s) {', '.join(unknown)}; the settings are {', '.join(SETTINGS)}")
+    given = {name: value for name, value in settings.items() if value is not None}
+    if sampling is None:
+        spread = {name: _per_row(name, value, n, *SETTINGS[name]) for name, value in given.items()}
+        return [Sampling(**{name: values[i] for name, values in spread.items()}) for i in range(n)]
+    if given:
+        raise SamplingError(
+            f"got sampling and {', '.join(given)}: give the sampling settings as a Sampling or as keywords, not both"
+        )
+    if isinstance(sampling, Sampling):
+        return [sampling] * n
+    rows = list(sampling) if isinstance(sampling, Sequence) and not isinstance(sampling, str) else None
+    if rows is None or not all(isinstance(s, Sampling) for s in rows):
+        raise SamplingError(f"sampling must be a Sampling, or a list of one per prompt; got {_shown(sampling)}")
+    if len(rows) != n:
+        raise SamplingError(f"sampling: got {len(rows)} for {n} prompts; give one Sampling or one per prompt")
+    return rows
+
+
 @flax.struct.dataclass
 class SamplingParams:
-    """Per-example sampling settings: each field has shape [batch]."""
+    """Per-example sampling settings on their way to the device: each field has shape [batch]."""
 
     temperature: Array  # float32; 0 → greedy
     top_k: Array  # int32; 0 → off
@@ -50,23 +111,20 @@ class SamplingParams:
     repetition_penalty: Array  # float32 > 0; 1 → off
 
     @classmethod
-    def build(
-        cls, batch: int, *, temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, min_p=0.0, repetition_penalty=1.0
-    ) -> SamplingParams:
-        """Host-side numpy settings for ``batch`` rows; each argument is one value or one per row.
-
-        Raises :class:`SamplingError` naming the first value out of its range.
-        """
+    def of(cls, rows: Sequence[Sampling]) -> SamplingParams:
+        """Host-side numpy settings with one row per :class:`Sampling`."""
         return cls(
-            temperature=per_example("temperature", temperature, batch, float, lambda x: x >= 0, ">= 0 (0 is greedy)"),
-            top_k=per_example("top_k", top_k, batch, int, lambda x: x >= 0, "an integer >= 0 (0 is off)"),
-            top_p=per_example("top_p", top_p, batch, float, lambda x: 0 < x <= 1, "in (0, 1] (1 is off)"),
-            typical_p=per_example("typical_p", typical_p, batch, float, lambda x: 0 < x <= 1, "in (0, 1] (1 is off)"),
-            min_p=per_example("min_p", min_p, batch, float, lambda x: 0 <= x <= 1, "in [0, 1] (0 is off)"),
-            repetition_penalty=per_example(
-                "repetition_penalty", repetition_penalty, batch, float, lambda x: x > 0, "> 0 (1 is off)"
-            ),
+            **{
+                name: np.asarray([getattr(row, name) for row in rows], _DTYPES[kind])
+                for name, (kind, _, _) in SETTINGS.items()
+            }
         )
+
+    @classmethod
+    def build(cls, batch: int, **settings) -> SamplingParams:
+        """Host-side numpy settings for ``batch`` rows, each setting one value or one per row (see
+        :func:`sampling_rows`); raises :class:`SamplingError` naming the first value out of its range."""
+        return cls.of(sampling_rows(batch, **settings))
 
     @classmethod
     def logical_axes(cls) -> SamplingParams:
@@ -75,7 +133,7 @@ class SamplingParams:
 
     def pad_to(self, batch: int) -> SamplingParams:
         """Extend host settings to ``batch`` rows with neutral values (for batch-padding rows)."""
-        neutral = SamplingParams.build(1, temperature=0.0)
+        neutral = SamplingParams.of([Sampling(temperature=0.0)])
         return jax.tree.map(lambda x, n: np.concatenate([x, np.repeat(n, batch - len(x))]), self, neutral)
 
 
@@ -104,29 +162,41 @@ def top_bucket(k: int) -> int:
 def per_example(name: str, value, batch: int, kind: type, valid, accepted: str, dtype=None) -> np.ndarray:
     """``value`` (a scalar, or a sequence of ``batch`` values) → validated numpy array [batch] of
     ``dtype`` (default int32 or float32 by ``kind``); a value the dtype cannot hold is refused."""
-    dtype = np.dtype(dtype or (np.int32 if kind is int else np.float32))
+    dtype = np.dtype(dtype or _DTYPES[kind])
+    return np.asarray(_per_row(name, value, batch, kind, valid, accepted, dtype), dtype)
+
+
+def _per_row(name: str, value, batch: int, kind: type, valid, accepted: str, dtype=None) -> list:
+    """``value`` (a scalar, or a sequence of ``batch`` values) → ``batch`` values, each checked."""
     if isinstance(value, (str, bytes)) or value is None:
         raise SamplingError(f"{name} must be {accepted}, or a list of one per prompt; got {value!r}")
     values = list(value) if isinstance(value, (Sequence, np.ndarray)) else [value] * batch
     if len(values) != batch:
         raise SamplingError(f"{name}: got {len(values)} values for {batch} prompts; give one value or one per prompt")
-    checked = []
-    for i, x in enumerate(values):
-        where = f"{name}[{i}]" if isinstance(value, (Sequence, np.ndarray)) else name
-        if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-            raise SamplingError(f"{where} must be {accepted}, got {x!r}")
-        if kind is int and int(x) != x:
-            raise SamplingError(f"{where} must be {accepted}, got {x!r}")
-        if not (isinstance(x, (int, np.integer)) or math.isfinite(x)) or not valid(x):
-            raise SamplingError(f"{where} must be {accepted}, got {x!r}")
-        if kind is int and not np.iinfo(dtype).min <= int(x) <= np.iinfo(dtype).max:
-            raise SamplingError(f"{where} must be {accepted} and fit in {dtype.name}, got {_shown(x)}")
-        with np.errstate(over="ignore"):
-            overflows = kind is float and not np.isfinite(dtype.type(x))
-        if overflows:
-            raise SamplingError(f"{where} must be {accepted} and within {dtype.name}'s range, got {_shown(x)}")
-        checked.append(x)
-    return np.asarray(checked, dtype)
+    listed = isinstance(value, (Sequence, np.ndarray))
+    dtype = np.dtype(dtype or _DTYPES[kind])
+    return [
+        check_value(f"{name}[{i}]" if listed else name, x, kind, valid, accepted, dtype) for i, x in enumerate(values)
+    ]
+
+
+def check_value(where: str, x, kind: type, valid, accepted: str, dtype):
+    """``x`` if it is a number of ``kind`` that ``valid`` accepts and ``dtype`` holds; otherwise a
+    :class:`SamplingError` saying that ``where`` must be ``accepted``."""
+    dtype = np.dtype(dtype)
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise SamplingError(f"{where} must be {accepted}, got {x!r}")
+    if kind is int and int(x) != x:
+        raise SamplingError(f"{where} must be {accepted}, got {x!r}")
+    if not (isinstance(x, (int, np.integer)) or math.isfinite(x)) or not valid(x):
+        raise SamplingError(f"{where} must be {accepted}, got {x!r}")
+    if kind is int and not np.iinfo(dtype).min <= int(x) <= np.iinfo(dtype).max:
+        raise SamplingError(f"{where} must be {accepted} and fit in {dtype.name}, got {_shown(x)}")
+    with np.errstate(over="ignore"):
+        overflows = kind is float and not np.isfinite(dtype.type(x))
+    if overflows:
+        raise SamplingError(f"{where} must be {accepted} and within {dtype.name}'s range, got {_shown(x)}")
+    return x
 
 
 def _shown(x) -> str:

@@ -6,9 +6,10 @@
 loads the checkpoint and runs it under uvicorn until a signal drains it.
 """
 
-from gptj_flax.serving.app import Service, create_app
+from gptj_flax.serving.app import create_app
 from gptj_flax.serving.auth import KeysFileError
 from gptj_flax.serving.server import LOG_FORMAT, DrainingServer, serve
+from gptj_flax.serving.service import Service
 from gptj_flax.serving.settings import ServeSettings, ServingError, SettingsError, add_arguments, settings_from
 
 __all__ = [

@@ -308,15 +308,7 @@ class Engine:
             max_new_tokens=p.max_new_tokens,
             eos_id=-1 if eos is None else int(eos),
             seed=p.seed,
-            sampling=SamplingParams.build(
-                1,
-                temperature=p.temperature,
-                top_k=p.top_k,
-                top_p=p.top_p,
-                typical_p=p.typical_p,
-                min_p=p.min_p,
-                repetition_penalty=p.repetition_penalty,
-            ),
+            sampling=SamplingParams.of([p.sampling]),
             want_top=row.wants_top,
         )
 

@@ -1,4 +1,4 @@
-"""What lets the original mesh-transformer-jax servers' clients talk to this server.
+"""The original mesh-transformer-jax servers' APIs, and what lets their clients talk to this server.
 
 ``device_serve.py`` took ``{"context", "top_p", "temp"}`` on ``POST /complete``, the path where
 GPT-4chan's ``{"prompt", …}`` body also arrives: :class:`CompleteBodyDispatch` reads the body's field
@@ -6,27 +6,30 @@ names before routing and marks the request, and :class:`DeviceServeRoute` takes 
 requests, so the GPT-4chan route sees exactly the requests it always did.
 
 The ``docker/`` API answered ``POST /model/predict`` with a ``qid`` and ``POST
-/model/get_prediction`` later with the result: :class:`PredictionStore` holds those jobs, and keeps
-finished results only up to a bound, the oldest going first, so that results nobody fetches cannot
-fill the memory.
+/model/get_prediction`` later with the result (the jobs wait in the service's
+:class:`~gptj_flax.serving.predictions.PredictionStore`).
+
+Undocumented in /openapi.json (their clients were written against the originals, not a schema),
+these routes share the engine, authentication, queue limits and request log with the others.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
 import json
-import secrets
 import time
 
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.routing import APIRoute
 from starlette.datastructures import Headers
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gptj_flax.sampling import Sampling
+from gptj_flax.serving import schemas
 from gptj_flax.serving.request_body import BodyTooLarge, answer_too_large, is_json, read_body, replaying
-from gptj_flax.serving.schemas import QID_LIMIT
+from gptj_flax.serving.service import Service, caller, client_gone, draw_seed
+from gptj_flax.serving.worker import Job, Prompt
 
 # device_serve.py always generated 256 tokens; GPT-J's context (2048) leaves room for them.
 DEVICE_SERVE_LENGTH = 256
@@ -77,60 +80,106 @@ class DeviceServeRoute(APIRoute):
         return super().matches(scope)
 
 
-@dataclasses.dataclass
-class Prediction:
-    """One ``/model/predict`` job: whose it is, its context, and (once done) its completion or error,
-    and whether anyone has collected it."""
-
-    key: str | None
-    context: str
-    submitted: float
-    done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    completion: str | None = None
-    seconds: float = 0.0
-    failed: bool = False
-    collected: bool = False
+def prompt_row(service: Service, context: str, length: int, sampling: Sampling) -> Prompt:
+    """A row continuing ``context``'s last tokens that fit with ``length`` new ones, with a fresh seed."""
+    return Prompt(service.last_tokens(context, length), length, sampling, draw_seed(None))
 
 
-class PredictionStore:
-    """The docker API's jobs by qid: every unfinished one, and the last ``keep`` finished ones."""
+async def device_serve_completion(service: Service, body: schemas.DeviceServeRequest, request: Request) -> dict:
+    started = time.monotonic()
+    key = caller(request)
+    length = min(DEVICE_SERVE_LENGTH, service.context - 1)
+    row = prompt_row(service, body.context, length, body.sampling)
+    (completion,) = await service.run(request, Job([row]))
+    service.log(
+        key=key,
+        endpoint="/complete",
+        prompt=body.context,
+        pre_prompt="",
+        settings=dict(length=row.max_new_tokens, top_p=body.top_p, temp=body.temp, seed=row.seed),
+        response=completion.text,
+        started=started,
+    )
+    return {"completion": completion.text}
 
-    def __init__(self, keep: int):
-        self.keep = keep
-        self._jobs: dict[int, Prediction] = {}
-        self._finished: collections.deque[int] = collections.deque()
-        self.running = 0  # jobs not finished yet
 
-    def __len__(self) -> int:
-        return len(self._jobs)
-
-    def add(self, key: str | None, context: str) -> tuple[int, Prediction]:
-        while (qid := secrets.randbelow(QID_LIMIT - 1) + 1) in self._jobs:
-            pass
-        prediction = self._jobs[qid] = Prediction(key, context, time.monotonic())
-        self.running += 1
-        return qid, prediction
-
-    def finish(self, qid: int, completion: str | None) -> None:
-        """Record the job's completion (``None``: it failed); the oldest finished ones beyond ``keep`` go."""
-        prediction = self._jobs[qid]
-        prediction.completion, prediction.failed = completion, completion is None
-        prediction.seconds = time.monotonic() - prediction.submitted
-        prediction.done.set()
-        self.running -= 1
-        self._finished.append(qid)
-        while len(self._finished) > self.keep:
-            del self._jobs[self._finished.popleft()]
-
-    def get(self, qid: int, key: str | None) -> Prediction | None:
-        """The job, if it is known and was asked for with the same key (else, as if unknown)."""
-        prediction = self._jobs.get(qid)
-        return prediction if prediction is not None and prediction.key == key else None
-
-    def settled(self, grace_s: float, now: float | None = None) -> bool:
-        """Whether every job has finished and each result nobody has collected finished at least
-        ``grace_s`` seconds ago: what a drain waits for before the server exits."""
-        now = time.monotonic() if now is None else now
-        return self.running == 0 and all(
-            p.collected or now - (p.submitted + p.seconds) >= grace_s for p in self._jobs.values()
+def queue_prediction(service: Service, body: schemas.PredictRequest, request: Request) -> dict:
+    key = caller(request)
+    if body.length + 1 > service.context:
+        raise HTTPException(
+            413,
+            f"length {body.length} with at least one context token exceeds the model's context of "
+            f"{service.context} tokens",
         )
+    job = Job([prompt_row(service, body.context, body.length, body.sampling)])
+    service.submit(job)
+    qid, prediction = service.predictions.add(key, body.context)
+
+    def finished(result: asyncio.Future) -> None:
+        if result.cancelled() or result.exception() is not None:  # the worker has logged the error
+            service.predictions.finish(qid, None)
+            return
+        (completion,) = result.result()
+        service.predictions.finish(qid, completion.text)
+        service.log(
+            key=key,
+            endpoint="/model/predict",
+            prompt=body.context,
+            pre_prompt="",
+            settings=dict(
+                length=body.length, top_p=body.top_p, top_k=body.top_k, temp=body.temp, seed=job.rows[0].seed
+            ),
+            response=completion.text,
+            started=prediction.submitted,
+        )
+
+    job.result.add_done_callback(finished)
+    return {"qid": qid}
+
+
+async def collect_prediction(service: Service, body: schemas.PredictionRequest, request: Request) -> dict:
+    prediction = service.predictions.get(body.qid, caller(request))
+    if prediction is None:  # another key's qid reads as unknown: a qid says nothing to its non-owner
+        raise HTTPException(404, "no prediction has this qid (or it is one of the oldest, no longer kept)")
+    if not prediction.done.is_set():
+        ready = asyncio.ensure_future(prediction.done.wait())
+        gone = asyncio.ensure_future(client_gone(request))
+        try:
+            await asyncio.wait({ready, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+            gone.cancel()
+        if not prediction.done.is_set():  # the job goes on: its result stays for a later call
+            raise HTTPException(499, "the client closed the request")
+    prediction.collected = True  # a drain need not wait for it any longer
+    if prediction.failed:
+        raise HTTPException(500, "generation failed; the server log has the details")
+    return {"context": prediction.context, "completion": prediction.completion, "time": prediction.seconds}
+
+
+def add_routes(app: FastAPI, service: Service) -> None:
+    """device_serve.py's ``/complete`` (add it before GPT-4chan's) and the docker API's routes."""
+
+    async def device_serve(body: schemas.DeviceServeRequest, request: Request):
+        """device_serve.py's `/complete`: continue `context` by 256 tokens (as many as the context
+        leaves room for beside one context token, on a model whose context is shorter)."""
+        return await device_serve_completion(service, body, request)
+
+    app.router.add_api_route(
+        "/complete",
+        device_serve,
+        methods=["POST"],
+        response_model=schemas.DeviceServeResponse,
+        include_in_schema=False,
+        route_class_override=DeviceServeRoute,
+    )
+
+    @app.post("/model/predict", response_model=schemas.PredictResponse, include_in_schema=False)
+    async def predict(body: schemas.PredictRequest, request: Request):
+        """The docker API: queue a completion of `context` and answer its qid at once."""
+        return queue_prediction(service, body, request)
+
+    @app.post("/model/get_prediction", response_model=schemas.PredictionResponse, include_in_schema=False)
+    async def get_prediction(body: schemas.PredictionRequest, request: Request):
+        """The docker API: the qid's result, once it is ready (as the original, this waits for it)."""
+        return await collect_prediction(service, body, request)

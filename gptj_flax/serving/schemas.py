@@ -14,6 +14,7 @@ checked as one shape, not as each of four), and unknown fields are named up to `
 import itertools
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -24,9 +25,12 @@ from pydantic import (
     Tag,
     ValidationError,
     WithJsonSchema,
+    create_model,
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from gptj_flax.sampling import Sampling
 
 MAX_TEXT_CHARS = 16384  # the GPT-4chan limit on prompt and pre_prompt
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 4, 256
@@ -35,15 +39,42 @@ MAX_PROMPT_TOKENS = MAX_TEXT_CHARS  # a token-id prompt's length limit (the body
 SEED_LIMIT = 2**32  # LanguageModel.generate takes seeds in [0, 2**32)
 MAX_KEY_CHARS = 1024  # the longest API key: a keys file's, a Bearer token's or an api_key field's
 MAX_ERRORS = 20  # errors a 422 lists; it counts the rest
-SEED = Field(
-    None,
-    ge=0,
-    lt=SEED_LIMIT,
-    description="random seed; the same seed, prompt and settings give the same output (default: a fresh random seed)",
-)
-API_KEY = Field(
-    None, min_length=1, max_length=MAX_KEY_CHARS, description="API key (or send it as `Authorization: Bearer KEY`)"
-)
+# The samplers take top_p / typical_p in (0, 1]; the APIs' 0 means "keep as few tokens as the filter
+# can" (one, and any tied with it), which the smallest positive float32 gives.
+FEWEST_TOKENS = float(np.finfo(np.float32).tiny)
+# GPT-4chan's and the original servers' temperatures have no upper limit; beyond float32's range one
+# would become inf (and inf / -inf logits are NaN): the largest float32 samples just as uniformly.
+HOTTEST = float(np.finfo(np.float32).max)
+
+# Fields that several bodies share: each body sets its own default (and, where it differs, description).
+ApiKey = Annotated[
+    str | None,
+    Field(min_length=1, max_length=MAX_KEY_CHARS, description="API key (or send it as `Authorization: Bearer KEY`)"),
+]
+Seed = Annotated[
+    int | None,
+    Field(
+        ge=0,
+        lt=SEED_LIMIT,
+        description="random seed; the same seed, prompt and settings give the same output "
+        "(default: a fresh random seed)",
+    ),
+]
+PromptText = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False, description="0 is greedy")]
+TopP = Annotated[
+    float,
+    Field(
+        ge=0, le=1, allow_inf_nan=False, description="nucleus sampling; 1 is off, 0 keeps only the most likely token"
+    ),
+]
+TopK = Annotated[int, Field(le=2**31 - 1)]  # the samplers hold it as an int32
+Length = Annotated[int, Field(ge=1, description="tokens to generate (fewer if the model ends the text)")]
+
+
+def fewest(p: float) -> float:
+    """An API's top_p or typical_p as the samplers take it (0: keep the fewest tokens they can)."""
+    return p if p > 0 else FEWEST_TOKENS
 
 
 class StrictModel(BaseModel):
@@ -83,25 +114,16 @@ def _unknown_fields_refused(model: type[BaseModel], data: Any) -> Any:
 class CompleteRequest(StrictModel):
     """The GPT-4chan `/complete` body: its fields, defaults and limits, plus an optional seed."""
 
-    prompt: str = Field(
-        max_length=MAX_TEXT_CHARS,
-        description="text to continue; its oldest tokens are dropped when it does not fit the context with `length`",
+    prompt: PromptText = Field(
+        description="text to continue; its oldest tokens are dropped when it does not fit the context with `length`"
     )
-    pre_prompt: str = Field(
-        "",
-        max_length=MAX_TEXT_CHARS,
-        description="text put before the prompt; its first `pre_prompt_length` tokens are kept",
+    pre_prompt: PromptText = Field(
+        "", description="text put before the prompt; its first `pre_prompt_length` tokens are kept"
     )
-    api_key: str | None = API_KEY
-    length: int = Field(128, ge=1, le=1024, description="tokens to generate (fewer if the model ends the text)")
-    top_p: float = Field(
-        1.0,
-        ge=0,
-        le=1,
-        allow_inf_nan=False,
-        description="nucleus sampling; 1 is off, 0 keeps only the most likely token",
-    )
-    temperature: float = Field(1.0, ge=0, allow_inf_nan=False, description="0 is greedy")
+    api_key: ApiKey = None
+    length: Annotated[Length, Field(le=1024)] = 128
+    top_p: TopP = 1.0
+    temperature: Temperature = 1.0
     typical_p: float = Field(
         1.0,
         ge=0,
@@ -109,7 +131,13 @@ class CompleteRequest(StrictModel):
         allow_inf_nan=False,
         description="locally typical sampling; 1 is off, 0 keeps only the most typical token",
     )
-    seed: int | None = SEED
+    seed: Seed = None
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(
+            temperature=min(self.temperature, HOTTEST), top_p=fewest(self.top_p), typical_p=fewest(self.typical_p)
+        )
 
 
 class CompleteResponse(BaseModel):
@@ -117,9 +145,6 @@ class CompleteResponse(BaseModel):
 
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-PromptText = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
-
-
 ModelName = Annotated[str, Field(max_length=256, description="must be the served model's id, if given")]
 
 
@@ -177,101 +202,115 @@ def prompt_type(max_prompts: int, vocab: int) -> type:
     ]
 
 
-def completion_request_model(max_prompts: int, vocab: int) -> type[StrictModel]:
+def _unimplemented_penalty(field: str) -> Any:
+    """OpenAI's presence or frequency penalty: a finite number, accepted only at 0."""
+    return Annotated[float, Field(allow_inf_nan=False), _neutral_only(field, (0,), "0", "; repetition_penalty is")]
+
+
+class CompletionFields(StrictModel):
+    """OpenAI's legacy completions request, with vLLM's `top_k`, `min_p` and `repetition_penalty`.
+
+    As OpenAI does, a field it does not know is refused by name. OpenAI's fields this server
+    does not implement are accepted only at their neutral values.
+    """
+
+    # Unknown fields are refused by _no_unknown_fields; the schema says so as extra="forbid" would.
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"additionalProperties": False})
+
+    model: ModelName | None = None
+    prompt: Any  # a text, texts or token ids: completion_request_model gives its type
+    max_tokens: int = Field(
+        16,
+        ge=0,
+        le=2**20,
+        description="tokens to generate per prompt; prompt and max_tokens must fit the model's context; "
+        "0 (with `echo`) only scores the prompt",
+    )
+    n: int  # completion_request_model gives its limit
+    echo: bool = Field(False, description="return the prompt before the completion (and its log-probs)")
+    temperature: Annotated[Temperature, Field(le=2)] = 1.0
+    top_p: TopP = 1.0
+    top_k: Annotated[TopK, Field(ge=-1, description="keep the k most likely tokens; 0 or -1 is off")] = 0
+    min_p: float = Field(
+        0.0, ge=0, le=1, allow_inf_nan=False, description="drop tokens below min_p × the most likely's probability"
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0,
+        le=10,
+        allow_inf_nan=False,
+        description="divide (multiply, if negative) the logits of tokens already seen; 1 is off",
+    )
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description="up to 4 strings that end the text (they are not part of it)"
+    )
+    seed: Seed = None
+    stream: bool = Field(False, description="send the text as server-sent events while it is generated")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description=f"return each token's log-probability and the {MAX_LOGPROBS} at most most likely "
+        "alternatives at its position (the chosen token is always among them)",
+    )
+    api_key: ApiKey = None
+    presence_penalty: _unimplemented_penalty("presence_penalty") = 0.0
+    frequency_penalty: _unimplemented_penalty("frequency_penalty") = 0.0
+    best_of: int | None = Field(None, description="accepted only as null or equal to `n`")
+    logit_bias: Annotated[dict[str, float] | None, _neutral_only("logit_bias", (None, {}), "null or {}")] = None
+    suffix: Annotated[str | None, _neutral_only("suffix", (None, ""), 'null or ""')] = None
+    stream_options: Annotated[
+        dict[str, bool] | None,
+        _neutral_only(
+            "stream_options",
+            (None, {}, {"include_usage": False}),
+            'null or {"include_usage": false}',
+            "; a stream does not end with its usage",
+        ),
+    ] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_fields(cls, data: Any) -> Any:
+        return _unknown_fields_refused(cls, data)
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise PydanticCustomError(
+                "not_implemented",
+                "this server does not implement best_of: only null or best_of equal to n ({n}) is accepted",
+                {"n": self.n},
+            )
+        return self
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(
+            temperature=self.temperature,
+            top_p=fewest(self.top_p),
+            top_k=max(self.top_k, 0),
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+        )
+
+
+def completion_request_model(max_prompts: int, vocab: int) -> type[CompletionFields]:
     """The OpenAI-style `/v1/completions` body; a list prompt holds at most ``max_prompts`` (the batch
     size), token ids lie in [0, ``vocab``)."""
-
-    class CompletionRequest(StrictModel):
-        """OpenAI's legacy completions request, with vLLM's `top_k`, `min_p` and `repetition_penalty`.
-
-        As OpenAI does, a field it does not know is refused by name. OpenAI's fields this server
-        does not implement are accepted only at their neutral values.
-        """
-
-        # Unknown fields are refused by _no_unknown_fields; the schema says so as extra="forbid" would.
-        model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"additionalProperties": False})
-
-        model: ModelName | None = None
-        prompt: prompt_type(max_prompts, vocab) = Field(
-            description=f"a text, a list of up to {max_prompts} texts, a list of token ids, or a list of up "
-            f"to {max_prompts} such lists; `n` × prompts must not exceed {max_prompts}"
-        )
-        max_tokens: int = Field(
-            16,
-            ge=0,
-            le=2**20,
-            description="tokens to generate per prompt; prompt and max_tokens must fit the model's context; "
-            "0 (with `echo`) only scores the prompt",
-        )
-        n: int = Field(1, ge=1, le=max_prompts, description="completions per prompt, each with its own seed")
-        echo: bool = Field(False, description="return the prompt before the completion (and its log-probs)")
-        temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0 is greedy")
-        top_p: float = Field(
-            1.0,
-            ge=0,
-            le=1,
-            allow_inf_nan=False,
-            description="nucleus sampling; 1 is off, 0 keeps only the most likely token",
-        )
-        top_k: int = Field(0, ge=-1, le=2**31 - 1, description="keep the k most likely tokens; 0 or -1 is off")
-        min_p: float = Field(
-            0.0, ge=0, le=1, allow_inf_nan=False, description="drop tokens below min_p × the most likely's probability"
-        )
-        repetition_penalty: float = Field(
-            1.0,
-            gt=0,
-            le=10,
-            allow_inf_nan=False,
-            description="divide (multiply, if negative) the logits of tokens already seen; 1 is off",
-        )
-        stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
-            None, description="up to 4 strings that end the text (they are not part of it)"
-        )
-        seed: int | None = SEED
-        stream: bool = Field(False, description="send the text as server-sent events while it is generated")
-        logprobs: int | None = Field(
-            None,
-            ge=0,
-            le=MAX_LOGPROBS,
-            description=f"return each token's log-probability and the {MAX_LOGPROBS} at most most likely "
-            "alternatives at its position (the chosen token is always among them)",
-        )
-        api_key: str | None = API_KEY
-        presence_penalty: Annotated[
-            float, Field(allow_inf_nan=False), _neutral_only("presence_penalty", (0,), "0", "; repetition_penalty is")
-        ] = 0.0
-        frequency_penalty: Annotated[
-            float, Field(allow_inf_nan=False), _neutral_only("frequency_penalty", (0,), "0", "; repetition_penalty is")
-        ] = 0.0
-        best_of: int | None = Field(None, description="accepted only as null or equal to `n`")
-        logit_bias: Annotated[dict[str, float] | None, _neutral_only("logit_bias", (None, {}), "null or {}")] = None
-        suffix: Annotated[str | None, _neutral_only("suffix", (None, ""), 'null or ""')] = None
-        stream_options: Annotated[
-            dict[str, bool] | None,
-            _neutral_only(
-                "stream_options",
-                (None, {}, {"include_usage": False}),
-                'null or {"include_usage": false}',
-                "; a stream does not end with its usage",
-            ),
-        ] = None
-
-        @model_validator(mode="before")
-        @classmethod
-        def _no_unknown_fields(cls, data: Any) -> Any:
-            return _unknown_fields_refused(cls, data)
-
-        @model_validator(mode="after")
-        def _best_of_is_n(self):
-            if self.best_of is not None and self.best_of != self.n:
-                raise PydanticCustomError(
-                    "not_implemented",
-                    "this server does not implement best_of: only null or best_of equal to n ({n}) is accepted",
-                    {"n": self.n},
-                )
-            return self
-
-    return CompletionRequest
+    prompt = Field(
+        description=f"a text, a list of up to {max_prompts} texts, a list of token ids, or a list of up "
+        f"to {max_prompts} such lists; `n` × prompts must not exceed {max_prompts}"
+    )
+    n = Field(1, ge=1, le=max_prompts, description="completions per prompt, each with its own seed")
+    return create_model(
+        "CompletionRequest",
+        __base__=CompletionFields,
+        __doc__=CompletionFields.__doc__,
+        __module__=__name__,
+        prompt=(prompt_type(max_prompts, vocab), prompt),
+        n=(int, n),
+    )
 
 
 class Logprobs(BaseModel):
@@ -386,15 +425,12 @@ QID_LIMIT = 2**53
 class DeviceServeRequest(StrictModel):
     """mesh-transformer-jax's `device_serve.py` body on `/complete`: every field required, as there."""
 
-    context: str = Field(
-        max_length=MAX_TEXT_CHARS,
-        description="text to continue; its oldest tokens are dropped when it does not fit the context",
+    context: PromptText = Field(
+        description="text to continue; its oldest tokens are dropped when it does not fit the context"
     )
-    top_p: float = Field(
-        ge=0, le=1, allow_inf_nan=False, description="nucleus sampling; 1 is off, 0 keeps only the most likely token"
-    )
-    temp: float = Field(ge=0, allow_inf_nan=False, description="temperature; 0 is greedy")
-    api_key: str | None = API_KEY
+    top_p: TopP
+    temp: Temperature = Field(description="temperature; 0 is greedy")
+    api_key: ApiKey = None
 
     @model_validator(mode="before")
     @classmethod
@@ -408,6 +444,10 @@ class DeviceServeRequest(StrictModel):
             )
         return data
 
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(temperature=min(self.temp, HOTTEST), top_p=fewest(self.top_p))
+
 
 class DeviceServeResponse(BaseModel):
     completion: str = Field(description="the generated text only (not the context)")
@@ -416,21 +456,18 @@ class DeviceServeResponse(BaseModel):
 class PredictRequest(StrictModel):
     """The `docker/` API's `/model/predict` body: its fields and defaults."""
 
-    context: str = Field(
-        max_length=MAX_TEXT_CHARS,
-        description="text to continue; its oldest tokens are dropped when it does not fit the context with `length`",
+    context: PromptText = Field(
+        description="text to continue; its oldest tokens are dropped when it does not fit the context with `length`"
     )
-    temp: float = Field(1.0, ge=0, allow_inf_nan=False, description="temperature; 0 is greedy")
-    top_p: float = Field(
-        0.9,
-        ge=0,
-        le=1,
-        allow_inf_nan=False,
-        description="nucleus sampling; 1 is off, 0 keeps only the most likely token",
-    )
-    top_k: int = Field(50, ge=0, le=2**31 - 1, description="keep only the k most likely tokens; 0 is off")
-    length: int = Field(256, ge=1, le=2**20, description="tokens to generate (fewer if the model ends the text)")
-    api_key: str | None = API_KEY
+    temp: Temperature = Field(1.0, description="temperature; 0 is greedy")
+    top_p: TopP = 0.9
+    top_k: Annotated[TopK, Field(ge=0, description="keep only the k most likely tokens; 0 is off")] = 50
+    length: Annotated[Length, Field(le=2**20)] = 256
+    api_key: ApiKey = None
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(temperature=min(self.temp, HOTTEST), top_p=fewest(self.top_p), top_k=self.top_k)
 
 
 class PredictResponse(BaseModel):
@@ -439,7 +476,7 @@ class PredictResponse(BaseModel):
 
 class PredictionRequest(StrictModel):
     qid: int = Field(ge=1, lt=QID_LIMIT, description="a `/model/predict` answer's qid")
-    api_key: str | None = API_KEY
+    api_key: ApiKey = None
 
 
 class PredictionResponse(BaseModel):

@@ -10,6 +10,8 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
+from gptj_flax.sampling.samplers import Sampling
+
 WARMING_UP, READY, FAILED, STOPPED = "warming_up", "ready", "failed", "stopped"
 
 
@@ -31,14 +33,9 @@ class Prompt:
 
     tokens: list[int]
     max_new_tokens: int
-    temperature: float
-    top_p: float
-    typical_p: float
+    sampling: Sampling
     seed: int
     stop: tuple[str, ...] = ()
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
     top_logprobs: int = 0  # alternatives reported per generated token (with the job's logprobs)
 
 
