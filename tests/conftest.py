@@ -1,9 +1,21 @@
-"""Test setup: 8 virtual CPU devices, float32 matmuls, shared fixtures."""
+"""Test setup: 8 virtual CPU devices, float32 matmuls, a compilation cache per run, shared fixtures."""
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# One persistent compilation cache per run, for this process, pytest-xdist's workers and every process
+# a test starts (they inherit the environment): tests, modules and processes build the same tiny
+# programs again and again, and each compiles once. Every program is kept however quick its compile.
+# The process that made the directory removes it at the end; a worker finds it already set.
+OWN_COMPILATION_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="gptj-flax-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = OWN_COMPILATION_CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402
 
@@ -12,8 +24,11 @@ jax.config.update("jax_platforms", "cpu")
 
 import gc  # noqa: E402
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
 
 import pytest  # noqa: E402
+
+from tests import commands, suite_report  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -21,9 +36,30 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 MAP_SHARE_LEFT_AFTER_A_MODULE = 0.5
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    suite_report.register(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if OWN_COMPILATION_CACHE is not None:
+        shutil.rmtree(OWN_COMPILATION_CACHE, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> pathlib.Path:
     return REPO
+
+
+@pytest.fixture
+def run_command(capfd):
+    """``run_command(main, *argv, cwd=None, env=None)``: a command line run in this process, giving its
+    status, stdout and stderr (tests/commands.py). ``main`` is a command's ``main`` or
+    ``commands.script("train.py")``, which runs the script as ``python scripts/train.py`` does."""
+
+    def run(main, *argv, cwd=None, env=None) -> commands.Ran:
+        return commands.run_main(main, list(argv), capfd, cwd=cwd, env=env)
+
+    return run
 
 
 def memory_maps() -> tuple[int, int] | None:
