@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from benchmarks.data import benchmark_pipeline
+from tests import commands
 
 NUMBER = r"[\d,]+(?:\.\d+)?"
 
@@ -81,24 +82,34 @@ def test_data_benchmark_compares_with_the_demo_config_by_default(repo_root, tmp_
         assert figure(rf"{re.escape(label)}\s+{NUMBER} tokens/s\s+=\s+({NUMBER})x the step", out) > 0
 
 
-@pytest.mark.slow
-def test_sample_benchmark(repo_root, tmp_path):
-    out = bench(
+@pytest.fixture(scope="module")
+def sample_benchmark(repo_root, tmp_path_factory) -> str:
+    """One run of the sample benchmark with every option, shared by the tests of its sections."""
+    return bench(
         repo_root,
-        tmp_path,
+        tmp_path_factory.mktemp("sample"),
         "sample",
         "--batch-sizes",
         "1,2",
         "--prompt-tokens",
         "4",
         "--new-tokens",
-        "2",
+        "3",
         "--repeats",
         "1",
         "--torch-threads",
         "1",
         "--profile",
+        "--quantize",
+        "int8",
+        "--kv-cache",
+        "int8",
     )
+
+
+@pytest.mark.slow
+def test_sample_benchmark(sample_benchmark):
+    out = sample_benchmark
     assert "27.3M parameters, float32" in out
     rows = re.findall(
         rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \((?:memory|compute)\)\s+-?{NUMBER}%"
@@ -119,26 +130,8 @@ def test_sample_benchmark(repo_root, tmp_path):
 
 
 @pytest.mark.slow
-def test_sample_benchmark_prints_int8_weights_and_cache_beside_float32(repo_root, tmp_path):
-    out = bench(
-        repo_root,
-        tmp_path,
-        "sample",
-        "--batch-sizes",
-        "1,2",
-        "--prompt-tokens",
-        "4",
-        "--new-tokens",
-        "3",
-        "--repeats",
-        "1",
-        "--torch-threads",
-        "1",
-        "--quantize",
-        "int8",
-        "--kv-cache",
-        "int8",
-    )
+def test_sample_benchmark_prints_int8_weights_and_cache_beside_float32(sample_benchmark):
+    out = sample_benchmark
     int8, kv_cache = out.split("int8 weights (block projections int8, a float32 scale per output channel")[1].split(
         "int8 KV cache (a float32 scale per cached key and value vector"
     )
@@ -197,16 +190,10 @@ def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
         (["--url", "http://127.0.0.1:9", "--prefill", "beside"], "with --url the server is yours"),
     ],
 )
-def test_serve_benchmark_refuses_bad_arguments_in_one_line(repo_root, tmp_path, args, message):
-    done = subprocess.run(
-        [sys.executable, str(repo_root / "scripts" / "bench.py"), "serve", *args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.startswith("error: ") and message in done.stderr, done.stderr
+def test_serve_benchmark_refuses_bad_arguments_in_one_line(tmp_path, args, message, run_command):
+    done = run_command(commands.script("bench.py"), "serve", *args, cwd=tmp_path)
+    assert done.status != 0 and "Traceback" not in done.err, done.err
+    assert done.err.startswith("error: ") and message in done.err, done.err
 
 
 def test_pipeline_benchmark_returns_throughputs(tmp_path):
