@@ -1,6 +1,8 @@
 """Test setup: 8 virtual CPU devices, float32 matmuls, a compilation cache per run, shared fixtures."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -9,11 +11,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # One persistent compilation cache per run, for this process, pytest-xdist's workers and every process
 # a test starts (they inherit the environment): tests, modules and processes build the same tiny
 # programs again and again, and each compiles once. Every program is kept however quick its compile.
-# The process that made the directory removes it at the end; a worker finds it already set.
-OWN_COMPILATION_CACHE = None
+# The process that made the directory removes it when it exits; a worker finds it already set.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="gptj-flax-tests-jax-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = OWN_COMPILATION_CACHE
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="gptj-flax-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
@@ -24,7 +25,6 @@ jax.config.update("jax_platforms", "cpu")
 
 import gc  # noqa: E402
 import pathlib  # noqa: E402
-import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -38,11 +38,6 @@ MAP_SHARE_LEFT_AFTER_A_MODULE = 0.5
 
 def pytest_configure(config: pytest.Config) -> None:
     suite_report.register(config)
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    if OWN_COMPILATION_CACHE is not None:
-        shutil.rmtree(OWN_COMPILATION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
