@@ -10,6 +10,7 @@ different device count or import environment.
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
 import runpy
@@ -58,11 +59,14 @@ def run_main(
     *,
     cwd: str | os.PathLike | None = None,
     env: dict[str, str | None] | None = None,
+    stdin: str = "",
 ) -> Ran:
     """Call ``main()`` as ``PROG ARGV`` would run it from ``cwd`` with ``env`` changed (None unsets a
-    variable); the process's directory, environment, argv, sys.path and logging set-up are restored after."""
+    variable) and ``stdin`` to read; the process's directory, environment, argv, sys.path, stdin and
+    logging set-up are restored after."""
     capfd.readouterr()  # what came before is not the command's
     saved_environ, saved_argv, saved_path, saved_cwd = dict(os.environ), sys.argv, sys.path[:], os.getcwd()
+    saved_stdin = sys.stdin
     saved_handlers, saved_level = logging.root.handlers[:], logging.root.level
     try:
         for key, value in (env or {}).items():
@@ -70,7 +74,7 @@ def run_main(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        sys.argv = ["prog", *map(str, argv)]
+        sys.argv, sys.stdin = ["prog", *map(str, argv)], io.StringIO(stdin)
         if cwd is not None:
             os.chdir(cwd)
         try:
@@ -82,7 +86,7 @@ def run_main(
             status = 1
     finally:
         os.chdir(saved_cwd)
-        sys.argv, sys.path[:] = saved_argv, saved_path
+        sys.argv, sys.path[:], sys.stdin = saved_argv, saved_path, saved_stdin
         os.environ.clear()
         os.environ.update(saved_environ)
         logging.root.handlers[:] = saved_handlers  # a command's logging set-up replaces them

@@ -29,6 +29,8 @@ import pathlib  # noqa: E402
 import pytest  # noqa: E402
 
 from tests import commands, suite_report  # noqa: E402
+from tests.evaluation_helpers import make_checkpoint  # noqa: E402
+from tests.training_helpers import make_corpus  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -45,14 +47,37 @@ def repo_root() -> pathlib.Path:
     return REPO
 
 
+@pytest.fixture(scope="session")
+def eval_checkpoint(tmp_path_factory):
+    """``(directory, hf_model)``: a checkpoint of tests/evaluation_helpers.py's CFG (step 0) holding
+    ``hf_model``'s weights, a random HuggingFace GPT-J, with a local BPE tokenizer. Shared by every
+    module: read it, never write into it (copy it first)."""
+    directory = str(tmp_path_factory.mktemp("eval_checkpoint"))
+    return directory, make_checkpoint(directory)
+
+
+@pytest.fixture(scope="session")
+def stdlib_corpus(tmp_path_factory):
+    """``stdlib_corpus(max_bytes=400_000)``: tests/training_helpers.py's corpus of standard-library
+    text and its tokenizer, made once per size in a session. Read-only, as ``eval_checkpoint``."""
+    made: dict[int, dict[str, str]] = {}
+
+    def corpus(max_bytes: int = 400_000) -> dict[str, str]:
+        if max_bytes not in made:
+            made[max_bytes] = make_corpus(tmp_path_factory.mktemp("corpus"), max_bytes=max_bytes)
+        return made[max_bytes]
+
+    return corpus
+
+
 @pytest.fixture
 def run_command(capfd):
-    """``run_command(main, *argv, cwd=None, env=None)``: a command line run in this process, giving its
+    """``run_command(main, *argv, cwd=None, env=None, stdin="")``: a command line run in this process, giving its
     status, stdout and stderr (tests/commands.py). ``main`` is a command's ``main`` or
     ``commands.script("train.py")``, which runs the script as ``python scripts/train.py`` does."""
 
-    def run(main, *argv, cwd=None, env=None) -> commands.Ran:
-        return commands.run_main(main, list(argv), capfd, cwd=cwd, env=env)
+    def run(main, *argv, cwd=None, env=None, stdin="") -> commands.Ran:
+        return commands.run_main(main, list(argv), capfd, cwd=cwd, env=env, stdin=stdin)
 
     return run
 

@@ -29,7 +29,6 @@ from tests.evaluation_helpers import (
     CHOICE_DOCS,
     TEXT_DOCS,
     TOKENIZER_VOCAB,
-    make_checkpoint,
     make_tokenizer,
     write_tasks,
 )
@@ -54,9 +53,8 @@ def requests(kind, arguments):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("run"))
-    return directory, make_checkpoint(directory)
+def run(eval_checkpoint):
+    return eval_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,14 @@ import torch
 from gptj_flax import data
 from gptj_flax.evaluation.perplexity import perplexity
 from tests import commands
-from tests.evaluation_helpers import CORPUS, make_checkpoint
+from tests.evaluation_helpers import CORPUS
 
 SEQ_LEN = 24
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("run"))
-    return directory, make_checkpoint(directory)
+def run(eval_checkpoint):
+    return eval_checkpoint
 
 
 @pytest.fixture(scope="module")

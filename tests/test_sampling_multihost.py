@@ -11,7 +11,6 @@ import pytest
 
 import gptj_flax
 from gptj_flax.sampling.multihost import fingerprint
-from tests.evaluation_helpers import make_checkpoint
 from tests.multihost_helpers import free_port, log_of, run_calls, start_processes
 
 WORKER = "tests/workers/infer_worker.py"
@@ -19,10 +18,8 @@ MESHES = ("2,2,2", "1,2,4")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("run"))
-    make_checkpoint(directory)
-    return directory
+def run(eval_checkpoint):
+    return eval_checkpoint[0]
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import ConfigError, cli_path, join_negative_values
 from gptj_flax.training import train
 from tests import commands
-from tests.training_helpers import REPO, make_config, make_corpus, write_config
+from tests.training_helpers import REPO, make_config, write_config
 
 
 def run_script(script, *args, cwd=REPO, env=None):
@@ -39,8 +39,8 @@ def one_error_line(status, stderr) -> str:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"), max_bytes=100_000)
+def corpus(stdlib_corpus):
+    return stdlib_corpus(max_bytes=100_000)
 
 
 def test_mesh_values_starting_with_minus_one_reach_the_parser():

@@ -13,14 +13,14 @@ from gptj_flax import checkpoint
 from gptj_flax.training import train
 from gptj_flax.training.lock import LOCK_NAME
 from gptj_flax.training.metrics import MetricsWriter, drop_records_from
-from tests.training_helpers import make_config, make_corpus, start_trainer, train_losses, wait_for, write_config
+from tests.training_helpers import make_config, start_trainer, train_losses, wait_for, write_config
 
 STEPS = 40
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"), max_bytes=200_000)
+def corpus(stdlib_corpus):
+    return stdlib_corpus(max_bytes=200_000)
 
 
 def _config(corpus, run_dir, ckpt_every=1000):
