@@ -1,21 +1,22 @@
 # Two entry points for a fresh machine; each creates .venv and installs the project on first use.
 #   make demo   — the main job on CPU
 #   make test   — the whole test suite (slow tests included)
-# and, for contributors, `make lint` (what .ci/run and .pre-commit-config.yaml run).
+# and, for contributors, `make lint` (what .ci/run and .pre-commit-config.yaml run) and `make docs`
+# (the documentation site, built strictly into site/; `make lint` builds it too).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The exact versions the test suite passes with; pyproject.toml declares the compatible ranges.
 CONSTRAINTS := constraints.txt
 
-.PHONY: demo test test-fast lint install
+.PHONY: demo test test-fast lint docs install
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
-	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,eval,serve]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,eval,serve,docs,pod]'
 	touch $@
 
 demo: install
@@ -27,8 +28,12 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not slow"
 
-lint: install
+lint: install docs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+
+# A broken link, anchor or page fails the build (mkdocs.yml: strict).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict

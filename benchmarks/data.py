@@ -16,11 +16,11 @@ import numpy as np
 
 from benchmarks.common import REPO, machine_summary
 from gptj_flax import data, partitioning
-from gptj_flax.config import cli_path, load_config
+from gptj_flax.cli.args import cli_path
+from gptj_flax.config import load_config
 from gptj_flax.data import tfrecord
 from gptj_flax.data.corpus import stdlib_sources
-from gptj_flax.model import GPTJ
-from gptj_flax.training import optimizer, steps
+from gptj_flax.training import TrainSetup
 
 DEMO_CONFIG = str(REPO / "configs" / "demo_cpu.json")
 
@@ -70,46 +70,57 @@ def benchmark_pipeline(
     to a byte-level BPE trained on that text (not timed). Batch tokens are slots,
     ``rows · (seq_len + 1)``. Returns plain numbers.
     """
-    width = seq_len + 1
-    n_sequences = n_batches * batch_size * (grad_accum or 1)
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        # (a) Pre-tokenised records, written as the original tool did; the sidecar spares the counting pass.
-        rng = np.random.default_rng(0)
-        tf = tfrecord.tensorflow()
-        paths, runs = [], []
-        for i in range(n_files):
-            path = os.path.join(tmp, f"bench_{i}.tfrecords")
-            count = len(range(i, n_sequences, n_files))
-            with tf.io.TFRecordWriter(path) as writer:
-                for row in rng.integers(0, 50257, (count, width)):
-                    writer.write(tfrecord.serialize_example(row))
-            paths.append(path)
-            runs.append([(width, width, count)])
-        index = os.path.join(tmp, "bench.index")
-        tfrecord.write_index(index, paths, runs, seq_len=seq_len, eos_id=50256)
-        start = time.perf_counter()
-        iterator = data.make_train_iterator(
-            index,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            grad_accum=grad_accum,
-            process_index=0,
-            process_count=1,
-            progress=False,
-        )
-        open_s = time.perf_counter() - start
-        batches_s, first_s, slots = _timed_batches(iterator, n_batches)
-        results = {
-            "tfrecord_tokens_per_s": slots / batches_s,
-            "tfrecord_open_s": open_s,
-            "tfrecord_first_batch_s": first_s,
-            "tfrecord_batches_s": batches_s,
-        }
-
-    # (b) Raw text, tokenised when the source opens.
+        results = _tfrecord_throughput(tmp, seq_len, batch_size, n_batches, grad_accum, n_files)
     files = text_files or default_text_files(text_bytes)
     if tokenizer is None:
         tokenizer = data.train_bpe_tokenizer(files, vocab_size=8192)
+    return {**results, **_text_throughput(files, tokenizer, seq_len, batch_size, n_batches, grad_accum)}
+
+
+def _tfrecord_throughput(
+    tmp: str, seq_len: int, batch_size: int, n_batches: int, grad_accum: int | None, n_files: int
+) -> dict[str, float]:
+    """(a) Pre-tokenised records, written as the original tool did; the sidecar spares the counting pass."""
+    width = seq_len + 1
+    n_sequences = n_batches * batch_size * (grad_accum or 1)
+    rng = np.random.default_rng(0)
+    tf = tfrecord.tensorflow()
+    paths, runs = [], []
+    for i in range(n_files):
+        path = os.path.join(tmp, f"bench_{i}.tfrecords")
+        count = len(range(i, n_sequences, n_files))
+        with tf.io.TFRecordWriter(path) as writer:
+            for row in rng.integers(0, 50257, (count, width)):
+                writer.write(tfrecord.serialize_example(row))
+        paths.append(path)
+        runs.append([(width, width, count)])
+    index = os.path.join(tmp, "bench.index")
+    tfrecord.write_index(index, paths, runs, seq_len=seq_len, eos_id=50256)
+    start = time.perf_counter()
+    iterator = data.make_train_iterator(
+        index,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        process_index=0,
+        process_count=1,
+        progress=False,
+    )
+    open_s = time.perf_counter() - start
+    batches_s, first_s, slots = _timed_batches(iterator, n_batches)
+    return {
+        "tfrecord_tokens_per_s": slots / batches_s,
+        "tfrecord_open_s": open_s,
+        "tfrecord_first_batch_s": first_s,
+        "tfrecord_batches_s": batches_s,
+    }
+
+
+def _text_throughput(
+    files: list[str], tokenizer, seq_len: int, batch_size: int, n_batches: int, grad_accum: int | None
+) -> dict[str, float]:
+    """(b) Raw text, tokenised when the source opens."""
     start = time.perf_counter()
     iterator = data.make_train_iterator(
         files,
@@ -124,33 +135,24 @@ def benchmark_pipeline(
     open_s = time.perf_counter() - start
     corpus_tokens = int(sum(int(shard.lengths.sum()) for shard in iterator.source.shards))
     batches_s, _, slots = _timed_batches(iterator, n_batches)
-    results.update(
-        {
-            "text_tokenize_tokens_per_s": corpus_tokens / open_s,
-            "text_open_s": open_s,
-            "text_corpus_tokens": corpus_tokens,
-            "text_batch_tokens_per_s": slots / batches_s,
-            "text_tokens_per_s": slots / (open_s + batches_s),
-        }
-    )
-    return results
+    return {
+        "text_tokenize_tokens_per_s": corpus_tokens / open_s,
+        "text_open_s": open_s,
+        "text_corpus_tokens": corpus_tokens,
+        "text_batch_tokens_per_s": slots / batches_s,
+        "text_tokens_per_s": slots / (open_s + batches_s),
+    }
 
 
 def demo_step_tokens_per_s(config_path: str = DEMO_CONFIG, repeats: int = 5) -> float:
     """Tokens/s of the demo config's train step (its mesh, batch and sequence length), steady state."""
-    config = load_config(config_path)
-    mesh = partitioning.make_mesh(config.mesh)
-    model, tc = GPTJ(config.model), config.train
-    tx = optimizer.make_optimizer(tc)
-    step = steps.compile_train_step(
-        model, tx, mesh, steps.state_shardings(model, tx, mesh), optimizer.schedule(tc), accumulated=True
-    )
-    seq = tc.seq_len or config.model.max_len
-    batch_size = tc.global_batch_size(mesh.shape["data"] * mesh.shape["fsdp"])
-    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (tc.grad_accum_steps, batch_size, seq + 1))
-    batch = data.make_batch(tokens.astype(np.int32), np.full(tokens.shape[:2], seq + 1), None)
-    state = steps.create_state(model, tx, mesh, jax.random.key(0))
-    with partitioning.sharding_scope(mesh):
+    setup = TrainSetup.build(load_config(config_path))
+    step, _ = setup.compile()
+    shape = (setup.config.train.grad_accum_steps, setup.batch_size, setup.seq_len + 1)
+    tokens = np.random.default_rng(0).integers(0, setup.config.model.vocab_size, shape)
+    batch = data.make_batch(tokens.astype(np.int32), np.full(tokens.shape[:2], setup.seq_len + 1), None)
+    state = setup.init_state()
+    with partitioning.sharding_scope(setup.mesh):
         state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         start = time.perf_counter()

@@ -24,10 +24,10 @@ import numpy as np
 
 from benchmarks.common import machine_summary
 from gptj_flax import partitioning
-from gptj_flax.config import ModelConfig, TrainConfig
+from gptj_flax.config import Config, ModelConfig, TrainConfig
 from gptj_flax.data import Batch
 from gptj_flax.model import GPTJ, KVCache
-from gptj_flax.training import optimizer, steps
+from gptj_flax.training import TrainSetup
 from gptj_flax.training.metrics import chip_peak
 
 # ~1.0B parameters: 16 layers of d_model 2048 with 8 heads of 256, GPT-J's vocabulary.
@@ -75,26 +75,21 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 def train_tokens_per_s(config: ModelConfig, batch: int, seq_len: int, repeats: int) -> float:
-    mesh = partitioning.make_mesh((1, -1, 1))
-    model = GPTJ(config)
-    train = TrainConfig(batch_size=batch, warmup_steps=0, lr=1e-5, end_lr=1e-5)
-    tx = optimizer.make_optimizer(train)
-    state = steps.create_state(model, tx, mesh, jax.random.key(0))
-    step = steps.compile_train_step(
-        model, tx, mesh, steps.state_shardings(model, tx, mesh), optimizer.schedule(train), accumulated=False
-    )
-    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, seq_len + 1)).astype(np.int32)
+    train = TrainConfig(batch_size=batch, seq_len=seq_len, warmup_steps=0, lr=1e-5, end_lr=1e-5)
+    setup = TrainSetup.build(Config(model=config, train=train), partitioning.make_mesh((1, -1, 1)))
+    step, _ = setup.compile()
+    # one micro-batch: [1, B, T+1]
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (1, batch, seq_len + 1)).astype(np.int32)
     data = jax.device_put(
-        Batch(tokens, np.ones_like(tokens), np.ones((batch, seq_len), np.float32)),
-        steps.batch_sharding(mesh, accumulated=False),
+        Batch(tokens, np.ones_like(tokens), np.ones((1, batch, seq_len), np.float32)), setup.train_sharding
     )
-    holder = {"state": state}
+    holder = {"state": setup.init_state()}
 
     def run():
         holder["state"], metrics = step(holder["state"], data)
         jax.block_until_ready(metrics)
 
-    with partitioning.sharding_scope(mesh):
+    with partitioning.sharding_scope(setup.mesh):
         return batch * seq_len / _median_seconds(run, repeats)
 
 

@@ -25,10 +25,11 @@ import optax
 from benchmarks import profile
 from benchmarks.common import BENCH_MODEL, hf_gptj_config, machine_summary
 from gptj_flax import partitioning
-from gptj_flax.config import ModelConfig, TrainConfig
+from gptj_flax.config import Config, ModelConfig, TrainConfig
 from gptj_flax.data import Batch
-from gptj_flax.model import GPTJ, Block, attention_mask, chunked_loss_sums, rotary_tables
-from gptj_flax.training import optimizer, steps
+from gptj_flax.losses import chunked_loss_sums
+from gptj_flax.model import GPTJ, Block, attention_mask, rotary_tables
+from gptj_flax.training import TrainSetup, optimizer
 
 
 def _timed(fn, repeats: int) -> float:
@@ -59,21 +60,17 @@ def ours(
 ) -> tuple[float, list[profile.Row] | None]:
     """(seconds per step, and with ``traced`` where one step's operation time goes)."""
     train = TrainConfig(batch_size=tokens.shape[0], warmup_steps=0, lr=1e-4, end_lr=1e-4)
-    model = GPTJ(config)
-    mesh = partitioning.make_mesh(mesh_shape)
-    tx = optimizer.make_optimizer(train)
-    state = steps.create_state(model, tx, mesh, jax.random.key(0))
-    step = steps.compile_train_step(
-        model, tx, mesh, steps.state_shardings(model, tx, mesh), optimizer.schedule(train), accumulated=False
-    )
-    batch = Batch(tokens, np.ones_like(tokens), np.ones(tokens[:, 1:].shape, np.float32))
-    holder = {"state": state}
+    setup = TrainSetup.build(Config(model=config, train=train), partitioning.make_mesh(mesh_shape))
+    step, _ = setup.compile()
+    rows = tokens[None]  # one micro-batch: [1, B, T+1]
+    batch = Batch(rows, np.ones_like(rows), np.ones(rows[..., 1:].shape, np.float32))
+    holder = {"state": setup.init_state()}
 
     def run():
         holder["state"], metrics = step(holder["state"], batch)
         jax.block_until_ready(metrics)
 
-    with partitioning.sharding_scope(mesh):
+    with partitioning.sharding_scope(setup.mesh):
         seconds = _timed(run, repeats)
         if not traced:
             return seconds, None

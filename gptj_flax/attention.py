@@ -26,6 +26,7 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
+from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,8 @@ def dot_product_attention(
 def _spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh) -> PartitionSpec:
     """The rules' placement of ``axes``, keeping only the splits that divide ``shape`` (a dimension
     that does not divide is computed whole on every device of that axis: slower, still right)."""
-    placed = nn.logical_to_mesh_axes(axes) or (None,) * len(axes)
+    rules = tuple(nn.get_logical_axis_rules())
+    placed = partitioning.mesh_axes(axes, rules, "the attention kernels' q, k and v") if rules else (None,) * len(axes)
     spec = []
     for size, where in zip(shape, placed):
         names = () if where is None else (where,) if isinstance(where, str) else tuple(where)

@@ -42,6 +42,7 @@ JSON_ITEMS = ("meta", "config")
 # Stored in every step's meta by the writers that checksum their chunks.
 INTEGRITY_KEY = "integrity"
 CHUNK_CHECKSUMS = "crc32c"
+LORA_BASE_KEY = "lora_base"  # a LoRA checkpoint's meta: the base its adapters were trained on
 
 
 class CheckpointError(GptjFlaxError, ValueError):
@@ -576,12 +577,29 @@ def load_params(
     try:
         step = ckpt.resolve_step(path_step if step is None else step)
         config = ckpt.read_config(step)
+        refuse_lora_checkpoint(directory, step, config, ckpt.read_json(step, "meta"))
         mesh = mesh or partitioning.make_mesh(config.mesh)
         target, _ = param_targets(config.model, mesh, rules, dtype)
         restored = ckpt.restore(step, params_target=target)
     finally:
         ckpt.close()
     return config, restored.params, step
+
+
+def refuse_lora_checkpoint(path: str | os.PathLike, step: int, config: Config, meta: Mapping[str, Any]) -> None:
+    """Refuse a LoRA checkpoint where full weights are expected: its params are only the adapters,
+    so it must go with its base (or be merged into it) to be a model."""
+    if config.train.lora is None:
+        return
+    recorded = meta.get(LORA_BASE_KEY)
+    base = recorded.get("path") if isinstance(recorded, Mapping) else None
+    directory, _ = split_step_path(path)
+    where = directory / str(step)
+    raise CheckpointError(
+        f"{where} is a LoRA checkpoint: adapters for the base {base or '(its meta names none)'}, not a full model. "
+        f"Load that base with --adapter {where} (adapter= in Python), or merge them into it with "
+        f"`gptj-convert merge-lora {where} OUT`"
+    )
 
 
 def tokenizer_dir(path: str | os.PathLike) -> epath.Path | None:

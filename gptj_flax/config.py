@@ -13,7 +13,6 @@ to fix it; unknown keys are rejected by name rather than silently ignored.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import fnmatch
@@ -142,7 +141,9 @@ class ModelConfig:
     rotary_dim: int
     vocab_size: int
     max_len: int = 2048
-    d_ff: int | None = None  # None: 4 * d_model, as GPT-J
+    # None: 4 * d_model, as GPT-J. Kept as given (read the width from ``ff_dim``), so that a config
+    # rebuilt with another d_model (``--set model.d_model=…``, ``dataclasses.replace``) follows it.
+    d_ff: int | None = None
     layer_norm_eps: float = 1e-5
     dtype: str = "bfloat16"  # compute dtype (TPU/GPU training); float32 on CPU, where it is also faster
     param_dtype: str = "float32"  # storage dtype of the parameters
@@ -157,8 +158,6 @@ class ModelConfig:
     kv_cache: str | None = None
 
     def __post_init__(self):
-        if self.d_ff is None:
-            object.__setattr__(self, "d_ff", 4 * self.d_model)
         for name in ("dtype", "param_dtype"):
             object.__setattr__(self, name, dtype_name(getattr(self, name), f"model.{name}"))
         self.validate()
@@ -176,10 +175,9 @@ class ModelConfig:
         return jnp_dtype(self.param_dtype)
 
     def validate(self) -> None:
-        for name in ("n_layers", "d_model", "n_heads", "rotary_dim", "vocab_size", "max_len", "d_ff"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        for name in ("n_layers", "d_model", "n_heads", "rotary_dim", "vocab_size", "max_len"):
+            _check_positive_int(f"model.{name}", getattr(self, name))
+        _check_positive_int("model.d_ff", self.d_ff, optional=True)
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
@@ -205,7 +203,7 @@ class ModelConfig:
 
     @property
     def ff_dim(self) -> int:
-        """The MLP's hidden width: ``d_ff``, which construction resolves to ``4 * d_model`` when omitted."""
+        """The MLP's hidden width: ``d_ff``, or ``4 * d_model`` when the config leaves it unset."""
         return 4 * self.d_model if self.d_ff is None else self.d_ff
 
     def param_count(self) -> int:
@@ -265,6 +263,9 @@ class MeshConfig:
 
 # The projections a LoRA adapter may wrap, in model order (the names of their parameters).
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")
+# float16's largest value: alpha / rank multiplies the adapters' output in the compute dtype, so a
+# larger alpha can make that product inf and the first training step NaN.
+LORA_ALPHA_MAX = 65504.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,8 +279,10 @@ class LoraConfig:
 
     def __post_init__(self):
         _check_positive_int("train.lora.rank", self.rank)
-        if not _is_finite_number(self.alpha) or self.alpha <= 0:
-            raise ConfigError(f"train.lora.alpha must be a finite positive number, got {self.alpha!r}")
+        if not _is_finite_number(self.alpha) or not 0 < self.alpha <= LORA_ALPHA_MAX:
+            raise ConfigError(
+                f"train.lora.alpha must be a finite positive number at most {LORA_ALPHA_MAX:g}, got {self.alpha!r}"
+            )
         targets = _string_list("train.lora.targets", self.targets)
         if not targets:
             raise ConfigError(f"train.lora.targets is empty: name at least one of {', '.join(LORA_PROJECTIONS)}")
@@ -299,6 +302,32 @@ class LoraConfig:
     def projections(self) -> tuple[str, ...]:
         """The projections the target globs match, in model order."""
         return tuple(n for n in LORA_PROJECTIONS if any(fnmatch.fnmatchcase(n, p) for p in self.targets))
+
+
+def projection_shape(model: ModelConfig, name: str) -> tuple[int, int]:
+    """``(in, out)`` of one block projection's kernel, heads × head_dim counted as d_model."""
+    d, f = model.d_model, model.ff_dim
+    return {"fc_in": (d, f), "fc_out": (f, d)}.get(name, (d, d))
+
+
+def max_lora_rank(model: ModelConfig, projections: Sequence[str]) -> tuple[int, str]:
+    """The highest useful adapter rank on ``projections`` and the projection that sets it.
+
+    ``A @ B`` on an ``in × out`` kernel has rank at most ``min(in, out)``: rank up to there is a
+    full update of that kernel, and any more adds parameters without adding anything it can express.
+    """
+    name = min(projections, key=lambda n: min(projection_shape(model, n)))  # the first in model order on a tie
+    return min(projection_shape(model, name)), name
+
+
+def _check_lora_rank(model: ModelConfig, lora: LoraConfig) -> None:
+    limit, name = max_lora_rank(model, lora.projections)
+    if lora.rank > limit:
+        rows, cols = projection_shape(model, name)
+        raise ConfigError(
+            f"train.lora.rank={lora.rank} exceeds {limit}, the rank of a full update of {name} ({rows}×{cols}): "
+            f"a higher rank adds parameters but nothing the adapter can express; set train.lora.rank to at most {limit}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,7 +362,9 @@ class TrainConfig:
     name: str = "gptj"
     wandb_project: str | None = None
     comment: str = ""
-    tpu_size: int | None = None  # legacy, informational
+    tpu_size: int | None = None  # legacy: the slice the config was written for; a warning when the run's differs
+    # The EMA rate of the gradient-noise statistics (noise/*, docs/train.md); None: not computed.
+    noise_scale_alpha: float | None = None
 
     def __post_init__(self):
         if (self.batch_size is None) == (self.per_replica_batch is None):
@@ -348,6 +379,12 @@ class TrainConfig:
             value = getattr(self, name)
             if not _is_finite_number(value) or value < 0:
                 raise ConfigError(f"train.{name} must be a finite non-negative number, got {value!r}")
+        alpha = self.noise_scale_alpha
+        if alpha is not None and not (_is_finite_number(alpha) and 0 < alpha <= 1):
+            raise ConfigError(
+                f"train.noise_scale_alpha must be a number in (0, 1] (the weight of each new step in the "
+                f"statistics' moving averages; device_train.py used 0.01) or null, got {alpha!r}"
+            )
         object.__setattr__(self, "adam_mu_dtype", dtype_name(self.adam_mu_dtype, "train.adam_mu_dtype"))
         _check_choice("train.adam_mu_dtype", self.adam_mu_dtype, ("float32", "bfloat16"))
         if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
@@ -394,6 +431,8 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=lambda: TrainConfig(batch_size=8))
 
     def __post_init__(self):
+        if self.train.lora is not None:
+            _check_lora_rank(self.model, self.train.lora)
         if self.train.seq_len is not None and self.train.seq_len > self.model.max_len:
             raise ConfigError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_len={self.model.max_len}: the model has "
@@ -452,6 +491,7 @@ LEGACY_KEYS: dict[str, tuple[str, str]] = {
     "name": ("train", "name"),
     "wandb_project": ("train", "wandb_project"),
     "comment": ("train", "comment"),
+    "noise_scale_alpha": ("train", "noise_scale_alpha"),
 }
 # Legacy keys handled specially: fixed architecture choices, and the GCS bucket.
 LEGACY_SPECIAL = ("norm", "pe", "bucket", "model_dir")
@@ -499,7 +539,17 @@ def from_legacy_dict(raw: Mapping[str, Any]) -> Config:
     if model_dir is not None:
         bucket = raw.get("bucket")
         is_url = "://" in str(model_dir)
+        if bucket and is_url and not str(model_dir).startswith(f"gs://{bucket}/"):
+            raise ConfigError(
+                f"legacy keys 'bucket'={bucket!r} and 'model_dir'={model_dir!r} disagree: a model_dir URL is the "
+                "run directory itself; drop 'bucket', or give model_dir as a path inside the bucket"
+            )
         sections["train"]["run_dir"] = f"gs://{bucket}/{model_dir}" if bucket and not is_url else model_dir
+    elif raw.get("bucket"):  # the original required both; a bucket alone would leave checkpoints in runs/default
+        raise ConfigError(
+            f"legacy key 'bucket'={raw['bucket']!r} is set without 'model_dir': checkpoints go to "
+            "gs://BUCKET/MODEL_DIR; add 'model_dir', or drop 'bucket' and set the run directory (train.run_dir)"
+        )
     sections["mesh"].setdefault("data", 1)
     sections["mesh"]["fsdp"] = -1
     return Config(
@@ -571,6 +621,7 @@ def apply_overrides(config: Config, overrides: Sequence[str]) -> Config:
     if not overrides:
         return config
     data = config.to_dict()
+    overridden = set()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
@@ -585,8 +636,12 @@ def apply_overrides(config: Config, overrides: Sequence[str]) -> Config:
         except json.JSONDecodeError:
             value = text
         data[section][key] = value
-    if data["train"].get("batch_size") is not None and any(o.startswith("train.batch_size=") for o in overrides):
-        data["train"]["per_replica_batch"] = None
+        overridden.add(dotted)
+    # Two alternatives: setting one of them replaces the file's other, unless both are set.
+    for chosen, other in (("batch_size", "per_replica_batch"), ("per_replica_batch", "batch_size")):
+        set_now = f"train.{chosen}" in overridden and data["train"].get(chosen) is not None
+        if set_now and f"train.{other}" not in overridden:
+            data["train"][other] = None
     return from_dict(data)
 
 
@@ -596,42 +651,3 @@ def save_config(config: Config, path: str | os.PathLike) -> None:
     with open(tmp, "w") as f:
         json.dump(config.to_dict(), f, indent=2)
     os.replace(tmp, path)
-
-
-# --------------------------------------------------------------------------------------------
-# Command lines
-
-
-def cli_path(text: str) -> str:
-    """A path argument made absolute against the current directory.
-
-    ``hf:DIR`` and ``legacy:DIR`` keep their prefix; URLs (``gs://…``) and ``tfds:NAME`` are no paths.
-    """
-    if "://" in text or text.startswith("tfds:"):
-        return text
-    for prefix in ("hf:", "legacy:"):
-        if text.startswith(prefix) and len(text) > len(prefix):
-            return prefix + cli_path(text[len(prefix) :])
-    return os.path.abspath(os.path.expanduser(text))
-
-
-def cli_dtype(text: str) -> str:
-    """A ``--dtype`` argument in any spelling :func:`dtype_name` reads, as its canonical name."""
-    try:
-        return dtype_name(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("dtype=")) from None
-
-
-def join_negative_values(argv: Sequence[str], options: Sequence[str] = ("--mesh",)) -> list[str]:
-    """``--mesh -1,8,1`` → ``--mesh=-1,8,1``: argparse would read a value starting with "-" as an option."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        if argv[i] in options and i + 1 < len(argv) and re.match(r"-\d", argv[i + 1]):
-            out.append(f"{argv[i]}={argv[i + 1]}")
-            i += 2
-        else:
-            out.append(argv[i])
-            i += 1
-    return out

@@ -23,6 +23,14 @@ DEBUG_ENV = "GPTJ_FLAX_DEBUG"
 # Exit statuses: 1 for an error the message explains, 130 for Ctrl-C (the shell's 128 + SIGINT).
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
+# A worker of gptj-launch (which sets LAUNCHED_ENV to its job and attempt, JOB:ATTEMPT) that SIGTERM
+# stopped early, after saving, exits with this status (sysexits' EX_TEMPFAIL) rather than 0: the
+# launcher must tell a preempted host from a finished one, and restart the job rather than end it.
+EXIT_PREEMPTED = 75
+LAUNCHED_ENV = "GPTJ_FLAX_LAUNCHED"
+# What run_cli prints under the error line of an exception that is not a GptjFlaxError or OSError:
+# gptj-launch retries such a failure once (it may be a lost peer's echo) and a GptjFlaxError never.
+UNEXPECTED_HINT = f"(an unexpected error; rerun with {DEBUG_FLAG} for the traceback)"
 
 
 class GptjFlaxError(Exception):
@@ -30,7 +38,13 @@ class GptjFlaxError(Exception):
 
 
 # The optional dependencies (pyproject.toml's extras) that command lines import, by top-level module.
-EXTRA_OF_MODULE = {"fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "lm_eval": "eval"}
+EXTRA_OF_MODULE = {
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "prometheus_client": "serve",
+    "lm_eval": "eval",
+    "ray": "pod",
+}
 
 
 class MissingExtraError(GptjFlaxError):
@@ -126,6 +140,6 @@ def run_cli(main: Callable[[], int | None], argv: Sequence[str] | None = None) -
     except BaseException as e:  # noqa: BLE001 - every failure becomes one readable line
         print(f"error: {describe(e)}", file=sys.stderr)
         if not isinstance(e, (GptjFlaxError, OSError)):
-            print(f"(an unexpected error; rerun with {DEBUG_FLAG} for the traceback)", file=sys.stderr)
+            print(UNEXPECTED_HINT, file=sys.stderr)
         return EXIT_ERROR
     return 0 if status is None else int(status)

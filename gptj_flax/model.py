@@ -1,5 +1,6 @@
 """GPT-J as Flax linen modules, read top to bottom: rotary embedding, masks, the KV cache, attention,
-the MLP, the parallel block, the causal LM, per-token scores and the loss.
+the MLP, the parallel block, the causal LM and its two parameter layouts (per-token scores and the
+loss are in :mod:`gptj_flax.losses`).
 
 Parameters and activations carry logical axis names; where those live on the mesh is decided by
 the rules table in :mod:`gptj_flax.partitioning`, never here. The GPT-J quirks that decide parity
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gptj_flax import attention
+from gptj_flax import attention, partitioning
 from gptj_flax.config import LoraConfig, ModelConfig
 
 Array = jax.Array
@@ -273,12 +274,12 @@ def write_layer_kv(kv: LayerKV, k: Array, v: Array) -> LayerKV:
     if kv.k_scale is not None and kv.v_scale is not None:
         (k, k_scale), (v, v_scale) = quantize_kv(k, axis=2), quantize_kv(v, axis=3)
         scales = {
-            "k_scale": nn.with_logical_constraint(put(kv.k_scale, k_scale, 2), SCALE_AXES),
-            "v_scale": nn.with_logical_constraint(put(kv.v_scale, v_scale, 2), SCALE_AXES),
+            "k_scale": partitioning.constrain(put(kv.k_scale, k_scale, 2), SCALE_AXES),
+            "v_scale": partitioning.constrain(put(kv.v_scale, v_scale, 2), SCALE_AXES),
         }
     return kv._replace(
-        k=nn.with_logical_constraint(put(kv.k, k, 3), KEY_AXES),
-        v=nn.with_logical_constraint(put(kv.v, v, 2), VALUE_AXES),
+        k=partitioning.constrain(put(kv.k, k, 3), KEY_AXES),
+        v=partitioning.constrain(put(kv.v, v, 2), VALUE_AXES),
         **scales,
     )
 
@@ -646,7 +647,7 @@ class LoRA(nn.Module):
         # In the compute dtype, as the base kernels are: a float32 delta would promote the residual
         # stream, which nn.scan's carry refuses.
         xa = jnp.tensordot(x.astype(self.dtype), a.value.astype(self.dtype), axes=len(in_shape))
-        xa = nn.with_logical_constraint(xa, ("batch", "length", "lora_rank"))
+        xa = partitioning.constrain(xa, ("batch", "length", "lora_rank"))
         return (self.lora.scale * jnp.tensordot(xa, b.value.astype(self.dtype), axes=1)).astype(self.dtype)
 
 
@@ -692,10 +693,10 @@ class Attention(nn.Module):
             )
             for name in ("q_proj", "k_proj", "v_proj")
         )
-        q = nn.with_logical_constraint(apply_rotary(q, sin, cos), ("batch", "length", "heads", "kv"))
+        q = partitioning.constrain(apply_rotary(q, sin, cos), ("batch", "length", "heads", "kv"))
         # keys and values in the cache's layouts
-        k = nn.with_logical_constraint(apply_rotary(k, sin, cos).transpose(0, 2, 3, 1), KEY_AXES)
-        v = nn.with_logical_constraint(v.transpose(0, 2, 1, 3), VALUE_AXES)
+        k = partitioning.constrain(apply_rotary(k, sin, cos).transpose(0, 2, 3, 1), KEY_AXES)
+        v = partitioning.constrain(v.transpose(0, 2, 1, 3), VALUE_AXES)
         # Cached calls (the prefill and each decode step) always take the XLA path: a decode step's
         # scores are only [B, heads, 1, S], nothing a fused kernel saves, and a prefill writes into
         # the cache at a slot known only at run time, which the kernels' static masks cannot express.
@@ -752,7 +753,7 @@ class MLP(nn.Module):
         cfg = self.config
         h = Dense(cfg, cfg.ff_dim, cfg.d_model**-0.5, ("embed", "mlp"), name="fc_in")(x)
         h = lora_delta(self.lora, "fc_in", x, ("embed",), (cfg.ff_dim,), ("mlp",), cfg.compute_dtype, h)
-        h = nn.with_logical_constraint(nn.gelu(h, approximate=True), ("batch", "length", "mlp"))
+        h = partitioning.constrain(nn.gelu(h, approximate=True), ("batch", "length", "mlp"))
         out = Dense(cfg, cfg.d_model, 2.0 / cfg.n_layers / np.sqrt(cfg.d_model), ("mlp", "embed"), name="fc_out")(h)
         return lora_delta(self.lora, "fc_out", h, ("mlp",), (cfg.d_model,), ("embed",), cfg.compute_dtype, out)
 
@@ -784,11 +785,11 @@ class Block(nn.Module):
         mask: Array | attention.SegmentMask | None,
         kv: LayerKV | PagedLayerKV | None = None,
     ) -> tuple[Array, LayerKV | PagedLayerKV | None]:
-        h = nn.with_logical_constraint(h, RESIDUAL_AXES)
+        h = partitioning.constrain(h, RESIDUAL_AXES)
         x = layer_norm(self.config, "ln_1")(h)
         attn, kv = Attention(self.config, self.lora, name="attn")(x, sin, cos, mask, kv)
         h = h + attn + MLP(self.config, self.lora, name="mlp")(x)
-        return nn.with_logical_constraint(h, RESIDUAL_AXES), kv
+        return partitioning.constrain(h, RESIDUAL_AXES), kv
 
 
 class ScannedBlock(Block):
@@ -804,7 +805,7 @@ def project_to_vocab(h: Array, kernel: Array, bias: Array) -> Array:
     """The LM head: ``h @ kernel + bias`` in h's dtype, returned as float32 logits [..., vocab]."""
     with jax.named_scope("lm_head"):  # the chunked loss calls it outside the module: keep profiles' name
         logits = jnp.einsum("...d,dv->...v", h, kernel.astype(h.dtype)) + bias.astype(h.dtype)
-    return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+    return partitioning.constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
 class LMHead(nn.Module):
@@ -961,8 +962,8 @@ class GPTJ(nn.Module):
     def _embed(self, tokens: Array) -> Array:
         # Gather the (vocab-sharded) table before the lookup: a row gather from a sharded table
         # would make XLA replicate the activations instead, which is far larger.
-        table = nn.with_logical_constraint(self.wte.astype(self.config.compute_dtype), (None, None))
-        return nn.with_logical_constraint(jnp.take(table, tokens, axis=0), RESIDUAL_AXES)
+        table = partitioning.constrain(self.wte.astype(self.config.compute_dtype), (None, None))
+        return partitioning.constrain(jnp.take(table, tokens, axis=0), RESIDUAL_AXES)
 
 
 def abstract_params(config: ModelConfig) -> dict:
@@ -975,40 +976,6 @@ def abstract_adapters(config: ModelConfig, lora: LoraConfig) -> dict:
     """The ``lora`` collection of ``GPTJ(config, lora)`` as boxed ``ShapeDtypeStruct``s (float32,
     in the layer layout ``config.scan_layers`` names)."""
     return jax.eval_shape(GPTJ(config, lora).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["lora"]
-
-
-# --------------------------------------------------------------------------------------------
-# Per-token scores
-
-
-def token_log_probs(logits: Array, targets: Array) -> Array:
-    """log p(target) under ``logits`` [..., V] for every position, in float32 (normalised over the
-    whole vocabulary, as HuggingFace's are)."""
-    logits = logits.astype(jnp.float32)
-    chosen = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return chosen - jax.nn.logsumexp(logits, axis=-1)
-
-
-def mask_vocab(logits: Array, valid_vocab: int) -> Array:
-    """Remove the ids ≥ ``valid_vocab``: rows of a padded vocabulary no tokenizer produces."""
-    return jnp.where(jnp.arange(logits.shape[-1]) < valid_vocab, logits, -jnp.inf)
-
-
-def first_argmax(logits: Array) -> Array:
-    """Each row's first index of its largest value, int32 [...] — ``jnp.argmax`` (NaN aside: a row
-    without a comparable maximum gives 0), as two plain reductions, which XLA's CPU backend runs
-    faster than the single (value, index) reduction ``argmax`` lowers to."""
-    vocab = logits.shape[-1]
-    is_max = logits == jnp.max(logits, axis=-1, keepdims=True)
-    first = jnp.min(jnp.where(is_max, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
-    return jnp.where(first < vocab, first, 0)
-
-
-def greedy_matches(logits: Array, targets: Array, valid_vocab: int | None = None) -> Array:
-    """Whether each target is greedy decoding's choice (:func:`first_argmax` over the valid ids)."""
-    if valid_vocab is not None:
-        logits = mask_vocab(logits, valid_vocab)
-    return first_argmax(logits) == targets
 
 
 # --------------------------------------------------------------------------------------------
@@ -1033,51 +1000,3 @@ def unstack_layers(params: dict) -> dict:
     for i in range(n_layers):
         params[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
     return params
-
-
-# --------------------------------------------------------------------------------------------
-# Loss
-
-
-def loss_sums(logits: Array, targets: Array, weights: Array, z_loss: float = 0.0) -> tuple[Array, Array, Array]:
-    """Weighted sums over tokens, in float32: (cross-entropy + z_loss · logsumexp², cross-entropy, weight)."""
-    nll = -token_log_probs(logits, targets)
-    weights = weights.astype(jnp.float32)
-    objective = nll + z_loss * jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)) if z_loss else nll
-    return jnp.sum(objective * weights), jnp.sum(nll * weights), jnp.sum(weights)
-
-
-def chunked_loss_sums(
-    hidden: Array, head: dict, targets: Array, weights: Array, z_loss: float = 0.0, chunk: int = 256
-) -> tuple[Array, Array, Array]:
-    """:func:`loss_sums` of ``LMHead(hidden)``, computed ``chunk`` positions at a time.
-
-    The full float32 logits of a training batch (batch × length × vocab) never exist at once: each chunk's logits are made, reduced to three
-    sums and dropped, and the backward pass makes them again (``jax.checkpoint``). A sequence of one
-    chunk is computed directly, without the loop: its logits exist once either way.
-    """
-    length = hidden.shape[1]
-    chunk = min(chunk, length)
-    n_chunks = -(-length // chunk)
-    pad = n_chunks * chunk - length
-    if pad:  # padded positions carry weight 0
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, pad)))
-        weights = jnp.pad(weights, ((0, 0), (0, pad)))
-
-    def split(x):  # [B, n·c, …] → [n, B, c, …]
-        return jnp.swapaxes(x.reshape(x.shape[0], n_chunks, chunk, *x.shape[2:]), 0, 1)
-
-    def sums(h, t, w):
-        return loss_sums(project_to_vocab(h, head["kernel"], head["bias"]), t, w, z_loss)
-
-    if n_chunks == 1:
-        return sums(hidden, targets, weights)
-    sums = jax.checkpoint(sums)
-
-    def body(totals, xs):
-        return jax.tree.map(jnp.add, totals, sums(*xs)), None
-
-    zero = jnp.zeros((), jnp.float32)
-    totals, _ = jax.lax.scan(body, (zero, zero, zero), (split(hidden), split(targets), split(weights)))
-    return totals

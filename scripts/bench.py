@@ -5,6 +5,7 @@
     python scripts/bench.py sample [--batch-sizes 1,16] [--prompt-tokens 64] [--new-tokens 128] [--quantize int8] [--kv-cache int8]
     python scripts/bench.py serve  [--url URL] [--concurrency 1,8,32] [--seconds 20]
     python scripts/bench.py device [--backends xla,splash] [--batch-per-device 4] [--steps 3]
+    python scripts/bench.py launch [--repeats 3]
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run(args)``; only the chosen one is
 imported, so one benchmark's dependencies never slow down another.
@@ -37,6 +38,7 @@ BENCHMARKS = {
     "serve": ("benchmarks.serve", "requests/s, tokens/s and latency of a running server at 1, 8, 32 clients"),
     "sample": ("benchmarks.sample", "KV-cache generation vs HuggingFace PyTorch generate"),
     "device": ("benchmarks.device", "train tokens/s and MFU per attention backend, decode tokens/s, on a GPU/TPU"),
+    "launch": ("benchmarks.launch", "start to first training step: gptj-launch on a local Ray cluster vs by hand"),
 }
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ sits beside scripts/, never installed
 
 from benchmarks.common import write_random_hf  # noqa: E402
-from gptj_flax.config import cli_dtype, load_config  # noqa: E402
+from gptj_flax.cli.args import cli_dtype  # noqa: E402
+from gptj_flax.config import load_config  # noqa: E402
 from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from benchmarks.common import hf_gptj_config
 from gptj_flax.config import ModelConfig
 from gptj_flax.convert.hf_names import params_from_hf
-from gptj_flax.model import loss_sums
+from gptj_flax.losses import loss_sums
 
 # A few kinds of short text, repeated: enough for a small local BPE tokenizer and prompts.
 CORPUS = [
@@ -71,7 +71,7 @@ def with_(config: ModelConfig, **changes) -> ModelConfig:
 
 
 def mean_loss(logits, targets, weights=None, z_loss: float = 0.0):
-    """Token-weighted mean of :func:`gptj_flax.model.loss_sums`'s objective, and the total weight."""
+    """Token-weighted mean of :func:`gptj_flax.losses.loss_sums`'s objective, and the total weight."""
     weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
     objective, _, total = loss_sums(logits, targets, weights, z_loss)
     return objective / jnp.maximum(total, 1.0), total

@@ -52,7 +52,7 @@ def dense_model(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     ln_scale,ln_offset}``, ``head_w`` (d, V), ``head_b`` (V), ``ln_f_scale``, ``ln_f_offset``.
     """
     rng = np.random.default_rng(seed)
-    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    d, f, v = config.d_model, config.ff_dim, config.vocab_size
     model = {
         "embed_w": _weights(rng, (v, d)),
         "embed_b": _grid(rng, (d,), 64),

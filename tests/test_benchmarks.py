@@ -235,3 +235,12 @@ def test_device_benchmark_on_cpu(repo_root, tmp_path):
     assert [int(b) for b in re.findall(rf"^\s+batch\s+(\d+)\s+{NUMBER} tokens/s$", out, re.MULTILINE)] == [1, 2], out
     assert all(figure(rf"batch\s+{b}\s+({NUMBER}) tokens/s", out) > 0 for b in (1, 2))
     assert out.index(".. compiling and timing the train step") < out.index("attention xla")  # progress first
+
+
+@pytest.mark.slow
+def test_launch_benchmark_times_gptj_launch_and_the_start_by_hand_on_a_cluster_of_its_own(repo_root, tmp_path):
+    out = bench(repo_root, tmp_path, "launch", "--repeats", "1")
+    hand = figure(rf"by hand \(two processes\)\s+({NUMBER}) s", out)
+    launched = figure(rf"gptj-launch --hosts 2\s+({NUMBER}) s\s+\(({NUMBER})x", out)
+    assert hand > 0 and launched > 0 and figure(rf"starting the Ray cluster\s+({NUMBER}) s", out) > 0
+    assert "start to first training step, 2 processes x 4 CPU devices, configs/tiny.json, median of 1:" in out

@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import logging
+import re
 
 import flax.linen as nn
 import jax
@@ -12,6 +14,8 @@ import pytest
 from gptj_flax import partitioning
 from gptj_flax.checkpoint import check_mesh
 from gptj_flax.config import (
+    LEGACY_KEYS,
+    LEGACY_SPECIAL,
     ConfigError,
     MeshConfig,
     ModelConfig,
@@ -21,6 +25,7 @@ from gptj_flax.config import (
     load_config,
 )
 from gptj_flax.model import abstract_params
+from gptj_flax.training import TrainSetup, loop
 
 GPTJ_6B_PARAMS = 6_050_882_784
 
@@ -28,10 +33,12 @@ GPTJ_6B_PARAMS = 6_050_882_784
 def test_legacy_and_modern_6b_configs_are_the_same(repo_root):
     legacy = load_config(repo_root / "configs/6B_roto_256.json")
     modern = load_config(repo_root / "configs/gptj_6b.json")
-    assert legacy.model == modern.model
-    assert legacy == modern
+    # The legacy keys have no d_ff (the original model's is always 4 · d_model); the modern file spells it out.
+    assert legacy.model.d_ff is None and modern.model.d_ff == 16384
+    assert dataclasses.replace(legacy.model, d_ff=legacy.model.ff_dim) == modern.model
+    assert legacy.replace(model=modern.model) == modern
     m = legacy.model
-    assert (m.n_layers, m.d_model, m.n_heads, m.head_dim, m.rotary_dim, m.d_ff, m.vocab_size, m.max_len) == (
+    assert (m.n_layers, m.d_model, m.n_heads, m.head_dim, m.rotary_dim, m.ff_dim, m.vocab_size, m.max_len) == (
         28,
         4096,
         16,
@@ -126,6 +133,42 @@ def test_unknown_top_level_and_legacy_keys_are_named(repo_root):
     legacy["pe"] = "fixed"
     with pytest.raises(ConfigError, match="legacy key 'pe'='fixed'.*rotary"):
         from_dict(legacy)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"model_dir": None}, "legacy key 'bucket'='neo-models' is set without 'model_dir': .* add 'model_dir'"),
+        ({"model_dir": "gs://elsewhere/run"}, "legacy keys 'bucket'='neo-models' and 'model_dir'=.* disagree"),
+    ],
+)
+def test_a_bucket_that_would_be_ignored_is_refused(repo_root, changes, message):
+    legacy = json.loads((repo_root / "configs/6B_roto_256.json").read_text())
+    legacy = {k: v for k, v in {**legacy, **changes}.items() if v is not None}
+    with pytest.raises(ConfigError, match=message):
+        from_dict(legacy)
+    assert from_dict({**legacy, "model_dir": "gs://neo-models/run"}).train.run_dir == "gs://neo-models/run"
+
+
+def test_the_reference_lists_every_legacy_key(repo_root):
+    """docs/reference.md's legacy-key table has a row for each key the loader reads."""
+    table = (repo_root / "docs/reference.md").read_text().split("## 2. Legacy JSON config keys")[1].split("\n## ")[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    listed = {key for row in rows for key in re.findall(r"`(\w+)`", row)}
+    assert set(LEGACY_KEYS) | set(LEGACY_SPECIAL) <= listed, set(LEGACY_KEYS) | set(LEGACY_SPECIAL) - listed
+
+
+def test_a_tpu_size_other_than_the_run_s_devices_is_named_in_a_warning(repo_root, caplog):
+    config = load_config(repo_root / "configs/6B_roto_256.json")
+    with caplog.at_level(logging.WARNING, logger="gptj_flax.training"):
+        loop._warn_unused_settings(TrainSetup.build(config))  # the 8 test devices; the config says 256
+    assert (
+        "train.tpu_size=256 (legacy tpu_size) does not size this run: its 8 devices do, and a step trains on "
+        "16 sequences (512 on 256 devices)" in caplog.text
+    )
+    caplog.clear()
+    loop._warn_unused_settings(TrainSetup.build(apply_overrides(config, ["train.tpu_size=8"])))
+    assert "tpu_size" not in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,7 @@ def test_hf_round_trip_is_bit_exact_and_logits_match(tmp_path, shape):
 
     from_hf(tmp_path / "hf", tmp_path / "ours")
     config, params, step = checkpoint.load_params(tmp_path / "ours", partitioning.make_mesh((2, 2, 2)))
-    assert step == 0 and config.model.n_layers == n_layers and config.model.d_ff == 4 * d_model
+    assert step == 0 and config.model.n_layers == n_layers and config.model.ff_dim == 4 * d_model
     tokens = np.random.default_rng(0).integers(0, vocab, size=(2, 13))
     np.testing.assert_allclose(_logits(params, config.model, tokens), _hf_logits(hf, tokens), rtol=0, atol=1e-4)
     for name, text in TOKENIZER.items():

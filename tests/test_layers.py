@@ -56,7 +56,7 @@ def test_the_scan_finds_imports_in_functions_methods_and_nested_blocks():
 # Heavy third-party imports (torch, TensorFlow) may still wait inside the function that needs them.
 MODULES = sorted(
     str(p.relative_to(REPO)) for d in ("gptj_flax", "benchmarks", "scripts", "tests") for p in (REPO / d).rglob("*.py")
-)
+) + ["gptj_flax_entry.py"]
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -21,7 +21,7 @@ from gptj_flax import checkpoint, convert, partitioning
 from gptj_flax.config import ConfigError, LoraConfig, from_dict
 from gptj_flax.convert import lora as lora_lib
 from gptj_flax.model import GPTJ, unstack_layers
-from gptj_flax.training import loop, optimizer, steps, train
+from gptj_flax.training import hooks, optimizer, start, steps, train
 from tests import commands
 from tests.training_helpers import MODEL, make_config
 
@@ -134,10 +134,9 @@ def test_a_lora_step_runs_alike_on_every_mesh_layout(scan):
         step = steps.compile_train_step(
             model,
             tx,
-            mesh,
             shardings,
-            optimizer.schedule(config.train),
-            accumulated=False,
+            data_sharding=steps.batch_sharding(mesh, accumulated=False),
+            lr_fn=optimizer.schedule(config.train),
             base_shardings=base_shardings,
         )
         with partitioning.sharding_scope(mesh):
@@ -164,7 +163,11 @@ def test_a_lora_fine_tune_of_a_trained_checkpoint_lowers_validation_loss(lora_ru
     config = checkpoint.Checkpointer(run, read_only=True).read_config()
     mesh = partitioning.make_mesh(config.mesh)
     params = convert.load_init_params(base, config, mesh)
-    plain = steps.compile_eval_step(GPTJ(config.model), mesh, checkpoint.param_targets(config.model, mesh)[1])
+    plain = steps.compile_eval_step(
+        GPTJ(config.model),
+        checkpoint.param_targets(config.model, mesh)[1],
+        data_sharding=steps.batch_sharding(mesh, accumulated=False),
+    )
     val = gptj_flax.data.make_eval_sets(
         config.train.val_set,
         seq_len=config.model.max_len,
@@ -172,7 +175,7 @@ def test_a_lora_fine_tune_of_a_trained_checkpoint_lowers_validation_loss(lora_ru
         n_batches=2,
         tokenizer=gptj_flax.data.load_tokenizer(corpus["tokenizer"]),
     )
-    baseline = loop.evaluate(plain, params, val, steps.batch_sharding(mesh, accumulated=False))
+    baseline = hooks.evaluate(plain, params, val, steps.batch_sharding(mesh, accumulated=False))
     assert abs(baseline["loss_ft"] - before) < 1e-5
 
 
@@ -198,7 +201,7 @@ def test_only_the_adapters_train_and_are_saved(lora_run, base, corpus):
     identity = lora_lib.BaseIdentity.from_meta(meta, str(run))
     assert identity.path.endswith("bf16/20") and len(identity.checksum) == 64
     # The base is held frozen in bfloat16.
-    held = loop._LoraRun.start(config, partitioning.make_mesh(config.mesh), meta, None, str(run))
+    held = start.LoraBase.start(config, partitioning.make_mesh(config.mesh), meta, None)
     assert {x.dtype for x in jax.tree.leaves(held.base)} == {jnp.dtype(jnp.bfloat16)}
 
 

@@ -20,6 +20,7 @@ SOURCES = (
     "README.md",
     "LICENSE",
     "gptj_flax",
+    "gptj_flax_entry.py",
     "benchmarks",
     "tests",
     "scripts",
@@ -83,6 +84,7 @@ COMMANDS = {
     "gptj-prepare-threads": "prepare_threads",
     "gptj-demo": "demo",
     "gptj-aot-check": "aot_check",
+    "gptj-launch": "launch",
 }
 
 
@@ -103,7 +105,9 @@ def test_the_build_warns_about_nothing_and_declares_the_license_and_commands(bui
     assert f"{info}/licenses/LICENSE" in names
     assert not [name for name in names if name.endswith(".pth")]  # nothing runs at interpreter start
     declared = dict(re.findall(r"^(gptj-[\w-]+) = (\S+)$", entry_points, re.MULTILINE))
-    assert declared == {command: f"gptj_flax.cli.{module}:main" for command, module in COMMANDS.items()}
+    # Each through the entry module, which runs gptj_flax.cli.MODULE's main (tests/test_cli_hostile.py).
+    assert declared == {command: f"gptj_flax_entry:gptj_{module}" for command, module in COMMANDS.items()}
+    assert "gptj_flax_entry.py" in names
     assert all(f"gptj_flax/cli/{module}.py" in names for module in COMMANDS.values())
 
 
@@ -117,7 +121,8 @@ def test_the_wheel_holds_the_library_and_no_benchmark_fixture_or_test(wheel):
         "gptj_flax/gpt4chan/post_html.py",
         "gptj_flax/convert/hf.py",
     } <= set(modules)
-    assert not {name.split("/")[0] for name in names if not name.startswith("gptj_flax")}
+    top_level = {name.split("/")[0] for name in names if not name.startswith("gptj_flax-")}  # but the dist-info
+    assert top_level == {"gptj_flax", "gptj_flax_entry.py"}
     assert not [name for name in modules if NOT_A_LIBRARY_MODULE.search(name)]
     defined = [
         (name, function)
@@ -182,3 +187,17 @@ def test_the_installed_package_works_without_the_checkout(wheel, tmp_path):
         tmp_path,
     )
     assert gpt4chan == {"file": str(target / "gptj_flax" / "gpt4chan" / "__init__.py"), "text": "a\n>>1"}
+    # An installed console command runs its module's main through the entry module.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    compared = subprocess.run(
+        [str(target / "bin" / "gptj-eval"), "compare", "missing.json", "other.json"],
+        env={**env, "PYTHONPATH": str(target)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (compared.returncode, compared.stderr) == (
+        1,
+        f"error: {tmp_path / 'missing.json'}: No such file or directory\n",
+    )

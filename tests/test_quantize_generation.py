@@ -18,7 +18,7 @@ from gptj_flax import convert, data
 from gptj_flax.config import load_config
 from gptj_flax.data.corpus import write_stdlib_corpus
 from gptj_flax.evaluation.perplexity import perplexity
-from gptj_flax.model import token_log_probs
+from gptj_flax.losses import token_log_probs
 from gptj_flax.sampling import LanguageModel
 from gptj_flax.training import train
 from tests.test_kv_int8 import cached_logits

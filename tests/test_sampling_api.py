@@ -1,7 +1,6 @@
 """``gptj_flax.load`` on an Orbax checkpoint with its tokenizer: generate, stream, score, stop strings,
-the padded vocabulary, ``scripts/sample.py`` and ``examples/sampling.ipynb``."""
+the padded vocabulary and ``scripts/sample.py`` (``tests/test_notebook.py`` runs ``examples/sampling.ipynb``)."""
 
-import json
 import os
 import re
 
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 import gptj_flax
+import gptj_flax.sampling
 from gptj_flax.checkpoint import Checkpointer, CheckpointError
 from gptj_flax.config import Config, TrainConfig
 from gptj_flax.model import GPTJ
@@ -22,6 +22,13 @@ from tests.helpers import CORPUS, tiny_config
 TOKENIZER_VOCAB = 300
 # The model's vocabulary is padded past the tokenizer's (as GPT-J's 50400 > 50257).
 CFG = tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=320, max_len=128)
+
+
+def test_the_sampling_namespace_leaves_the_device_programs_in_their_modules():
+    """``gptj_flax.sampling`` exports what a library user calls (``load``, ``LanguageModel`` and its
+    settings, results and errors), not the compiled programs behind them (``Decoder``, ``Slots``)."""
+    assert {"load", "LanguageModel", "SamplingParams"} <= set(gptj_flax.sampling.__all__)
+    assert not {"Decoder", "Slots"} & set(dir(gptj_flax.sampling))
 
 
 def make_tokenizer():
@@ -238,25 +245,3 @@ def test_sample_script_one_shot_and_interactive(lm, checkpoint_dir, repo_root, r
     assert loop.out.count("===== sample 0") == 2 and loop.out.count("===== sample 1") == 2
     assert "exceeds the model's context" in loop.err  # the over-long prompt is refused, the loop goes on
     assert loop.err.count("completion done in") == 2
-
-
-@pytest.mark.slow
-def test_notebook_runs_headless_and_samples(lm, checkpoint_dir, repo_root):
-    import nbclient
-    import nbformat
-
-    notebook = nbformat.read(repo_root / "examples" / "sampling.ipynb", as_version=4)
-    os.environ["GPTJ_CHECKPOINT"] = checkpoint_dir  # the kernel inherits this process's environment
-    try:
-        nbclient.NotebookClient(
-            notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(repo_root / "examples")}}
-        ).execute()
-    finally:
-        del os.environ["GPTJ_CHECKPOINT"]
-    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
-    assert not [o for o in outputs if o.output_type == "error"]
-    summary = json.loads(notebook.cells[-1].outputs[-1].text)
-    assert summary["greedy"] == lm.generate("def ", 48, temperature=0).text
-    assert summary["stream_matches_generate"] is True
-    assert len(summary["batch_finish_reasons"]) == 3
-    assert summary["scored_tokens"] == len(lm.encode("def main():\n    return 0\n"))

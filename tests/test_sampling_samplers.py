@@ -16,11 +16,10 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from gptj_flax.losses import first_argmax, mask_vocab
 from gptj_flax.sampling.samplers import (
     SamplingError,
     SamplingParams,
-    first_argmax,
-    mask_vocab,
     min_p_filter,
     next_tokens,
     repetition_penalty,

@@ -156,7 +156,9 @@ HOSTILE = [
 
 @pytest.mark.parametrize("path,template,field", HOSTILE, ids=[f"{p}-{t}" for p, t, _ in HOSTILE])
 def test_nan_infinities_and_lone_surrogates_are_a_422_naming_the_field(client, path, template, field, no_key_leaks):
-    response = client.post(path, content=raw(template), headers=JSON)
+    # With a valid Bearer key too: a body that holds no usable key of its own (an array, a lone
+    # surrogate as the key) is a 401 before it is validated (test_serving_hostile).
+    response = client.post(path, content=raw(template), headers={**JSON, **BEARER})
     assert response.status_code == 422, response.text
     errors = response.json()["detail"]
     assert errors and all(set(error) == {"loc", "msg", "type"} for error in errors)  # no "input", no "ctx"
@@ -214,9 +216,12 @@ def test_malformed_json_is_a_400_and_neither_echoes_nor_fails(client):
         b'{"prompt": "\xff\xfe"}',
         b"[" * 100_000,
     ):
-        response = client.post("/complete", content=body, headers=JSON)
+        # with the key as Bearer: a key in a body that is not JSON cannot be read (that is a 401)
+        response = client.post("/complete", content=body, headers={**JSON, **BEARER})
         assert response.status_code == 400, (body[:40], response.text)
-        assert "prompt" not in response.text
+        assert "prompt" not in response.text and KEYS[0] not in response.text
+    unread = client.post("/complete", content=b'{"prompt": "x", "api_key": "' + KEYS[0].encode() + b'", ', headers=JSON)
+    assert unread.status_code == 401
     assert no_server_error(client)
 
 
@@ -265,7 +270,7 @@ def test_the_leak_scan_sees_logs_and_every_clients_response_bodies(client, serve
 
     async def async_get():
         async with httpx.AsyncClient(base_url=server.url) as http:
-            return (await http.get("/v1/models")).status_code
+            return (await http.get("/v1/models", headers=BEARER)).status_code
 
     assert asyncio.run(async_get()) == 200
     assert requests.get(server.url + "/health", timeout=30).status_code == 200

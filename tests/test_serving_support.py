@@ -250,9 +250,9 @@ class _HeldSlots:
     def __getattr__(self, name):
         return getattr(self._slots, name)
 
-    def warm_up(self):
+    def warm_up(self, **kwargs):
         self._holder._enter([[0]])
-        self._slots.warm_up()
+        return self._slots.warm_up(**kwargs)
 
     def dispatch_admit(self, requests, slots):
         self._holder._enter([r.tokens for r in requests])
@@ -296,7 +296,11 @@ class RunningServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, timeout_graceful_shutdown=30)
+        # log_config=None: uvicorn's own dictConfig would close every handler in the process, absl's among
+        # them, which closes the stream it holds: pytest's capture of stderr.
+        config = uvicorn.Config(
+            self.app, log_config=None, log_level="warning", access_log=False, timeout_graceful_shutdown=30
+        )
         self.server = DrainingServer(config, self.service)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

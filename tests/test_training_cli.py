@@ -11,7 +11,8 @@ import jax
 import pytest
 
 from gptj_flax import checkpoint, partitioning
-from gptj_flax.config import ConfigError, cli_path, join_negative_values
+from gptj_flax.cli.args import cli_path, join_negative_values
+from gptj_flax.config import ConfigError
 from gptj_flax.training import train
 from tests import commands
 from tests.training_helpers import REPO, make_config, write_config

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from gptj_flax import checkpoint
+from gptj_flax.errors import LAUNCHED_ENV
 from gptj_flax.training import RunDirLocked
 from gptj_flax.training.lock import LOCK_NAME, RunDirLock
 from tests import commands
@@ -126,3 +127,28 @@ def test_a_run_that_wrote_nothing_leaves_no_empty_directory(tmp_path):
     with RunDirLock(tmp_path / "kept"):
         pass
     assert (tmp_path / "kept").is_dir()  # it existed before: left alone
+
+
+def test_gptj_launch_takes_over_the_lock_of_its_own_earlier_attempt_from_any_host(tmp_path, monkeypatch, caplog):
+    # After a preemption the job's process 0 may run on a new host: the launcher ended the earlier one.
+    run = tmp_path / "run"
+    run.mkdir()
+    left = {"host": "tpu-vm-7", "pid": 4242, "started": "2020-01-01T00:00:00+00:00", "launch": "job1:0"}
+    for ours in ("job1:0", "job2:1", None):  # the same attempt, another job, no launcher: refused
+        (run / LOCK_NAME).write_text(json.dumps(left))
+        if ours is None:
+            monkeypatch.delenv(LAUNCHED_ENV, raising=False)
+        else:
+            monkeypatch.setenv(LAUNCHED_ENV, ours)
+        with pytest.raises(RunDirLocked, match="pid 4242 on host tpu-vm-7"):
+            RunDirLock(run).acquire()
+    monkeypatch.setenv(LAUNCHED_ENV, "job1:1")
+    for object_store in (False, True):
+        (run / LOCK_NAME).write_text(json.dumps(left))
+        lock = RunDirLock(run)
+        lock.is_url = object_store
+        with caplog.at_level(logging.WARNING):
+            lock.acquire()
+        assert json.loads((run / LOCK_NAME).read_text())["launch"] == "job1:1"
+        lock.release()
+    assert caplog.text.count("taking over the lock of pid 4242 on host tpu-vm-7") == 2

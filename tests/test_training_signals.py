@@ -1,7 +1,10 @@
-"""Stopping a trainer: Ctrl-C saves (a second one quits at once), and a crash's repeated steps are not recorded twice."""
+"""Stopping a trainer: Ctrl-C saves (a second one quits at once), SIGTERM to one process of a
+multi-process run stops every process at the same step, and a crash's repeated steps are not
+recorded twice."""
 
 import json
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +16,7 @@ from gptj_flax import checkpoint
 from gptj_flax.training import train
 from gptj_flax.training.lock import LOCK_NAME
 from gptj_flax.training.metrics import MetricsWriter, drop_records_from
+from tests.multihost_helpers import free_port, log_of, start_processes
 from tests.training_helpers import make_config, start_trainer, train_losses, wait_for, write_config
 
 STEPS = 40
@@ -117,3 +121,40 @@ def test_after_a_crash_and_a_resume_metrics_hold_each_step_once(corpus, referenc
     assert min(resumed.losses) == latest + 1
     assert f"taking over the stale lock of pid {proc.pid}" in caplog.text
     _assert_each_step_once_with_the_reference_losses(run, reference)
+
+
+@pytest.mark.slow  # two processes start JAX, compile and train (about a minute on 2 cores)
+def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(corpus, tmp_path, repo_root):
+    """Each process used to decide alone: the one signalled went into its save while the other
+    waited in the next step's collectives, and both hung."""
+    run = tmp_path / "run"
+    config = write_config(make_config(corpus, run, total_steps=500, val_set={}, ckpt_every=1000), tmp_path / "c.json")
+    port = free_port()
+    env = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}"}
+    procs = start_processes(
+        lambda pid: ["scripts/train.py", "--config", config, "--no-progress"],
+        2,
+        repo_root,
+        tmp_path,
+        env_of=lambda pid: {**env, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)},
+    )
+    try:
+        wait_for(lambda: len(train_losses(run)) >= 3, procs[0], tmp_path / "process_0.log", what="three steps")
+        procs[1].send_signal(signal.SIGTERM)  # process 1 only: process 0 writes the metrics
+        codes = [p.wait(timeout=240) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = [log_of(tmp_path, pid) for pid in range(2)]
+    hung = "" if codes is not None else "the processes were still running 240 s after the SIGTERM (hung)\n"
+    assert codes == [0, 0], hung + "\n\n".join(f"process {pid}:\n{log[-3000:]}" for pid, log in enumerate(logs))
+    stopped = [re.findall(r"step (\d+): preempted, saved", log) for log in logs]
+    assert stopped[0] == stopped[1] and len(stopped[0]) == 1, stopped
+    step = int(stopped[0][0])
+    assert checkpoint.Checkpointer(run, read_only=True).latest_step() == step
+    assert [s for s, _ in train_losses(run)] == list(range(1, step + 1))
+    assert "another process of this run was asked to stop" in logs[0] and "SIGTERM received" in logs[1]

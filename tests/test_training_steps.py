@@ -12,7 +12,8 @@ import pytest
 from gptj_flax import partitioning
 from gptj_flax.config import ConfigError, TrainConfig
 from gptj_flax.data import Batch
-from gptj_flax.model import GPTJ, chunked_loss_sums
+from gptj_flax.losses import chunked_loss_sums
+from gptj_flax.model import GPTJ
 from gptj_flax.training import optimizer, steps
 from tests.helpers import mean_loss, tiny_config
 
@@ -103,7 +104,9 @@ def _run(mesh_shape, batches, accumulated=True):
     tx = optimizer.make_optimizer(TRAIN)
     shardings = steps.state_shardings(model, tx, mesh)
     state = steps.create_state(model, tx, mesh, jax.random.key(0))
-    step = steps.compile_train_step(model, tx, mesh, shardings, optimizer.schedule(TRAIN), accumulated=accumulated)
+    step = steps.compile_train_step(
+        model, tx, shardings, data_sharding=steps.batch_sharding(mesh, accumulated), lr_fn=optimizer.schedule(TRAIN)
+    )
     out = []
     with partitioning.sharding_scope(mesh):
         for batch in batches:
@@ -134,7 +137,13 @@ def test_tiny_model_overfits_one_batch():
     mesh = partitioning.make_mesh((2, 2, 2))
     tx = optimizer.make_optimizer(cfg)
     state = steps.create_state(model, tx, mesh, jax.random.key(0))
-    step = steps.compile_train_step(model, tx, mesh, steps.state_shardings(model, tx, mesh), optimizer.schedule(cfg))
+    step = steps.compile_train_step(
+        model,
+        tx,
+        steps.state_shardings(model, tx, mesh),
+        data_sharding=steps.batch_sharding(mesh, accumulated=True),
+        lr_fn=optimizer.schedule(cfg),
+    )
     with partitioning.sharding_scope(mesh):
         losses = []
         for _ in range(150):
@@ -151,7 +160,7 @@ def test_eval_step_is_token_weighted():
     mesh = partitioning.make_mesh((1, 1, 1))
     params = steps.create_state(model, optimizer.make_optimizer(TRAIN), mesh, jax.random.key(0)).params
     shardings = steps.state_shardings(model, optimizer.make_optimizer(TRAIN), mesh).params
-    evaluate = steps.compile_eval_step(model, mesh, shardings, accumulated=True)
+    evaluate = steps.compile_eval_step(model, shardings, data_sharding=steps.batch_sharding(mesh, accumulated=True))
     out = evaluate(params, batch)
     logits = model.apply({"params": params}, batch.tokens[0, :, :-1], segment_ids=batch.segment_ids[0, :, :-1])
     logp = jax.nn.log_softmax(logits)

@@ -12,6 +12,8 @@ import sys
 
 import jax
 
+from gptj_flax.errors import GptjFlaxError
+
 # The PCI vendor of Google's TPU chips, which JAX itself checks before it starts the TPU runtime.
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 
@@ -79,4 +81,13 @@ def keep_stdout_for_results() -> None:
     os.dup2(sys.stderr.fileno(), out.fileno())
     sys.stdout = os.fdopen(
         results, "w", buffering=1 if out.line_buffering else -1, encoding=out.encoding, errors=out.errors
+    )
+
+
+def no_tokenizer(checkpoint: str) -> GptjFlaxError:
+    """What a command that reads or writes text says of a checkpoint saved without its tokenizer (the
+    library's advice, token-id prompts or ``tokenizer=``, has no command-line spelling)."""
+    return GptjFlaxError(
+        f"{checkpoint} has no tokenizer saved with it (a tokenizer/ directory): pass --tokenizer DIR, "
+        "the tokenizer the model was trained with"
     )

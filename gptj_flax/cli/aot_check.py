@@ -20,7 +20,8 @@ import os
 import sys
 
 from gptj_flax.cli import LONE_HOST_TPU_ENV, libtpu_without_tpu
-from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, cli_path, join_negative_values, load_config
+from gptj_flax.cli.args import cli_path, join_negative_values
+from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, load_config
 from gptj_flax.errors import add_debug_flag, run_cli
 from gptj_flax.training.aot import AotReport, ServingFit, compile_for_topology, serving_fit
 

@@ -31,7 +31,7 @@ import logging
 
 from gptj_flax import convert
 from gptj_flax.checkpoint import absolute_path
-from gptj_flax.config import cli_dtype
+from gptj_flax.cli.args import cli_dtype
 from gptj_flax.convert import lora
 from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE
 from gptj_flax.convert.orbax_io import OrbaxParams

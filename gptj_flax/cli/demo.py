@@ -21,7 +21,8 @@ import jax  # noqa: E402
 
 import gptj_flax  # noqa: E402
 from gptj_flax import partitioning  # noqa: E402
-from gptj_flax.config import ConfigError, cli_path, join_negative_values, load_config  # noqa: E402
+from gptj_flax.cli.args import cli_path, join_negative_values  # noqa: E402
+from gptj_flax.config import ConfigError, load_config  # noqa: E402
 from gptj_flax.data.corpus import prepare_demo_data  # noqa: E402
 from gptj_flax.errors import (  # noqa: E402
     EXIT_INTERRUPTED,

@@ -17,24 +17,22 @@ import sys
 
 import jax
 
+from gptj_flax.cli import no_tokenizer
+from gptj_flax.cli.args import cli_dtype, cli_path, cli_tokenizer, join_negative_values
 from gptj_flax.cli.distributed import start_processes
-from gptj_flax.config import cli_dtype, cli_path, join_negative_values
 from gptj_flax.errors import MissingExtraError, add_debug_flag, missing_extra, run_cli
 from gptj_flax.evaluation import compare
+from gptj_flax.evaluation.errors import EvaluationError
 from gptj_flax.evaluation.perplexity import perplexity
+from gptj_flax.sampling import MissingTokenizer
 
 NO_EVAL_EXTRA: MissingExtraError | None = None
 try:  # the eval extra, for `harness` only: perplexity and compare run without it
     from lm_eval.utils import make_table
 
-    from gptj_flax.evaluation.harness import GPTJFlaxLM, run_tasks, task_manager, write_results
+    from gptj_flax.evaluation.harness import GPTJFlaxLM, run_tasks, task_manager, unknown_tasks, write_results
 except ModuleNotFoundError as e:
     NO_EVAL_EXTRA = missing_extra(e)
-
-
-def tokenizer_source(text: str) -> str:
-    """A local tokenizer directory made absolute; a bare hub name (``gpt2``) left as it is."""
-    return cli_path(text) if os.path.exists(text) or os.sep in text or text.startswith(("~", ".")) else text
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +51,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: as stored, and the config's compute dtype)",
     )
     parser.add_argument(
-        "--tokenizer", type=tokenizer_source, help="tokenizer directory (default: the one saved with the checkpoint)"
+        "--tokenizer", type=cli_tokenizer, help="tokenizer directory (default: the one saved with the checkpoint)"
     )
     add_debug_flag(parser)
 
@@ -111,26 +109,39 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args(join_negative_values(sys.argv[1:]))
 
 
+def task_index(args: argparse.Namespace, tasks: list[str]):
+    """lm-eval's index of its tasks and ``--include-path``'s, once it knows every one of ``tasks``."""
+    index = task_manager(args.include_path, include_defaults=not args.no_builtin_tasks)
+    unknown = unknown_tasks(tasks, index)
+    if unknown:
+        listing = "gptj-lm-eval ls tasks" + (f" --include_path {args.include_path}" if args.include_path else "")
+        raise EvaluationError(f"lm-eval knows no task {', '.join(unknown)}; `{listing}` lists the tasks")
+    return index
+
+
 def run_harness(args: argparse.Namespace) -> None:
     if NO_EVAL_EXTRA is not None:
         raise NO_EVAL_EXTRA
     start_processes()  # on a TPU pod every host runs this command; elsewhere nothing
     tasks = [name for entry in args.tasks for name in entry.split(",") if name]
-    model = GPTJFlaxLM.from_checkpoint(
-        args.checkpoint,
-        mesh=args.mesh,
-        dtype=args.dtype,
-        step=args.step,
-        tokenizer=args.tokenizer,
-        batch_size=args.batch_size,
-        max_gen_toks=args.max_gen_toks,
-    )
+    index = task_index(args, tasks)  # before the model loads
+    try:
+        model = GPTJFlaxLM.from_checkpoint(
+            args.checkpoint,
+            mesh=args.mesh,
+            dtype=args.dtype,
+            step=args.step,
+            tokenizer=args.tokenizer,
+            batch_size=args.batch_size,
+            max_gen_toks=args.max_gen_toks,
+        )
+    except MissingTokenizer:
+        raise no_tokenizer(args.checkpoint) from None
     if jax.process_index() == 0:
         print(
             f"{args.checkpoint} step {model.step}: parameters {model.param_dtype}, compute {model.config.dtype}",
             file=sys.stderr,
         )
-    index = task_manager(args.include_path, include_defaults=not args.no_builtin_tasks)
     results = run_tasks(
         model,
         tasks,

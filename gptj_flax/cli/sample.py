@@ -13,16 +13,19 @@ process 0 prints.
 """
 
 import argparse
+import io
 import sys
 import time
 
 import jax
 
 import gptj_flax
+from gptj_flax.cli import no_tokenizer
+from gptj_flax.cli.args import cli_dtype, cli_path, cli_tokenizer, join_negative_values
 from gptj_flax.cli.distributed import start_processes
-from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, cli_dtype, cli_path, join_negative_values
+from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from gptj_flax.errors import add_debug_flag, run_cli
-from gptj_flax.sampling import SamplingError
+from gptj_flax.sampling import MissingTokenizer, SamplingError, check_settings, check_text
 from gptj_flax.sampling.multihost import read_on_process_0
 
 
@@ -38,6 +41,11 @@ def parse_args() -> argparse.Namespace:
         "--adapter",
         type=cli_path,
         help="LoRA adapters to merge into CHECKPOINT (the base): a LoRA run or step directory, or a PEFT directory",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=cli_tokenizer,
+        help="tokenizer directory or hub name (default: the one saved with the checkpoint)",
     )
     parser.add_argument("--mesh", default=None, help="data,fsdp,model sizes or a layout name (default: one device)")
     parser.add_argument(
@@ -92,45 +100,8 @@ def show(*values, **kwargs) -> None:
         print(*values, **kwargs)
 
 
-def complete(lm, prompt: str, args: argparse.Namespace, settings: dict) -> None:
-    """Print the completion(s) of ``prompt``: streamed for one sample, one block per sample otherwise."""
-    if args.num_samples == 1:
-        for piece in lm.stream(prompt, **settings):
-            show(piece, end="", flush=True)
-        show()
-        return
-    seeds = [args.seed + i for i in range(args.num_samples)]
-    for i, completion in enumerate(lm.generate([prompt] * args.num_samples, **{**settings, "seed": seeds})):
-        show(f"===== sample {i} ({completion.finish_reason}, {completion.completion_tokens} tokens) =====")
-        show(completion.text)
-
-
-def read_file(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def read_line() -> str | None:
-    """A line typed at the prompt; ``None`` at the end of input."""
-    try:
-        return input("prompt> ")
-    except EOFError:
-        return None
-
-
-def _main() -> None:
-    args = parse_args()
-    start_processes()  # on a TPU pod every host runs this command; elsewhere nothing
-    lm = gptj_flax.load(
-        args.checkpoint,
-        mesh=args.mesh,
-        dtype=args.dtype,
-        step=args.step,
-        quantize=args.quantize,
-        adapter=args.adapter,
-        kv_cache=args.kv_cache,
-    )
-    show(lm, file=sys.stderr)  # states the parameter and compute dtypes in effect
+def generation_settings(args: argparse.Namespace) -> dict:
+    """The settings every prompt is completed with, checked as generation checks them (before loading)."""
     settings = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -140,15 +111,79 @@ def _main() -> None:
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
         stop=args.stop or None,
-        seed=args.seed,
+        seed=args.seed,  # sample i draws with seed + i
         ignore_eos=args.ignore_eos,
-        original_order=args.original_order,
     )
-    if not args.interactive:
-        if args.prompt is not None:
-            prompt = args.prompt
-        else:
-            prompt = read_on_process_0(lambda: read_file(args.prompt_file)) or ""  # a file's text is never None
+    check_settings(args.num_samples, **settings)
+    return {**settings, "original_order": args.original_order}
+
+
+def complete(lm, prompt: str, args: argparse.Namespace, settings: dict) -> None:
+    """Print the completion(s) of ``prompt``: streamed for one sample, one block per sample otherwise."""
+    try:
+        if args.num_samples == 1:
+            for piece in lm.stream(prompt, **settings):
+                show(piece, end="", flush=True)
+            show()
+            return
+        for i, completion in enumerate(lm.generate([prompt] * args.num_samples, **settings)):
+            show(f"===== sample {i} ({completion.finish_reason}, {completion.completion_tokens} tokens) =====")
+            show(completion.text)
+    except MissingTokenizer:
+        raise no_tokenizer(args.checkpoint) from None
+
+
+def read_file(path: str) -> str:
+    """The text of the prompt file ``path``, which must be UTF-8."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SamplingError(f"{path}: not UTF-8 text at byte {e.start} ({e.reason}); give a UTF-8 text file") from None
+
+
+def read_line() -> str | None:
+    """A line typed at the prompt; ``None`` at the end of input.
+
+    Bytes that are not UTF-8 come as lone surrogates rather than ending the session: generation
+    refuses that line, as it does a too-long one, and the loop goes on.
+    """
+    if isinstance(sys.stdin, io.TextIOWrapper) and sys.stdin.errors != "surrogateescape":
+        sys.stdin.reconfigure(errors="surrogateescape")
+    try:
+        return input("prompt> ")
+    except EOFError:
+        return None
+
+
+def one_prompt(args: argparse.Namespace) -> str | None:
+    """The prompt of ``--prompt`` or ``--prompt-file``, checked; ``None`` in interactive mode."""
+    if args.interactive:
+        return None
+    if args.prompt is not None:
+        check_text(args.prompt, "--prompt")
+        return args.prompt
+    return read_on_process_0(lambda: read_file(args.prompt_file)) or ""  # a file's text is never None
+
+
+def _main() -> None:
+    args = parse_args()
+    settings = generation_settings(args)
+    start_processes()  # on a TPU pod every host runs this command; elsewhere nothing
+    prompt = one_prompt(args)  # read before the model loads, as the settings are checked
+    lm = gptj_flax.load(
+        args.checkpoint,
+        mesh=args.mesh,
+        dtype=args.dtype,
+        step=args.step,
+        tokenizer=args.tokenizer,
+        quantize=args.quantize,
+        adapter=args.adapter,
+        kv_cache=args.kv_cache,
+    )
+    show(lm, file=sys.stderr)  # states the parameter and compute dtypes in effect
+    if prompt is not None:
         complete(lm, prompt, args, settings)
         return
     while True:
@@ -158,7 +193,7 @@ def _main() -> None:
         start = time.perf_counter()
         try:
             complete(lm, prompt, args, settings)
-        except SamplingError as e:  # a bad prompt (e.g. too long) ends that request, not the session
+        except SamplingError as e:  # a bad prompt (too long, not UTF-8) ends that request, not the session
             show(f"error: {e}", file=sys.stderr)
             continue
         show(f"[completion done in {time.perf_counter() - start:.2f} s]", file=sys.stderr)

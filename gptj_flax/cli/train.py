@@ -6,7 +6,8 @@
 Run the same command on every host of a TPU VM slice (JAX finds the other hosts itself); elsewhere
 add --coordinator HOST:PORT --num-processes N --process-id I. The run resumes from the latest
 checkpoint in train.run_dir, which one trainer at a time may use (RUN_DIR/train.lock names it).
-SIGTERM saves and exits 0; Ctrl-C saves and exits 130, and a second Ctrl-C quits at once.
+SIGTERM saves and exits 0 (75 under gptj-launch, which then starts the job again); Ctrl-C saves and
+exits 130, and a second Ctrl-C quits at once.
 """
 
 import argparse
@@ -15,9 +16,13 @@ import os
 import sys
 
 from gptj_flax import partitioning
-from gptj_flax.config import ConfigError, cli_path, join_negative_values, load_config
+from gptj_flax.cli.args import cli_path, join_negative_values
+from gptj_flax.config import Config, ConfigError, load_config
+from gptj_flax.data import DataOrderChanged
 from gptj_flax.errors import (
     EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    LAUNCHED_ENV,
     MissingExtraError,
     add_debug_flag,
     configure_logging,
@@ -41,6 +46,33 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+# The setting behind each part of a saved data position that must match to resume it.
+DATA_ORDER_SETTINGS = {
+    "seed": "train.seed",
+    "batch_size": "train.batch_size",
+    "grad_accum": "train.grad_accum_steps",
+    "seq_len": "train.seq_len",
+}
+
+
+def data_order_error(error: DataOrderChanged, config: Config) -> ConfigError:
+    """What to do, in flags, when the run's saved data position does not fit this invocation's settings."""
+    changed, run_dir = error.changed, config.train.run_dir
+    settings = {DATA_ORDER_SETTINGS[k]: changed[k] for k in changed if k in DATA_ORDER_SETTINGS}
+    facts = [f"{name} was {saved!r}, is {now!r} now" for name, (saved, now) in settings.items()]
+    if "num_sequences" in changed:
+        saved, now = changed["num_sequences"]
+        facts.append(f"train.train_set holds {now} sequences, {saved} when saved (other data)")
+    rest = [k for k in changed if k not in DATA_ORDER_SETTINGS and k != "num_sequences"]
+    facts += [f"{k} was {changed[k][0]!r}, is {changed[k][1]!r} now" for k in rest]
+    back = " ".join(f"--set {name}={saved}" for name, (saved, _) in settings.items())
+    resume = f"run with the saved settings ({back})" if back else "train on the data the run was saved with"
+    return ConfigError(
+        f"cannot resume {run_dir} where its data stopped: {'; '.join(facts)}. To resume, {resume}; to train "
+        f"anew from its weights, use another run directory: --set train.run_dir=NEW --init-from {run_dir}"
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -97,17 +129,20 @@ def _main() -> int:
         harness = HarnessDuringTraining(
             config.train.eval_harness_tasks, results_dir=os.path.join(config.train.run_dir, "harness")
         )
-    result = train(
-        config,
-        mesh=mesh,
-        init_from=args.init_from,
-        fresh_opt=args.fresh_opt,
-        peak_flops=args.peak_flops,
-        stop_after=args.stop_after,
-        progress=not args.no_progress,
-        harness=harness,
-        resume_step=args.resume_step,
-    )
+    try:
+        result = train(
+            config,
+            mesh=mesh,
+            init_from=args.init_from,
+            fresh_opt=args.fresh_opt,
+            peak_flops=args.peak_flops,
+            stop_after=args.stop_after,
+            progress=not args.no_progress,
+            harness=harness,
+            resume_step=args.resume_step,
+        )
+    except DataOrderChanged as e:  # the library's advice (state=None) has no command-line spelling
+        raise data_order_error(e, config) from None
     if result.saved_step is None:
         done = (
             f" (train.total_steps={config.train.total_steps} reached)"
@@ -120,6 +155,8 @@ def _main() -> int:
         return EXIT_INTERRUPTED
     else:
         print(f"step {result.step}: {'preempted, saved' if result.preempted else 'saved'} in {result.run_dir}")
+        if result.preempted and os.environ.get(LAUNCHED_ENV):  # gptj-launch starts the job again
+            return EXIT_PREEMPTED
     if result.checkpoint_bytes is not None and result.base_bytes is not None:
         print(
             f"LoRA checkpoint step {result.saved_step}: {result.checkpoint_bytes / 2**20:.2f} MiB on disk "

@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import signal
+import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
@@ -55,6 +56,16 @@ def atomic_directory(out: str | os.PathLike) -> Iterator[Path]:
         _remove_ignoring_ctrl_c(tmp)
         raise
     tmp.rename(out)
+
+
+@contextlib.contextmanager
+def scratch_directory(parent: Path, prefix: str) -> Iterator[Path]:
+    """A new directory in ``parent`` for intermediate files, removed afterwards whatever happens."""
+    scratch = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield scratch
+    finally:
+        _remove_ignoring_ctrl_c(scratch)
 
 
 def _remove_ignoring_ctrl_c(directory: Path) -> None:

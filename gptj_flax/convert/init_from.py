@@ -42,10 +42,14 @@ def parse_init_spec(spec: str) -> tuple[str, str]:
 
 def check_architecture(source: ModelConfig, wanted: ModelConfig, where: str) -> None:
     """Refuse a source whose shapes differ from the run's config, naming every difference."""
+
+    def value(config: ModelConfig, name: str):  # an unset d_ff is 4 * d_model, spelt out or not
+        return config.ff_dim if name == "d_ff" else getattr(config, name)
+
     diffs = [
-        f"{name}: {getattr(source, name)} there, {getattr(wanted, name)} in the config"
+        f"{name}: {value(source, name)} there, {value(wanted, name)} in the config"
         for name in ARCHITECTURE_FIELDS
-        if getattr(source, name) != getattr(wanted, name)
+        if value(source, name) != value(wanted, name)
     ]
     if diffs:
         raise ConversionError(f"{where} does not fit the model config: " + "; ".join(diffs))

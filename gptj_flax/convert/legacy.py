@@ -158,10 +158,10 @@ class LegacyCheckpoint:
                     f"{self.step_dir}: model.{name}={value} is not divisible by its "
                     f"{self.shards} shards: the config does not fit this checkpoint"
                 )
-        if config.d_ff != 4 * config.d_model:
+        if config.ff_dim != 4 * config.d_model:
             raise ConversionError(
                 f"{self.step_dir}: the original model always has d_ff = 4·d_model, "
-                f"but the config says d_ff={config.d_ff}, d_model={config.d_model}"
+                f"but the config says d_ff={config.ff_dim}, d_model={config.d_model}"
             )
         self.params = {p.key: p for p in legacy_params(config, self.shards)}
         n_params = len(self.params)

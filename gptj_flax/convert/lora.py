@@ -15,11 +15,12 @@ layout), with in/out flattened as GPT-J HF flattens heads × head_dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import math
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +30,21 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from etils import epath
+from flax import traverse_util
 from jax.sharding import Mesh
 
 from gptj_flax import checkpoint, partitioning
-from gptj_flax.config import Config, LoraConfig, ModelConfig
-from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files
+from gptj_flax.config import Config, ConfigError, LoraConfig, ModelConfig, max_lora_rank, projection_shape
+from gptj_flax.convert import safetensors_io
+from gptj_flax.convert.common import ConversionError, atomic_directory, copy_tokenizer_files, scratch_directory
 from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE, to_hf
 from gptj_flax.convert.init_from import load_init_params, parse_init_spec
+from gptj_flax.convert.layout import StreamedArray
 from gptj_flax.convert.orbax_io import OrbaxParams, write_checkpoint
 from gptj_flax.convert.quantize import dequantize_params
 from gptj_flax.model import abstract_adapters, stack_layers, unstack_layers
 
-BASE_KEY = "lora_base"  # the meta key of a LoRA checkpoint that names its base
+BASE_KEY = checkpoint.LORA_BASE_KEY  # the meta key of a LoRA checkpoint that names its base
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 
@@ -197,6 +201,20 @@ def adapter_targets(config: Config, mesh: Mesh) -> Any:
     return targets
 
 
+def _refuse_non_adapter_path(path: epath.Path) -> None:
+    """Refuse a file, or half a PEFT directory, where an adapter directory is expected."""
+    if path.is_dir() and (path / PEFT_WEIGHTS).is_file():
+        raise LoRAError(f"adapter {path} has {PEFT_WEIGHTS} but no {PEFT_CONFIG}: it is an incomplete PEFT adapter")
+    if path.is_dir():
+        return
+    if path.name in (PEFT_CONFIG, PEFT_WEIGHTS):
+        raise LoRAError(f"adapter {path} is a file: give the PEFT directory that holds it, {path.parent}")
+    raise LoRAError(
+        f"adapter {path} is a file: give a LoRA run directory, one of its step directories, or a PEFT "
+        f"directory ({PEFT_CONFIG} and {PEFT_WEIGHTS})"
+    )
+
+
 def read_adapter(path: str | os.PathLike, mesh: Mesh | None = None, model_config: ModelConfig | None = None) -> Adapter:
     """The adapter at ``path``: a LoRA run directory (its latest step), one step of it, or a PEFT
     directory (which needs ``model_config``, the base's, to know the shapes)."""
@@ -208,6 +226,7 @@ def read_adapter(path: str | os.PathLike, mesh: Mesh | None = None, model_config
     directory, step = checkpoint.split_step_path(checkpoint.absolute_path(path))
     if not directory.exists():
         raise LoRAError(f"adapter {path} does not exist")
+    _refuse_non_adapter_path(directory)
     ckpt = checkpoint.Checkpointer(directory, read_only=True)
     try:
         step = ckpt.resolve_step(step)
@@ -254,20 +273,50 @@ def lora_update(a, b, scale: float, stacked: bool):
     return (scale * xp.matmul(a2, b2)).reshape(*lead, *in_dims, *out_dims)
 
 
+def _adapted_kernels(adapters: dict, lora: LoraConfig) -> dict[tuple[str, ...], tuple[dict, bool]]:
+    """Each adapted kernel's path in the params tree, with its adapter (``a``, ``b``) and whether its
+    layers are stacked."""
+    return {
+        (group, *KERNEL_PATHS[name]): (_get(adapters[group], ADAPTER_PATHS[name]), stacked)
+        for group, stacked in _layer_groups(adapters)
+        for name in lora.projections
+    }
+
+
+def _merged_kernel(kernel, ab: dict, lora: LoraConfig, stacked: bool, path: tuple[str, ...], dtype=None):
+    update = lora_update(ab["a"], ab["b"], lora.scale, stacked)
+    if update.shape != kernel.shape:
+        raise LoRAError(f"adapter {'/'.join(path)}: update {update.shape} does not fit kernel {kernel.shape}")
+    return (kernel.astype(np.float32) + update).astype(dtype or kernel.dtype)
+
+
 def merge_adapters(params: dict, adapters: dict, lora: LoraConfig, dtype=None) -> dict:
     """``params`` with every adapted kernel replaced by ``W + (alpha/rank)·A@B``, in ``dtype``
     (default each kernel's own). Both trees must be in the same layer layout."""
     merged = jax.tree.map(lambda x: x, params)  # a new tree: the caller's is left as it is
-    for group, stacked in _layer_groups(adapters):
-        for name in lora.projections:
-            ab = _get(adapters[group], ADAPTER_PATHS[name])
-            kernel = _get(merged[group], KERNEL_PATHS[name])
-            update = lora_update(ab["a"], ab["b"], lora.scale, stacked)
-            if update.shape != kernel.shape:
-                raise LoRAError(f"adapter {group}/{name}: update {update.shape} does not fit kernel {kernel.shape}")
-            out_dtype = dtype or kernel.dtype
-            _set(merged[group], KERNEL_PATHS[name], (kernel.astype(np.float32) + update).astype(out_dtype))
+    for path, (ab, stacked) in _adapted_kernels(adapters, lora).items():
+        _set(merged, path, _merged_kernel(_get(merged, path), ab, lora, stacked, path, dtype))
     return merged
+
+
+def merged_streamed(params: dict, adapters: dict, lora: LoraConfig) -> dict:
+    """:func:`merge_adapters` as :class:`StreamedArray` leaves: each kernel is merged as it is written, so a
+    writer holds one merged leaf at a time and can stop between leaves (Ctrl-C, a failure)."""
+    kernels = _adapted_kernels(adapters, lora)
+
+    def produce(path: tuple[str, ...], leaf) -> np.ndarray:
+        if path not in kernels:
+            return np.asarray(leaf)
+        ab, stacked = kernels[path]
+        return np.asarray(_merged_kernel(leaf, ab, lora, stacked, path))
+
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict(
+        {
+            path: StreamedArray(leaf.shape, leaf.dtype, functools.partial(produce, path, leaf), "/".join(path))
+            for path, leaf in flat.items()
+        }
+    )
 
 
 def merge_lora(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "float32") -> Path:
@@ -281,7 +330,7 @@ def merge_lora(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "
     if model.quantize is not None:  # QLoRA: merged into the dequantised int8 base it was trained on
         base, model = dequantize_params(base, dtype), dataclasses.replace(model, quantize=None)
     config = Config(model=model, mesh=adapter.config.mesh)
-    merged = merge_adapters(base, adapter.adapters, adapter.lora)
+    merged = merged_streamed(base, adapter.adapters, adapter.lora)
     with atomic_directory(out) as tmp:
         write_checkpoint(
             tmp,
@@ -309,8 +358,8 @@ def to_hf_merged(
     """
     parent = Path(out).resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".merge-lora-", dir=parent) as scratch:
-        merged = merge_lora(src, Path(scratch) / "merged")
+    with scratch_directory(parent, ".merge-lora-") as scratch:
+        merged = merge_lora(src, scratch / "merged")
         return to_hf(merged, out, dtype=dtype, max_shard_size=max_shard_size)
 
 
@@ -360,46 +409,207 @@ def to_peft(src: str | os.PathLike, out: str | os.PathLike) -> Path:
     return Path(out)
 
 
-def read_peft(path: str | os.PathLike, model_config: ModelConfig) -> Adapter:
-    """A PEFT LoRA directory for GPT-J as an :class:`Adapter` in ``model_config``'s layer layout (host arrays)."""
-    directory = Path(path)
-    raw = json.loads((directory / PEFT_CONFIG).read_text())
+# adapter_config.json fields that change what an adapter computes, each with the value it must have
+# (PEFT's default) for the merge here to be what PEFT computes. rank_pattern and alpha_pattern are
+# honoured; the other fields (dropout, initialisation, task) only shape training.
+_PEFT_FIXED: dict[str, Any] = {
+    "use_dora": False,
+    "use_rslora": False,
+    "fan_in_fan_out": False,
+    "bias": "none",
+    "lora_bias": False,
+    "use_qalora": False,
+    "layers_to_transform": None,
+    "exclude_modules": None,
+    "layer_replication": None,
+    "modules_to_save": None,
+    "trainable_token_indices": None,
+    "target_parameters": None,
+    "alora_invocation_tokens": None,
+    "use_bdlora": None,
+    "arrow_config": None,
+    "kasa_config": None,
+    "monteclora_config": None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftSettings:
+    """What a PEFT ``adapter_config.json`` says about the adapters' shapes and scales."""
+
+    path: Path  # the adapter_config.json
+    lora: LoraConfig  # r, lora_alpha and target_modules
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+
+    def rank_and_alpha(self, module: str) -> tuple[int, float]:
+        """The rank and alpha of ``module`` (``transformer.h.3.attn.q_proj``) as PEFT picks them."""
+        return (
+            _by_pattern(self.rank_pattern, module, self.lora.rank),
+            _by_pattern(self.alpha_pattern, module, self.lora.alpha),
+        )
+
+
+def _by_pattern(patterns: dict, module: str, default):
+    """PEFT's rule: the first pattern that matches the end of the module's dotted name, else ``default``."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+def _peft_value(path: Path, key: str, value: Any, kind: str) -> Any:
+    """``value`` of ``key`` checked as a positive ``int`` (a rank) or a finite positive number (an alpha)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if kind == "rank":
+        ok = ok and isinstance(value, int)
+    if not ok:
+        want = "a positive integer" if kind == "rank" else "a finite positive number"
+        raise LoRAError(f"{path}: {key} must be {want}, got {value!r}")
+    return value
+
+
+def _peft_patterns(path: Path, raw: dict, key: str, kind: str) -> dict:
+    patterns = raw.get(key) or {}
+    if not isinstance(patterns, dict):
+        raise LoRAError(f"{path}: {key} must be an object of module patterns, got {patterns!r}")
+    for pattern, value in patterns.items():
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise LoRAError(f"{path}: {key} pattern {pattern!r} is not a regular expression ({e})") from None
+        _peft_value(path, f"{key}[{pattern!r}]", value, kind)
+    return dict(patterns)
+
+
+def _peft_json(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoRAError(f"{path} is not JSON ({e}): write the adapter again with PEFT's save_pretrained") from None
+    if not isinstance(raw, dict):
+        raise LoRAError(f"{path} holds {type(raw).__name__}, not a JSON object of PEFT settings")
+    return raw
+
+
+def read_peft_settings(path: Path) -> PeftSettings:
+    """``adapter_config.json`` at ``path``, checked: a LoRA adapter whose every setting is one the
+    merge here computes as PEFT does."""
+    raw = _peft_json(path)
     if raw.get("peft_type") != "LORA":
-        raise LoRAError(f"{directory}/{PEFT_CONFIG}: peft_type {raw.get('peft_type')!r}, only LORA adapters load")
-    for key, supported in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none")):
-        if raw.get(key, supported) != supported:
-            raise LoRAError(f"{directory}/{PEFT_CONFIG}: {key}={raw[key]!r} is not supported (only {supported!r})")
-    modules = raw.get("target_modules")
-    targets = [modules] if isinstance(modules, str) else list(modules or [])
-    lora = LoraConfig(rank=raw["r"], alpha=raw["lora_alpha"], targets=tuple(targets))
-    if not (directory / PEFT_WEIGHTS).is_file():
-        raise LoRAError(f"{directory} has no {PEFT_WEIGHTS}")
-    tensors = safetensors.numpy.load_file(str(directory / PEFT_WEIGHTS))
-    unrolled = dataclasses.replace(model_config, scan_layers=False)
-    shapes = nn.meta.unbox(abstract_adapters(unrolled, lora))
-    adapters = jax.tree.map(lambda s: None, shapes)
-    for key, tensor in tensors.items():
+        raise LoRAError(f"{path}: peft_type {raw.get('peft_type')!r}, only LORA adapters load")
+    for key, default in _PEFT_FIXED.items():
+        value = raw.get(key)
+        if value is not None and value != default and (default is not None or value not in ([], {})):
+            raise LoRAError(f"{path}: {key}={value!r} is not supported (only {default!r}, PEFT's default)")
+    for key in ("r", "lora_alpha", "target_modules"):
+        if key not in raw:
+            raise LoRAError(f"{path} has no {key!r}: it is not a complete PEFT LoRA config")
+    rank = _peft_value(path, "r", raw["r"], "rank")
+    alpha = _peft_value(path, "lora_alpha", raw["lora_alpha"], "alpha")
+    modules = [raw["target_modules"]] if isinstance(raw["target_modules"], str) else raw["target_modules"]
+    if not isinstance(modules, list):
+        raise LoRAError(f"{path}: target_modules must be a list of module names, got {modules!r}")
+    try:
+        lora = LoraConfig(rank=rank, alpha=alpha, targets=tuple(modules))
+    except ConfigError as e:
+        raise LoRAError(f"{path}: {str(e).replace('train.lora.targets', 'target_modules')}") from None
+    rank_pattern = _peft_patterns(path, raw, "rank_pattern", "rank")
+    alpha_pattern = _peft_patterns(path, raw, "alpha_pattern", "alpha")
+    return PeftSettings(path, lora, rank_pattern, alpha_pattern)
+
+
+def _peft_tensors(path: Path, settings: PeftSettings, n_layers: int) -> dict[str, safetensors_io.TensorInfo]:
+    """The tensors of ``adapter_model.safetensors`` at ``path``, each one an adapter of the base."""
+    if not path.is_file():
+        raise LoRAError(f"{path.parent} has no {PEFT_WEIGHTS}")
+    tensors = safetensors_io.read_header(path)
+    for key in tensors:
         m = _PEFT_KEY.match(key)
-        if not m or m.group(3) not in lora.projections:
-            raise LoRAError(
-                f"{directory}/{PEFT_WEIGHTS}: unexpected tensor {key!r} for a GPT-J LoRA on {lora.projections}"
+        if not m or m.group(3) not in settings.lora.projections:
+            raise LoRAError(f"{path}: unexpected tensor {key!r} for a GPT-J LoRA on {settings.lora.projections}")
+        if int(m.group(1)) >= n_layers:
+            raise LoRAError(f"{path}: {key} is for a layer the base model (n_layers={n_layers}) lacks")
+    return tensors
+
+
+def _peft_matrix(tensors: dict, key: str, want: tuple[int, int], rank: int, model_config: ModelConfig) -> np.ndarray:
+    """One ``lora_A``/``lora_B`` weight as float32, checked for its shape and finite values."""
+    info = tensors[key]
+    if info.shape != want:
+        rank_axis = 0 if key.endswith("lora_A.weight") else 1
+        if len(info.shape) == 2 and info.shape[1 - rank_axis] == want[1 - rank_axis]:
+            why = f"its rank is {info.shape[rank_axis]} but {PEFT_CONFIG} gives {rank} (r, or rank_pattern)"
+        else:
+            why = (
+                "it was made for a model of other dimensions than this base "
+                f"(d_model={model_config.d_model}, d_ff={model_config.ff_dim})"
             )
-        layer, name, which = f"layer_{m.group(1)}", m.group(3), m.group(4)
-        if layer not in shapes:
-            raise LoRAError(
-                f"{directory}: {key} is for a layer the base model (n_layers={model_config.n_layers}) lacks"
-            )
-        leaf = "a" if which == "A" else "b"
-        want = _get(shapes[layer], ADAPTER_PATHS[name])[leaf].shape
-        array = tensor.T.reshape(want).astype(np.float32)
-        _get(adapters[layer], ADAPTER_PATHS[name])[leaf] = array
+        raise LoRAError(f"{info.path}: tensor {key} has shape {info.shape}, not {want}: {why}")
+    if not np.issubdtype(info.dtype, np.floating) and info.dtype != np.dtype(jnp.bfloat16):
+        raise LoRAError(f"{info.path}: tensor {key} is {info.dtype}, not floating point")
+    matrix = safetensors_io.read_tensor(info).astype(np.float32)
+    if not np.isfinite(matrix).all():
+        raise LoRAError(
+            f"{info.path}: tensor {key} holds NaN or infinite values (training diverged?): the adapter is unusable"
+        )
+    return matrix
+
+
+def _peft_module(tensors: dict, settings: PeftSettings, layer: int, name: str, model_config: ModelConfig):
+    """Our ``a`` [in, r] and ``b`` [r, out] of one projection, at its own rank, its ``alpha/r`` folded into ``b``."""
+    module = f"transformer.h.{layer}.{HF_MODULES[name]}"
+    prefix = f"base_model.model.{module}"
+    rank, alpha = settings.rank_and_alpha(module)
+    n_in, n_out = projection_shape(model_config, name)
+    a = _peft_matrix(tensors, f"{prefix}.lora_A.weight", (rank, n_in), rank, model_config).T
+    b = _peft_matrix(tensors, f"{prefix}.lora_B.weight", (n_out, rank), rank, model_config).T
+    return a, b * np.float32(alpha / rank)
+
+
+def _check_peft_rank(settings: PeftSettings, rank: int, model_config: ModelConfig) -> None:
+    limit, name = max_lora_rank(model_config, settings.lora.projections)
+    if rank > limit:
+        rows, cols = projection_shape(model_config, name)
+        raise LoRAError(
+            f"{settings.path}: rank {rank} (r, or rank_pattern) exceeds {limit}, the rank of a full update of this "
+            f"base's {name} ({rows}×{cols}): an adapter of higher rank was not made for a model of this size"
+        )
+
+
+def read_peft(path: str | os.PathLike, model_config: ModelConfig) -> Adapter:
+    """A PEFT LoRA directory for GPT-J as an :class:`Adapter` in ``model_config``'s layer layout (host arrays).
+
+    Per-module ranks and alphas (``rank_pattern``, ``alpha_pattern``) apply as PEFT applies them: each
+    module's ``alpha/r`` is folded into its ``b`` and its rank padded with zeros to the largest, so the
+    adapter is one of that rank and scale 1.
+    """
+    directory = Path(path)
+    settings = read_peft_settings(directory / PEFT_CONFIG)
+    tensors = _peft_tensors(directory / PEFT_WEIGHTS, settings, model_config.n_layers)
+    modules = [(layer, name) for layer in range(model_config.n_layers) for name in settings.lora.projections]
     missing = [
-        "/".join(map(str, p))
-        for p, v in jax.tree_util.tree_leaves_with_path(adapters, is_leaf=lambda x: x is None)
-        if v is None
+        f"{prefix}.lora_{which}.weight"
+        for prefix in (f"base_model.model.transformer.h.{i}.{HF_MODULES[name]}" for i, name in modules)
+        for which in "AB"
+        if f"{prefix}.lora_{which}.weight" not in tensors
     ]
     if missing:
-        raise LoRAError(f"{directory}/{PEFT_WEIGHTS} lacks adapters for {missing[:4]}")
+        raise LoRAError(f"{directory / PEFT_WEIGHTS} lacks {len(missing)} adapter tensor(s), e.g. {missing[:2]}")
+    pairs = {module: _peft_module(tensors, settings, *module, model_config) for module in modules}
+    rank = max(a.shape[1] for a, _ in pairs.values())
+    _check_peft_rank(settings, rank, model_config)
+    lora = LoraConfig(rank=rank, alpha=float(rank), targets=settings.lora.targets)  # scale 1: folded into b
+    shapes = nn.meta.unbox(abstract_adapters(dataclasses.replace(model_config, scan_layers=False), lora))
+    adapters = jax.tree.map(lambda s: None, shapes)
+    for (layer, name), (a, b) in pairs.items():
+        want, pad = _get(shapes[f"layer_{layer}"], ADAPTER_PATHS[name]), rank - a.shape[1]
+        a, b = np.pad(a, ((0, 0), (0, pad))), np.pad(b, ((0, pad), (0, 0)))
+        _set(
+            adapters[f"layer_{layer}"],
+            ADAPTER_PATHS[name],
+            {"a": a.reshape(want["a"].shape), "b": b.reshape(want["b"].shape)},
+        )
     if model_config.scan_layers:
         adapters = stack_layers(adapters, model_config.n_layers)
     plain = Config(model=model_config)

@@ -180,6 +180,7 @@ class OrbaxParams:
             steps = sorted(ckpt.all_steps())
         finally:
             ckpt.close()
+        checkpoint.refuse_lora_checkpoint(directory, step, config, meta)
         checkpoint.notice_if_unverified(directory / str(step), meta)
         return cls(directory, step, config, meta, has_opt_state, steps)
 

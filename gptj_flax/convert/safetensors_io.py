@@ -75,11 +75,15 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConversionError(f"{path}: unreadable safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ConversionError(f"{path}: its safetensors header is a JSON {type(header).__name__}, not an object")
     data_start = 8 + header_len
     infos = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
+        if not _is_entry(entry):
+            raise ConversionError(f"{path}: tensor {name!r} has a malformed header entry (dtype, shape, data_offsets)")
         if entry.get("dtype") not in SAFETENSORS_DTYPES:
             raise ConversionError(f"{path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
         info = TensorInfo(
@@ -97,6 +101,16 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             )
         infos[name] = info
     return infos
+
+
+def _is_entry(entry: Any) -> bool:
+    """Whether a header entry has a shape of sizes and two data offsets (its dtype is checked by name)."""
+
+    def sizes(value: Any, n: int | None = None) -> bool:
+        ints = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+        return ints and (n is None or len(value) == n)
+
+    return isinstance(entry, dict) and sizes(entry.get("shape")) and sizes(entry.get("data_offsets"), 2)
 
 
 def read_tensor(info: TensorInfo) -> np.ndarray:

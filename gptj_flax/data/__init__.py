@@ -22,7 +22,13 @@ TensorFlow is imported only when TFRecords or TFDS are touched.
 from gptj_flax.data.batch import Batch, make_batch, process_share, to_global_batch
 from gptj_flax.data.create import CreateResult, create_tfrecords
 from gptj_flax.data.errors import DataError, DataWarning
-from gptj_flax.data.iterator import DataIterator, make_eval_batches, make_eval_sets, make_train_iterator
+from gptj_flax.data.iterator import (
+    DataIterator,
+    DataOrderChanged,
+    make_eval_batches,
+    make_eval_sets,
+    make_train_iterator,
+)
 from gptj_flax.data.sources import Source, open_source
 from gptj_flax.data.tokenizer import (
     EOS_TOKEN,
@@ -38,6 +44,7 @@ __all__ = [
     "CreateResult",
     "DataError",
     "DataIterator",
+    "DataOrderChanged",
     "DataWarning",
     "EOS_TOKEN",
     "Source",

@@ -29,7 +29,15 @@ MAGIC = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\x00",
 # Compressed bytes per read: bounds one read's output by the compression ratio.
 RAW_READ_BYTES = 1 << 16
 DECOMPRESSED_BLOCK_BYTES = 1 << 20
-_DECOMPRESSION_ERRORS = (OSError, zlib.error, lzma.LZMAError, zstandard.ZstdError)
+# The most of a zstd file read back to tell a cut frame from garbage (see _zstd_cut_inside_a_block).
+ZSTD_HEAD_BYTES = 1 << 20
+
+
+class _NotZstd(ValueError):
+    """Bytes after a zstd magic number that the decompressor accepted but no zstd compressor writes."""
+
+
+_DECOMPRESSION_ERRORS = (OSError, zlib.error, lzma.LZMAError, zstandard.ZstdError, _NotZstd)
 
 
 def strip_suffix(name: str) -> str:
@@ -159,13 +167,38 @@ def _blocks(raw, compression: str | None) -> Generator[bytes, None, None]:
             yield from iter(lambda: stream.read1(DECOMPRESSED_BLOCK_BYTES), b"")
         return
     # zstd, frame by frame: zstandard's stream_reader reads a cut frame as a clean end of file.
-    frame = None
+    frame, read_any = None, False  # read_any: some content came out, or a frame ended
     for block in iter(lambda: raw.read(RAW_READ_BYTES), b""):
         while block:
             frame = frame or zstandard.ZstdDecompressor().decompressobj()
             out = frame.decompress(block)
             if out:
+                read_any = True
                 yield out
             block, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
-    if frame is not None:
-        raise EOFError("the file ends inside a zstd frame")
+            read_any = read_any or frame is None
+    if frame is None:
+        return
+    if not read_any:  # the first frame never ended and gave nothing: cut short, or no zstd data at all?
+        raw.seek(0)
+        if not _zstd_cut_inside_a_block(raw.read(ZSTD_HEAD_BYTES)):
+            raise _NotZstd("no zstd block holding data follows its magic number: not zstd data")
+    raise EOFError("the file ends inside a zstd frame")
+
+
+def _zstd_cut_inside_a_block(head: bytes) -> bool:
+    """Whether ``head``, the start of a zstd frame that never ends, stops inside a block holding data,
+    as a cut file does. Garbage that the decompressor accepts ends instead inside the frame header or
+    a block header, or holds nothing but empty blocks, which no compressor writes (RFC 8878, 3.1.1)."""
+    try:
+        position = zstandard.frame_header_size(head)
+    except zstandard.ZstdError:
+        return False
+    while position + 3 <= len(head):
+        header = int.from_bytes(head[position : position + 3], "little")
+        size = header >> 3
+        stored = 1 if (header >> 1) & 3 == 1 else size  # an RLE block stores one byte, repeated size times
+        if position + 3 + stored > len(head):
+            return size > 0
+        position += 3 + stored
+    return False

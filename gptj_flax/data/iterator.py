@@ -153,6 +153,19 @@ def _prepare_all(lanes: Sequence[_Lane], count: int) -> None:
             pass  # re-raises a lane's DataError here
 
 
+class DataOrderChanged(DataError):
+    """A saved data position was taken under other settings than the iterator's; ``changed`` maps each
+    differing setting (``seed``, ``batch_size`` …, or ``num_sequences`` for other data) to (saved, now)."""
+
+    def __init__(self, source: str, changed: Mapping[str, tuple]):
+        self.source, self.changed = source, dict(changed)
+        differences = "; ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (saved, now) in self.changed.items())
+        super().__init__(
+            f"cannot resume the data order of {source}: {differences}. The saved position means nothing "
+            "under a different order; start the data afresh (state=None)"
+        )
+
+
 class DataIterator:
     """Endless training batches of this process's share; see the module docstring for the order.
 
@@ -230,13 +243,9 @@ class DataIterator:
         if state.get("format") != STATE_FORMAT:
             raise DataError(f"not a data iterator state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
         mine = self._order_fields()
-        different = [f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in _ORDER_FIELDS if state.get(k) != mine[k]]
-        if different:
-            raise DataError(
-                f"cannot resume the data order of {self.source.name}: "
-                + "; ".join(different)
-                + ". The saved position means nothing under a different order; start the data afresh (state=None)"
-            )
+        changed = {k: (state.get(k), mine[k]) for k in _ORDER_FIELDS if state.get(k) != mine[k]}
+        if changed:
+            raise DataOrderChanged(self.source.name, changed)
         if not 0 <= state["step_in_epoch"] < self.steps_per_epoch:
             raise DataError(f"data state step_in_epoch={state['step_in_epoch']} is outside [0, {self.steps_per_epoch})")
         self.epoch, self.step_in_epoch, self.step = int(state["epoch"]), int(state["step_in_epoch"]), int(state["step"])

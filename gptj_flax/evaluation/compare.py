@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gptj_flax.evaluation.errors import EvaluationError
+
 SIGNIFICANT = 2.0
 HIGHLY_SIGNIFICANT = 3.0
 
@@ -71,11 +73,22 @@ class Comparison:
 
 
 def load_results(path: str | os.PathLike) -> dict[str, Any]:
-    """An lm-eval results JSON (``lm_eval --output_path`` or ``scripts/eval.py harness``)."""
-    with open(path) as f:
-        results = json.load(f)
+    """An lm-eval results JSON (``lm_eval --output_path`` or ``scripts/eval.py harness``).
+
+    Raises :class:`EvaluationError` naming the file when it is not JSON text or holds no results.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        results = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise EvaluationError(f"{path}: not an lm-eval results file: not UTF-8 text at byte {e.start}") from None
+    except json.JSONDecodeError as e:
+        raise EvaluationError(
+            f"{path}: not an lm-eval results file: not JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+        ) from None
     if not isinstance(results, dict) or not isinstance(results.get("results"), dict):
-        raise ValueError(f"{path}: not an lm-eval results file (no 'results' section)")
+        raise EvaluationError(f"{path}: not an lm-eval results file (no 'results' section)")
     return results
 
 

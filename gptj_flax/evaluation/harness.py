@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -45,8 +46,9 @@ from tqdm.auto import tqdm
 
 from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig, dtype_name
+from gptj_flax.evaluation.errors import EvaluationError
 from gptj_flax.evaluation.scoring import TokenScorer
-from gptj_flax.sampling import LanguageModel, load
+from gptj_flax.sampling import LanguageModel, MissingTokenizer, load
 
 MODEL_NAME = "gptj_flax"
 DEFAULT_BATCH_SIZE = 16
@@ -189,7 +191,7 @@ class GPTJFlaxLM(TemplateLM):
         """
         loaded = load(checkpoint, mesh=mesh, dtype=dtype, step=step, tokenizer=tokenizer)
         if loaded.tokenizer is None:
-            raise ValueError(f"{checkpoint} has no tokenizer saved beside it; pass tokenizer=DIR")
+            raise MissingTokenizer(f"{checkpoint} has no tokenizer saved beside it; pass tokenizer=DIR")
         decoder = loaded.decoder  # its parameters serve the scorer too: one copy of the weights
         model = cls(
             decoder.config,
@@ -413,6 +415,20 @@ def task_manager(include_path: str | os.PathLike | None = None, *, include_defau
     )
 
 
+def unknown_tasks(tasks: Sequence[str], tasks_index) -> list[str]:
+    """The entries of ``tasks`` that are neither a task, group or tag of ``tasks_index`` (a
+    :func:`task_manager`) nor a task YAML file, each quoted, with the closest known name if one is near."""
+    known = tasks_index.all_tasks
+    names = set(known)
+    unknown = []
+    for task in tasks:
+        if task in names or os.path.isfile(task):
+            continue
+        close = difflib.get_close_matches(task, known, n=1)
+        unknown.append(f"{task!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return unknown
+
+
 def run_tasks(
     model: GPTJFlaxLM,
     tasks: Sequence[str],
@@ -438,13 +454,19 @@ def run_tasks(
     """
     from lm_eval import simple_evaluate
 
+    tasks_index = tasks_index if tasks_index is not None else task_manager()
+    unknown = unknown_tasks(tasks, tasks_index)
+    if unknown:
+        raise EvaluationError(
+            f"lm-eval knows no task {', '.join(unknown)}; the names it knows are the task index's all_tasks"
+        )
     with _bootstrap_in_process() if in_process_bootstrap else contextlib.nullcontext():
         results = simple_evaluate(
             model=model,
             tasks=list(tasks),
             num_fewshot=num_fewshot,
             limit=limit,
-            task_manager=tasks_index if tasks_index is not None else task_manager(),
+            task_manager=tasks_index,
             bootstrap_iters=bootstrap_iters,
             log_samples=log_samples,
             random_seed=seed,

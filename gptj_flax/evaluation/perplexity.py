@@ -92,7 +92,9 @@ def perplexity(
         progress=progress,
         vocab_size=model_config.vocab_size,
     )
-    eval_step = steps.compile_eval_step(GPTJ(model_config), mesh, jax.tree.map(lambda x: x.sharding, params))
+    eval_step = steps.compile_eval_step(
+        GPTJ(model_config), jax.tree.map(lambda x: x.sharding, params), data_sharding=sharding
+    )
 
     loss_sum = tokens = 0.0
     bar = tqdm(batches, desc="perplexity", unit="batch", disable=not progress or jax.process_index() != 0)

@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 
 from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig
-from gptj_flax.model import GPTJ, greedy_matches, token_log_probs
-from gptj_flax.sampling.decoding import bucket
+from gptj_flax.model import GPTJ
+from gptj_flax.sampling.decoding import bucket, score_tokens
 from gptj_flax.sampling.multihost import check_same_call, to_device
 
 Request = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
@@ -79,13 +79,11 @@ class TokenScorer:
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         slots = jnp.arange(inputs.shape[1])[None, :]
         real = slots < (lengths - 1)[:, None]
-        logits = self.model.apply({"params": params}, inputs, segment_ids=real.astype(jnp.int32))
-        target_log_probs = token_log_probs(logits, targets)
-        greedy = greedy_matches(logits, targets, self.valid_vocab)
+        scores = score_tokens(self.model, params, inputs, targets, real.astype(jnp.int32), self.valid_vocab)
         counted = real & (slots >= (lengths - 1 - scored)[:, None])
         # per token, not summed: the host adds them up in float64 (a float32 sum of a long text's
         # log-probabilities would lose the last digits)
-        return jnp.where(counted, target_log_probs, 0.0), jnp.all(greedy | ~counted, axis=-1)
+        return jnp.where(counted, scores.log_probs, 0.0), jnp.all(scores.greedy | ~counted, axis=-1)
 
     def score(
         self, params: Any, requests: Sequence[Request], *, progress: bool = False, desc: str = "scoring"

@@ -10,10 +10,12 @@ from gptj_flax.partitioning.mesh import (
     mesh_shape,
     spare_mesh,
 )
-from gptj_flax.partitioning.rules import DEFAULT_RULES, LAYOUTS, MESH_AXES, Rules
+from gptj_flax.partitioning.rules import DEFAULT_RULES, LAYOUTS, MESH_AXES, Rules, check_axes, mesh_axes, replica_axes
 from gptj_flax.partitioning.sharding import (
     bytes_per_device,
     check_divisible,
+    check_tree_axes,
+    constrain,
     logical_to_sharding,
     named_sharding,
     restore_targets,
@@ -21,6 +23,7 @@ from gptj_flax.partitioning.sharding import (
     sharding_rows,
     sharding_scope,
     sharding_table,
+    within_replica,
 )
 
 __all__ = [
@@ -31,18 +34,24 @@ __all__ = [
     "ONE_DEVICE",
     "Rules",
     "bytes_per_device",
+    "check_axes",
     "check_divisible",
+    "check_tree_axes",
+    "constrain",
     "data_parallel_size",
     "initialize_distributed",
     "logical_to_sharding",
     "make_mesh",
+    "mesh_axes",
     "mesh_config",
     "mesh_shape",
     "named_sharding",
+    "replica_axes",
     "restore_targets",
     "sharded_init",
     "sharding_rows",
     "sharding_scope",
     "sharding_table",
     "spare_mesh",
+    "within_replica",
 ]

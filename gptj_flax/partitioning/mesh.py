@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from gptj_flax.config import ConfigError, MeshConfig
-from gptj_flax.partitioning.rules import DEFAULT_RULES, LAYOUTS, MESH_AXES, Rules, mesh_axes
+from gptj_flax.partitioning.rules import DEFAULT_RULES, LAYOUTS, MESH_AXES, Rules, replica_axes
 
 MeshSpec = Mesh | MeshConfig | str | Sequence[int] | None
 ONE_DEVICE = (1, 1, 1)  # the default mesh of sampling, scoring and evaluation
@@ -98,9 +98,7 @@ def mesh_shape(mesh: Mesh) -> dict[str, int]:
 
 def data_parallel_size(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
     """How many ways the batch is split: the product of the mesh axes the rules map ``batch`` to."""
-    axes = mesh_axes(("batch",), rules)[0]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    return math.prod(int(mesh.shape[a]) for a in axes)
+    return math.prod(int(mesh.shape[a]) for a in replica_axes(rules))
 
 
 def initialize_distributed(

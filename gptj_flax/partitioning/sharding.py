@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import traceback
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -15,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gptj_flax.config import ConfigError
-from gptj_flax.partitioning.rules import DEFAULT_RULES, MESH_AXES, Rules, mesh_axes
+from gptj_flax.partitioning.rules import DEFAULT_RULES, MESH_AXES, Rules, check_axes, mesh_axes, unknown_axes
 
 
 @contextlib.contextmanager
@@ -25,8 +27,40 @@ def sharding_scope(mesh: Mesh, rules: Rules = DEFAULT_RULES):
         yield
 
 
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """``nn.with_logical_constraint(x, axes)`` that refuses an axis name the rules in scope have no
+    entry for (see :func:`check_axes`). Outside a :func:`sharding_scope` it constrains nothing, as
+    linen's does."""
+    rules = tuple(nn.get_logical_axis_rules())
+    if rules and unknown_axes(axes, rules):
+        caller = traceback.extract_stack(limit=2)[0]  # the model code that asked
+        check_axes(
+            axes, rules, f"the activation constraint {tuple(axes)} at {Path(caller.filename).name}:{caller.lineno}"
+        )
+    return nn.with_logical_constraint(x, axes)
+
+
+def check_tree_axes(logical: Any, rules: Rules = DEFAULT_RULES) -> None:
+    """:func:`check_axes` for every PartitionSpec of a tree, each named by its path in the tree."""
+    specs = jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
+    for path, spec in specs:
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        check_axes(spec, rules, f"the array at {name}" if name else "an array")
+
+
+@contextlib.contextmanager
+def within_replica():
+    """The active rules with ``batch`` unsplit, for code that runs once per data-parallel replica
+    (``jax.vmap`` over a replica axis with ``spmd_axis_name=replica_axes()``): a replica's share of a
+    batch lives whole on its own devices, while the other placements (model parallelism) stay."""
+    with nn.logical_axis_rules((("batch", None), *nn.get_logical_axis_rules())):
+        yield
+
+
 def logical_to_sharding(logical: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
-    """A tree of logical PartitionSpecs (or one) → the same tree of NamedShardings."""
+    """A tree of logical PartitionSpecs (or one) → the same tree of NamedShardings. Every name needs
+    a rule (:func:`check_tree_axes`): parameters, caches and decode states all come this way."""
+    check_tree_axes(logical, rules)
     return nn.logical_to_mesh_sharding(logical, mesh, rules)
 
 
@@ -54,7 +88,7 @@ def check_divisible(
     """
     desc = "(" + ", ".join(f"{a}={mesh.shape[a]}" for a in MESH_AXES) + ")"
     for name, leaf, spec in _flat(abstract):
-        mesh_spec = mesh_axes(spec, rules)
+        mesh_spec = mesh_axes(spec, rules, f"parameter {name}")
         for size, logical, placed in zip(leaf.shape, spec, mesh_spec):
             if placed is None:
                 continue

@@ -79,20 +79,45 @@ def _is_token_ids(x) -> bool:
     )
 
 
+class MissingTokenizer(SamplingError):
+    """A call needs text (a text prompt, stop strings, streamed text) and the model has no tokenizer."""
+
+
+def check_text(text: str, what: str) -> None:
+    """Raise :class:`SamplingError` unless ``text`` is valid Unicode, which a tokenizer can encode.
+
+    Python reads bytes that are not UTF-8 (in a command's arguments, or a terminal's input) as lone
+    surrogates, U+DC80 to U+DCFF; the message gives such a character back as its byte.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            message = f"{what} is not UTF-8 text: the byte 0x{code - 0xDC00:02x} (character {e.start}) is not UTF-8"
+        else:
+            message = f"{what} holds the lone surrogate U+{code:04X} at character {e.start}, which is no character"
+        raise SamplingError(f"{message}; give UTF-8 text") from None
+
+
 def _as_batch(prompts) -> tuple[list, bool]:
     """(list of prompts, whether a single prompt was given)."""
     if isinstance(prompts, str) or _is_token_ids(prompts):
-        return [prompts], True
-    if not isinstance(prompts, (Sequence, np.ndarray)) or isinstance(prompts, bytes):
+        batch, single = [prompts], True
+    elif not isinstance(prompts, (Sequence, np.ndarray)) or isinstance(prompts, bytes):
         raise SamplingError(
             f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
         )
-    if len(prompts) == 0:
+    elif len(prompts) == 0:
         raise SamplingError("no prompts given: pass at least one")
-    for i, p in enumerate(prompts):
+    else:
+        batch, single = list(prompts), False
+    for i, p in enumerate(batch):
         if not (isinstance(p, str) or _is_token_ids(p) or (isinstance(p, (list, tuple)) and len(p) == 0)):
             raise SamplingError(f"prompt {i} must be a string or a list of token ids, got {p!r:.80}")
-    return list(prompts), False
+        if isinstance(p, str):
+            check_text(p, "the prompt" if single else f"prompt {i}")
+    return batch, single
 
 
 def _alternatives(ids: np.ndarray, logprobs: np.ndarray) -> list[dict[int, float]]:
@@ -125,6 +150,51 @@ def _stop_lists(stop, n: int) -> list[list[str]]:
             f"stop: got {len(stop)} entries for {n} prompts; give one list for all prompts or one per prompt"
         )
     return [one(s, f"stop[{i}]") for i, s in enumerate(stop)]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedSettings:
+    """Generation settings checked and spread over a batch: one entry per prompt."""
+
+    max_new_tokens: np.ndarray  # int32 [n]
+    seeds: np.ndarray  # int64 [n]
+    sampling: SamplingParams
+    stops: list[list[str]]
+    ignore_eos: np.ndarray  # bool [n]
+
+
+def check_settings(
+    n: int = 1,
+    *,
+    max_new_tokens=128,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    typical_p=1.0,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    stop=None,
+    seed=0,
+    ignore_eos=False,
+) -> CheckedSettings:
+    """The settings of a :meth:`LanguageModel.generate` or ``stream`` call for ``n`` prompts, checked
+    as those calls check them, which needs no model: a program can refuse bad settings before it
+    loads one. Raises :class:`SamplingError` naming the first setting out of its range.
+    """
+    max_new = per_example("max_new_tokens", max_new_tokens, n, int, lambda x: x >= 1, "an integer >= 1")
+    seeds = per_example("seed", seed, n, int, lambda x: 0 <= x < 2**32, "an integer in [0, 2**32)", np.int64)
+    if isinstance(seed, (int, np.integer)):
+        seeds = (seeds.astype(np.int64) + np.arange(n)) % 2**32  # distinct draws for repeated prompts
+    sampling = SamplingParams.build(
+        n,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        typical_p=typical_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+    )
+    return CheckedSettings(max_new, seeds, sampling, _stop_lists(stop, n), _flags("ignore_eos", ignore_eos, n))
 
 
 class _Generation:
@@ -321,13 +391,13 @@ class LanguageModel:
     def encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise SamplingError("this model has no tokenizer: give prompts as lists of token ids")
+                raise MissingTokenizer("this model has no tokenizer: give prompts as lists of token ids")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return [int(t) for t in prompt]
 
     def decode(self, tokens: Sequence[int]) -> str:
         if self.tokenizer is None:
-            raise SamplingError("this model has no tokenizer to decode with")
+            raise MissingTokenizer("this model has no tokenizer to decode with")
         return decode(self.tokenizer, tokens)
 
     # -- generation ------------------------------------------------------------------------
@@ -389,40 +459,39 @@ class LanguageModel:
         check_same_call(method, (prompts, settings, ignore_eos, original_order, self.eos_token_id))
         batch, single = _as_batch(prompts)
         n = len(batch)
-        max_new = per_example("max_new_tokens", max_new_tokens, n, int, lambda x: x >= 1, "an integer >= 1")
-        seeds = per_example("seed", seed, n, int, lambda x: 0 <= x < 2**32, "an integer in [0, 2**32)", np.int64)
-        vocab = self.decoder.valid_vocab
-        alternatives = per_example(
-            "return_top_logprobs", top_logprobs, n, int, lambda x: 0 <= x <= vocab, f"an integer in [0, {vocab}]"
-        )
-        if isinstance(seed, (int, np.integer)):
-            seeds = (seeds.astype(np.int64) + np.arange(n)) % 2**32  # distinct draws for repeated prompts
-        sampling = SamplingParams.build(
+        checked = check_settings(
             n,
+            max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
             typical_p=typical_p,
             min_p=min_p,
             repetition_penalty=repetition_penalty,
+            stop=stop,
+            seed=seed,
+            ignore_eos=ignore_eos,
         )
-        stops = _stop_lists(stop, n)
-        if self.tokenizer is None and any(stops):
-            raise SamplingError("stop strings need a tokenizer to decode the output; this model has none")
+        vocab = self.decoder.valid_vocab
+        alternatives = per_example(
+            "return_top_logprobs", top_logprobs, n, int, lambda x: 0 <= x <= vocab, f"an integer in [0, {vocab}]"
+        )
+        if self.tokenizer is None and any(checked.stops):
+            raise MissingTokenizer("stop strings need a tokenizer to decode the output; this model has none")
         eos = -1 if self.eos_token_id is None else int(self.eos_token_id)
-        eos_ids = np.where(_flags("ignore_eos", ignore_eos, n), -1, eos).astype(np.int32)
+        eos_ids = np.where(checked.ignore_eos, -1, eos).astype(np.int32)
         token_prompts = [self.encode(p) for p in batch]
         run = self.decoder.start(
             token_prompts,
-            max_new_tokens=max_new,
-            sampling=sampling,
-            seeds=seeds,
+            max_new_tokens=checked.max_new_tokens,
+            sampling=checked.sampling,
+            seeds=checked.seeds,
             eos_id=eos_ids,
             original_order=bool(original_order),
             top_logprobs=int(np.max(alternatives)),
         )
-        trackers = None if self.tokenizer is None else [TextTracker(self.tokenizer, s) for s in stops]
-        check_steps = STOP_CHECK_STEPS if any(stops) else run.capacity
+        trackers = None if self.tokenizer is None else [TextTracker(self.tokenizer, s) for s in checked.stops]
+        check_steps = STOP_CHECK_STEPS if any(checked.stops) else run.capacity
         return _Generation(run, trackers, [len(p) for p in token_prompts], check_steps, alternatives), single
 
     def generate(
@@ -521,7 +590,7 @@ class LanguageModel:
         their log-probabilities (and alternatives); a piece may then have tokens but no text yet.
         """
         if self.tokenizer is None:
-            raise SamplingError("stream yields text and this model has no tokenizer; use generate with token ids")
+            raise MissingTokenizer("stream yields text and this model has no tokenizer; use generate with token ids")
         job, single = self._start(
             "stream",
             prompts,

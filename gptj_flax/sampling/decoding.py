@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
 import jax
@@ -25,7 +25,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from gptj_flax import checkpoint, partitioning
 from gptj_flax.config import ModelConfig
-from gptj_flax.model import GPTJ, KVCache, token_log_probs, unstack_layers
+from gptj_flax.losses import greedy_matches, token_log_probs
+from gptj_flax.model import GPTJ, KVCache, unstack_layers
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, next_tokens, top_bucket, top_logprobs
 
@@ -46,6 +47,21 @@ DEFAULT_PAGE_COLUMNS = 256
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     """The power of two ≥ ``n`` (and ≥ ``minimum``) that shapes are padded to."""
     return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def per_row_axes() -> dict[str, Any]:
+    """The logical axes of the fields :class:`DecodeState` and the decode slots' ``SlotState`` share,
+    each a value per row (a batch entry or a slot): rows split over the data-parallel axes."""
+    rows = PartitionSpec("batch")
+    return {
+        "num_generated": rows,
+        "max_new_tokens": rows,
+        "finish": rows,
+        "eos_id": rows,
+        "seeds": rows,
+        "seen": PartitionSpec("batch", None),
+        "sampling": SamplingParams.logical_axes(),
+    }
 
 
 @flax.struct.dataclass
@@ -71,23 +87,47 @@ class DecodeState:
 
     @classmethod
     def logical_axes(cls, config: ModelConfig) -> DecodeState:
-        rows, table, cube = PartitionSpec("batch"), PartitionSpec("batch", None), PartitionSpec("batch", None, None)
+        table, cube = PartitionSpec("batch", None), PartitionSpec("batch", None, None)
         return cls(
             cache=KVCache.logical_axes(config),
             tokens=table,
             logprobs=table,
             top_ids=cube,
             top_logprobs=cube,
-            num_generated=rows,
-            finish=rows,
             step=PartitionSpec(),
-            prompt_lengths=rows,
-            max_new_tokens=rows,
-            eos_id=rows,
-            seeds=rows,
-            seen=table,
-            sampling=SamplingParams.logical_axes(),
+            prompt_lengths=PartitionSpec("batch"),
+            **per_row_axes(),
         )
+
+
+class TokenScores(NamedTuple):
+    """What one forward pass says of every target of a batch of right-padded rows (see :func:`score_tokens`)."""
+
+    log_probs: Array  # float32 [B, L]: log p(targets[:, j] | inputs[:, : j + 1])
+    greedy: Array  # bool [B, L]: targets[:, j] is greedy decoding's choice there
+    top_ids: Array  # int32 [B, L, K]: the K most likely ids at each position
+    top_logprobs: Array  # float32 [B, L, K]: and their log-probabilities
+
+
+def score_tokens(
+    model: GPTJ, params: Any, inputs: Array, targets: Array, segment_ids: Array, valid_vocab: int, top_width: int = 0
+) -> TokenScores:
+    """Score ``targets`` [B, L] after ``inputs`` [B, L] (a sequence's tokens and the same shifted by
+    one) in one forward pass; ``segment_ids`` [B, L] is 1 on real inputs and 0 on the right padding,
+    which causal attention never lets a real position see.
+
+    The one scoring program behind :meth:`Decoder.score_with_alternatives` and the lm-eval scorer
+    (:class:`gptj_flax.evaluation.scoring.TokenScorer`): each jits it and keeps what it reports, and
+    XLA computes nothing for the rest. Ids at or above ``valid_vocab`` are never greedy choices nor
+    among the ``top_width`` (static) alternatives.
+    """
+    logits = model.apply({"params": params}, inputs, segment_ids=segment_ids)
+    if top_width > 0:
+        ids, lps = top_logprobs(logits, top_width, valid_vocab)
+    else:
+        ids = jnp.zeros((*targets.shape, 0), jnp.int32)
+        lps = jnp.zeros(ids.shape, jnp.float32)
+    return TokenScores(token_log_probs(logits, targets), greedy_matches(logits, targets, valid_vocab), ids, lps)
 
 
 @dataclasses.dataclass
@@ -269,13 +309,10 @@ class Decoder:
         return lax.while_loop(unfinished, step, state)
 
     def _score_fn(self, params, tokens, segment_ids, top_width: int) -> tuple[Array, Array, Array]:
-        logits = self.model.apply({"params": params}, tokens, segment_ids=segment_ids)[:, :-1]
-        if top_width > 0:
-            ids, lps = top_logprobs(logits, top_width, self.valid_vocab)
-        else:
-            ids = jnp.zeros((*tokens.shape[:1], tokens.shape[1] - 1, 0), jnp.int32)
-            lps = jnp.zeros(ids.shape, jnp.float32)
-        return token_log_probs(logits, tokens[:, 1:]), ids, lps
+        scores = score_tokens(
+            self.model, params, tokens[:, :-1], tokens[:, 1:], segment_ids, self.valid_vocab, top_width
+        )
+        return scores.log_probs, scores.top_ids, scores.top_logprobs
 
     # -- host side ---------------------------------------------------------------------------
     def on(self, mesh: Mesh) -> Decoder:
@@ -388,12 +425,13 @@ class Decoder:
                 )
         self._check_lengths(sequences, [0] * len(sequences))
         batch = self.padded_batch(len(sequences))
-        length = min(bucket(max(len(s) for s in sequences)), self.config.max_len)
-        tokens = np.zeros((batch, length), np.int32)
-        segments = np.zeros((batch, length), np.int32)
+        # a power of two of inputs (every token but the last), as the lm-eval scorer pads them
+        inputs = min(bucket(max(len(s) for s in sequences) - 1), self.config.max_len)
+        tokens = np.zeros((batch, inputs + 1), np.int32)
+        segments = np.zeros((batch, inputs), np.int32)
         for row, seq in enumerate(sequences):  # right-padded: causal attention never sees the padding
             tokens[row, : len(seq)] = seq
-            segments[row, : len(seq)] = 1
+            segments[row, : len(seq) - 1] = 1
         width = top_bucket(top_logprobs)
         with partitioning.sharding_scope(self.mesh, self.rules):
             out, ids, lps = to_host(

@@ -19,6 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Sharding
 
+from gptj_flax.errors import GptjFlaxError, describe
 from gptj_flax.sampling.samplers import SamplingError
 
 # what process 0 read, for read_on_process_0
@@ -72,22 +73,26 @@ def check_same_call(what: str, arguments) -> None:
 
 def read_on_process_0(read: Callable[[], str | None]) -> str | None:
     """``read()``'s text (or ``None``) on process 0 — a file only it has, its terminal — on every
-    process. When reading fails on process 0, every process raises the error."""
+    process. When reading fails on process 0 (an ``OSError`` or a :class:`GptjFlaxError`), every
+    process raises :class:`SamplingError` with its one-line description.
+
+    Text travels as it was read, undecodable bytes included (as Python's lone surrogates), so every
+    process refuses such text alike."""
     if jax.process_count() == 1:
         return read()
     kind, text = NOTHING, ""
     if jax.process_index() == 0:
         try:
             value = read()
-        except OSError as e:
-            kind, text = ERROR, str(e)
+        except (OSError, GptjFlaxError) as e:
+            kind, text = ERROR, describe(e)
         else:
             kind, text = (NOTHING, "") if value is None else (TEXT, value)
-    data = np.frombuffer(text.encode(), np.uint8)
+    data = np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
     kind, size = (int(x) for x in multihost_utils.broadcast_one_to_all(np.array([kind, data.size], np.int64)))
     buffer = np.zeros(max(size, 1), np.uint8)
     buffer[: data.size] = data
-    text = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer))[:size]).decode()
+    text = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer))[:size]).decode("utf-8", "surrogatepass")
     if kind == ERROR:
-        raise OSError(text)
+        raise SamplingError(text)
     return None if kind == NOTHING else text

@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from gptj_flax.errors import GptjFlaxError
-from gptj_flax.model import first_argmax, mask_vocab
+from gptj_flax.losses import first_argmax, mask_vocab
 
 Array = jax.Array
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax
@@ -39,8 +40,9 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gptj_flax import partitioning
-from gptj_flax.model import GPTJ, KVCache, PagedKVCache, pool_blocks, token_log_probs, write_pool
-from gptj_flax.sampling.decoding import EOS, LENGTH, RUNNING, STOPPED, Decoder, bucket
+from gptj_flax.losses import token_log_probs
+from gptj_flax.model import GPTJ, KVCache, PagedKVCache, pool_blocks, write_pool
+from gptj_flax.sampling.decoding import EOS, LENGTH, RUNNING, STOPPED, Decoder, bucket, per_row_axes
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingParams, next_tokens, top_logprobs
 
@@ -71,19 +73,8 @@ class SlotState:
 
     @classmethod
     def logical_axes(cls, config) -> SlotState:
-        rows, table = PartitionSpec("batch"), PartitionSpec("batch", None)
-        return cls(
-            cache=PagedKVCache.logical_axes(config),
-            last=rows,
-            num_generated=rows,
-            max_new_tokens=rows,
-            finish=rows,
-            eos_id=rows,
-            seeds=rows,
-            seen=table,
-            want_top=rows,
-            sampling=SamplingParams.logical_axes(),
-        )
+        rows = PartitionSpec("batch")
+        return cls(cache=PagedKVCache.logical_axes(config), last=rows, want_top=rows, **per_row_axes())
 
 
 @flax.struct.dataclass
@@ -720,8 +711,13 @@ class Slots:
             )
         return Pending(out, rows)
 
-    def warm_up(self) -> None:
-        """Compile every program a request can need: nothing compiles once requests come."""
+    def warm_up(self, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Compile every program a request can need: nothing compiles once requests come. ``stop`` is
+        asked before each program (a compile cannot be cut short); False if it said stop."""
+        return not any(stop() for _ in self._compile_each())
+
+    def _compile_each(self) -> Iterator[None]:
+        """Runs each program once with dummy rows that change nothing; yields before each one."""
         dummy = Request([0], 1, -1, 0, SamplingParams.build(1, temperature=0.0))
         nowhere = [self.slots] * MAX_PREFILL_ROWS  # past the last slot: the inserts change nothing
         longest = self.prompt_columns(self.length)
@@ -729,11 +725,13 @@ class Slots:
             request = dataclasses.replace(dummy, tokens=[0] * min(columns, self.length))
             if columns <= self.chunk:
                 for rows in {min(1 << i, MAX_PREFILL_ROWS, self.slots) for i in range(MAX_PREFILL_ROWS.bit_length())}:
+                    yield
                     if self.prefill is None:
                         self.admit([request] * rows, nowhere[:rows])
                     else:
                         self.place(self.dispatch_prefill([request] * rows), [None] * rows)
             else:
+                yield
                 prefill = self.start_prefill(request)
                 self.prefill_chunk(prefill)
                 if self.prefill is None:
@@ -743,6 +741,7 @@ class Slots:
             self.wait()
         for rows in sorted({self.busy_rows(s) for s in range(self.slots)}):
             for blocks in range(1, len(self.blocks) + 1):
+                yield
                 self._run([], 1, blocks, rows).result()
 
     def compilations(self) -> int:

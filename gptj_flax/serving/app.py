@@ -4,9 +4,11 @@ front of the serving engine (continuous batching; echoed prompts are scored besi
 APIs of mesh-transformer-jax's own servers: ``device_serve.py``'s body on ``/complete`` and the
 ``docker/`` API's ``/model/predict`` and ``/model/get_prediction`` (``legacy`` has what routes them).
 
-Status codes: 400 malformed JSON, 401 missing or wrong API key, 404 unknown model or qid, 413 a prompt
-that cannot fit the context (or an over-large body), 422 a field of the wrong type or out of range
-(the error names it and the problem, never the value sent), 429 queue full (with ``Retry-After``),
+Status codes: 400 malformed JSON, 401 missing or wrong API key (with a keys file, on every route but
+``/health`` and ``/metrics``, before the body is validated: see ``auth``), 404 unknown model or qid,
+413 a prompt that cannot fit the context (or an over-large body), 422 a field of the wrong type or
+out of range (the error names it and the problem, never the value sent; the first 20 errors and a
+count of the rest), 429 queue full (with ``Retry-After``),
 503 warming up, shutting down, or an unusable API keys file. Bad input never reaches the model, so
 it never produces a 500; no request body is ever logged.
 """
@@ -28,9 +30,10 @@ from starlette.middleware.cors import CORSMiddleware
 
 from gptj_flax import partitioning
 from gptj_flax.serving import legacy, schemas
-from gptj_flax.serving.auth import KeyStore, KeysUnavailable, bearer_token, key_id
+from gptj_flax.serving.auth import KEY_ID, PUBLIC_PATHS, KeyCheck, KeyStore
 from gptj_flax.serving.engine import Engine
 from gptj_flax.serving.metrics import Metrics
+from gptj_flax.serving.offsets import TextOffsets
 from gptj_flax.serving.request_log import RequestLog
 from gptj_flax.serving.scoring import PromptScorer
 from gptj_flax.serving.settings import ServeSettings, ServingError
@@ -40,17 +43,19 @@ logger = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/complete", "/v1/completions")
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
-OPEN_WHILE_DRAINING = ("/health", "/metrics")
 DOCKER_API_PATHS = ("/model/predict", "/model/get_prediction")
 KNOWN_PATHS = (
     *GENERATION_PATHS,
     *TOKENIZER_PATHS,
     *DOCKER_API_PATHS,
     "/v1/models",
-    *OPEN_WHILE_DRAINING,
+    *PUBLIC_PATHS,
     "/openapi.json",
     "/docs",
 )
+# Open while draining: the probes, and the docker API's collection of results accepted before it.
+OPEN_WHILE_DRAINING = (*PUBLIC_PATHS, "/model/get_prediction")
+MAX_LOC_CHARS = 64
 OPENAI_FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}
 # The samplers take top_p / typical_p in (0, 1]; the API's 0 means "keep as few tokens as the filter
 # can" (one, and any tied with it), which the smallest positive float32 gives.
@@ -142,6 +147,7 @@ class Service:
         self.scorer = PromptScorer(model, max_rows=settings.queue_size)
         # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest.
         self.max_body_bytes = 2**16 + 2 * settings.max_batch * schemas.MAX_TEXT_CHARS * 6
+        self.predictions = legacy.PredictionStore(settings.predictions_kept)  # the docker API's jobs
         self.created = int(time.time())
         self.draining = False
         self.in_flight = 0
@@ -151,30 +157,21 @@ class Service:
         return "draining" if self.draining and self.worker.state == READY else self.worker.state
 
     def begin_drain(self) -> None:
-        """Stop taking requests (503); the server exits once ``in_flight`` reaches 0."""
+        """Stop taking requests (503) but ``/model/get_prediction``; the server exits once :meth:`drained`."""
         if not self.draining:
-            logger.info("draining: refusing new requests, finishing %d in flight", self.in_flight)
+            logger.info(
+                "draining: refusing new requests, finishing %d in flight and %d /model/predict job(s)",
+                self.in_flight,
+                self.predictions.running,
+            )
         self.draining = True
 
-    # -- request handling ------------------------------------------------------------------------
-    def authorize(self, request: Request, body_key: str | None) -> str | None:
-        """The caller's key id; 401 unless the body's ``api_key`` or the bearer token is a valid key."""
-        if self.keys is None:
-            return None
-        key = body_key or bearer_token(request.headers.get("authorization"))
-        try:
-            valid = self.keys.is_valid(key)
-        except KeysUnavailable:  # the keys file changed into something unusable; its error is logged once
-            raise HTTPException(503, "the server cannot check API keys at the moment; try again later") from None
-        if not valid:
-            logger.info("refused %s: %s API key", request.url.path, "no" if key is None else "an invalid")
-            raise HTTPException(
-                401,
-                "a valid API key is required (the api_key field or Authorization: Bearer)",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        return key_id(key)
+    def drained(self) -> bool:
+        """Draining, nothing in flight, and the docker API's results finished and collected (or given
+        ``--predictions-grace`` seconds to be)."""
+        return self.draining and self.in_flight == 0 and self.predictions.settled(self.settings.predictions_grace)
 
+    # -- request handling ------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.name:
             raise HTTPException(404, f"model {name!r} is not served here; this server has {self.name!r}")
@@ -188,6 +185,10 @@ class Service:
         if text is None:
             text = self._token_texts[token] = self.model.decode([token])
         return text
+
+    def text_offsets(self, start: int) -> TextOffsets:
+        """The ``text_offset`` of tokens whose text begins at character ``start``."""
+        return TextOffsets(lambda t: self.token_text(t[0]) if len(t) == 1 else self.model.decode(t), start)
 
     async def score(self, prompts: list[list[int]], top_logprobs: int) -> list:
         try:
@@ -270,16 +271,29 @@ def open_request_log(settings: ServeSettings) -> RequestLog | None:
     )
 
 
+def caller(request: Request) -> str | None:
+    """The id of the key the request was let in with (None without authentication), as
+    :class:`~gptj_flax.serving.auth.KeyCheck` found it."""
+    return request.scope.get(KEY_ID)
+
+
+def _shown(part: Any) -> int | str:
+    """One part of an error's location; a field name the body made up is cut short."""
+    return part if isinstance(part, int) else str(part)[:MAX_LOC_CHARS]
+
+
 def validation_errors(exc: RequestValidationError) -> list[dict]:
-    """Each error's field and problem, without the value sent (it may be a key, or not JSON at all)."""
-    return [
-        {
-            "loc": [part if isinstance(part, int) else str(part) for part in error["loc"]],
-            "msg": str(error["msg"]),
-            "type": str(error["type"]),
-        }
-        for error in exc.errors()
+    """The first errors' field and problem, without the value sent (it may be a key, or not JSON at
+    all), and a count of the rest: a 422 stays small whatever was sent."""
+    errors = exc.errors()
+    shown = [
+        {"loc": [_shown(part) for part in error["loc"]], "msg": str(error["msg"]), "type": str(error["type"])}
+        for error in errors[: schemas.MAX_ERRORS]
     ]
+    if len(errors) > schemas.MAX_ERRORS:
+        more = len(errors) - schemas.MAX_ERRORS
+        shown.append({"loc": ["body"], "msg": f"and {more} more errors not listed", "type": "too_many_errors"})
+    return shown
 
 
 def json_response(content: Any, status_code: int) -> Response:
@@ -390,6 +404,7 @@ def create_app(
     )
     app.state.service = service
     app.add_middleware(legacy.CompleteBodyDispatch)  # inside ServiceMiddleware: drained, counted as /complete
+    app.add_middleware(KeyCheck, keys=service.keys)  # before anything reads or validates a body
     app.add_middleware(ServiceMiddleware, service=service)
     if settings.cors:  # outermost, so that refusals (401, 429, 503) reach the page with their headers too
         app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
@@ -416,7 +431,7 @@ def create_app(
         """GPT-4chan's API: continue `pre_prompt` + `prompt`; the prompt loses its oldest tokens to fit
         the context with `length` new tokens (413 if even the pre_prompt and one prompt token cannot)."""
         started = time.monotonic()
-        key = service.authorize(request, body.api_key)
+        key = caller(request)
         pre = service.encode(body.pre_prompt)[: settings.pre_prompt_length]
         prompt = service.encode(body.prompt)
         shortest = len(pre) + min(len(prompt), 1) or 1  # nothing at all: start from the EOS token
@@ -470,7 +485,7 @@ def create_app(
         """OpenAI-style completions of one prompt or a list (texts or token ids), `n` each; `stream`
         sends server-sent events; `echo` with `logprobs` scores the prompt too (`max_tokens` 0: only that)."""
         started = time.monotonic()
-        key = service.authorize(request, body.api_key)
+        key = caller(request)
         service.check_model(body.model)
         if body.echo and body.stream:
             raise _invalid("echo", "echo is not available with stream")
@@ -526,13 +541,15 @@ def create_app(
         completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def log(responses: list[str]) -> None:
+            # a text prompt with one choice is logged as texts; otherwise a response per choice (n per prompt)
+            single = isinstance(body.prompt, str) and len(responses) == 1
             service.log(
                 key=key,
                 endpoint="/v1/completions",
                 prompt=body.prompt if isinstance(body.prompt, str) else [text for text, _ in prompts],
                 pre_prompt="",
                 settings=settings_logged,
-                response=responses[0] if len(responses) == 1 else responses,
+                response=responses[0] if single else responses,
                 started=started,
             )
 
@@ -593,9 +610,8 @@ def create_app(
         )
 
     @app.post("/tokenize", response_model=schemas.TokenizeResponse, responses={**ERRORS, 404: _error("unknown model")})
-    async def tokenize(body: schemas.TokenizeRequest, request: Request):
+    async def tokenize(body: schemas.TokenizeRequest):
         """vLLM's `/tokenize` of a text: its token ids, their count and the model's context."""
-        service.authorize(request, None)
         service.check_model(body.model)
         tokens = service.model.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return schemas.TokenizeResponse(
@@ -608,16 +624,14 @@ def create_app(
     @app.post(
         "/detokenize", response_model=schemas.DetokenizeResponse, responses={**ERRORS, 404: _error("unknown model")}
     )
-    async def detokenize(body: DetokenizeRequest, request: Request):
+    async def detokenize(body: DetokenizeRequest):
         """vLLM's `/detokenize`: the text of token ids (special tokens kept, as generation writes them)."""
-        service.authorize(request, None)
         service.check_model(body.model)
         return schemas.DetokenizeResponse(prompt=service.model.decode(body.tokens))
 
     @app.get("/tokenizer_info", response_model=schemas.TokenizerInfo, responses={401: ERRORS[401]})
-    async def tokenizer_info(request: Request):
+    async def tokenizer_info():
         """The tokenizer's special tokens, as vLLM's `/tokenizer_info` (lm-eval's remote tokenizer reads them)."""
-        service.authorize(request, None)
         tokenizer = service.model.tokenizer
         return schemas.TokenizerInfo(
             tokenizer_class=type(tokenizer).__name__,
@@ -629,7 +643,7 @@ def create_app(
             vocab_size=service.vocab,
         )
 
-    @app.get("/v1/models", response_model=schemas.ModelList)
+    @app.get("/v1/models", response_model=schemas.ModelList, responses={401: ERRORS[401]})
     async def models():
         return schemas.ModelList(
             data=[schemas.ModelCard(id=service.name, created=service.created, max_model_len=service.context)]
@@ -675,7 +689,7 @@ async def _events(service: Service, job: Job, completion_id: str, created: int, 
     """The job's text as OpenAI completion chunks (with the logprobs of each chunk's tokens, if the job
     asks), then ``data: [DONE]``."""
     texts = [""] * len(job.rows)
-    offsets = list(prompt_chars)  # each row's next token's text_offset
+    offsets = [service.text_offsets(start) for start in prompt_chars]  # each row's, across its pieces
 
     def chunk(index: int, text: str, logprobs, finish_reason) -> str:
         return _sse(
@@ -707,7 +721,6 @@ async def _events(service: Service, job: Job, completion_id: str, created: int, 
                     logprobs = _token_logprobs(
                         service, piece.tokens, piece.logprobs, piece.top_logprobs, offsets[index]
                     ).model_dump()
-                    offsets[index] += sum(len(t) for t in logprobs["tokens"])
                 yield chunk(index, str(piece), logprobs, None)
     for index, reason in enumerate(item.finish_reasons):  # as OpenAI: a last chunk per choice says why it ended
         if reason is not None:
@@ -730,66 +743,63 @@ def _top(service: Service, alternatives: dict[int, float] | None, token: int, lo
 def _token_logprobs(
     service: Service,
     tokens: list[int],
-    logprobs: list[float],
+    logprobs: list[float | None],
     alternatives: list[dict[int, float]] | None,
-    start: int,
+    offsets: TextOffsets,
 ) -> schemas.Logprobs:
-    """OpenAI's logprobs object for generated tokens whose text starts at character ``start``."""
-    texts = [service.token_text(t) for t in tokens]
-    offsets = (start + np.cumsum([0] + [len(t) for t in texts[:-1]])).tolist() if texts else []
+    """OpenAI's logprobs object for tokens that follow those ``offsets`` has taken."""
     tops: list[dict[int, float]] = alternatives or [{}] * len(tokens)
     return schemas.Logprobs(
-        tokens=texts,
+        tokens=[service.token_text(t) for t in tokens],
         token_logprobs=list(logprobs),
         top_logprobs=[_top(service, top, t, lp) for top, t, lp in zip(tops, tokens, logprobs, strict=True)],
-        text_offset=offsets,
+        text_offset=offsets.add(tokens),
+    )
+
+
+def _joined(*parts: schemas.Logprobs) -> schemas.Logprobs:
+    return schemas.Logprobs(
+        tokens=[t for p in parts for t in p.tokens],
+        token_logprobs=[x for p in parts for x in p.token_logprobs],
+        top_logprobs=[top for p in parts for top in p.top_logprobs],
+        text_offset=[o for p in parts for o in p.text_offset],
     )
 
 
 def _logprobs(service: Service, prompt_text: str, echoed: list[int] | None, scored, completion) -> schemas.Logprobs:
     """OpenAI's logprobs object of one choice: with ``echoed`` (the prompt's tokens) those first, the
     first with ``null`` for its log-probability and alternatives (nothing comes before it); then the
-    generated tokens. Offsets count characters from the start of the prompt."""
-    generated = (
-        _token_logprobs(service, [], [], None, 0)
-        if completion is None
-        else _token_logprobs(
-            service,
-            completion.tokens,
-            completion.logprobs,
-            completion.top_logprobs,
-            0 if echoed is not None else len(prompt_text),
-        )
+    generated tokens. Offsets index the choice's text as :mod:`~gptj_flax.serving.offsets` says: the
+    generated tokens' start at the prompt's end, echoed or not (as OpenAI counts them)."""
+    generated = _token_logprobs(
+        service,
+        [] if completion is None else completion.tokens,
+        [] if completion is None else completion.logprobs,
+        None if completion is None else completion.top_logprobs,
+        service.text_offsets(len(prompt_text)),
     )
     if echoed is None:
         return generated
-    if scored is None:  # a one-token prompt: nothing to score it after
-        prompt = schemas.Logprobs(
-            tokens=[service.token_text(echoed[0])], token_logprobs=[None], top_logprobs=[None], text_offset=[0]
-        )
-    else:
-        rest = _token_logprobs(service, echoed[1:], scored.logprobs.tolist(), scored.top_logprobs, 0)
-        first = service.token_text(echoed[0])
-        prompt = schemas.Logprobs(
-            tokens=[first, *rest.tokens],
-            token_logprobs=[None, *rest.token_logprobs],
-            top_logprobs=[None, *rest.top_logprobs],
-            text_offset=[0, *(o + len(first) for o in rest.text_offset)],
-        )
-    end = len("".join(prompt.tokens))
-    return schemas.Logprobs(
-        tokens=prompt.tokens + generated.tokens,
-        token_logprobs=prompt.token_logprobs + generated.token_logprobs,
-        top_logprobs=prompt.top_logprobs + generated.top_logprobs,
-        text_offset=prompt.text_offset + [end + o for o in generated.text_offset],
+    offsets = service.text_offsets(0)
+    first = schemas.Logprobs(
+        tokens=[service.token_text(echoed[0])],
+        token_logprobs=[None],
+        top_logprobs=[None],
+        text_offset=offsets.add(echoed[:1]),
     )
+    rest = (  # scored is None for a one-token prompt: nothing to score it after
+        _token_logprobs(service, [], [], None, offsets)
+        if scored is None
+        else _token_logprobs(service, echoed[1:], scored.logprobs.tolist(), scored.top_logprobs, offsets)
+    )
+    return _joined(first, rest, generated)
 
 
 # -- the original mesh-transformer-jax servers' APIs --------------------------------------------------
 # Undocumented in /openapi.json (their clients were written against the originals, not a schema),
 # they share the engine, authentication, queue limits and request log with the routes above.
 def _add_original_server_routes(app: FastAPI, service: Service) -> None:
-    predictions = legacy.PredictionStore(service.settings.predictions_kept)
+    predictions = service.predictions
 
     def prompt_row(text: str, length: int, temperature: float, top_p: float, top_k: int = 0) -> Prompt:
         """``text``'s last tokens that fit the context with ``length`` new ones (its start token if empty)."""
@@ -809,7 +819,7 @@ def _add_original_server_routes(app: FastAPI, service: Service) -> None:
         """device_serve.py's `/complete`: continue `context` by 256 tokens (as many as the context
         leaves room for beside one context token, on a model whose context is shorter)."""
         started = time.monotonic()
-        key = service.authorize(request, body.api_key)
+        key = caller(request)
         row = prompt_row(body.context, min(legacy.DEVICE_SERVE_LENGTH, service.context - 1), body.temp, body.top_p)
         (completion,) = await service.run(request, Job([row]))
         service.log(
@@ -835,7 +845,7 @@ def _add_original_server_routes(app: FastAPI, service: Service) -> None:
     @app.post("/model/predict", response_model=schemas.PredictResponse, include_in_schema=False)
     async def predict(body: schemas.PredictRequest, request: Request):
         """The docker API: queue a completion of `context` and answer its qid at once."""
-        key = service.authorize(request, body.api_key)
+        key = caller(request)
         if body.length + 1 > service.context:
             raise HTTPException(
                 413,
@@ -870,7 +880,7 @@ def _add_original_server_routes(app: FastAPI, service: Service) -> None:
     @app.post("/model/get_prediction", response_model=schemas.PredictionResponse, include_in_schema=False)
     async def get_prediction(body: schemas.PredictionRequest, request: Request):
         """The docker API: the qid's result, once it is ready (as the original, this waits for it)."""
-        key = service.authorize(request, body.api_key)
+        key = caller(request)
         prediction = predictions.get(body.qid, key)
         if prediction is None:  # another key's qid reads as unknown: a qid says nothing to its non-owner
             raise HTTPException(404, "no prediction has this qid (or it is one of the oldest, no longer kept)")
@@ -884,6 +894,7 @@ def _add_original_server_routes(app: FastAPI, service: Service) -> None:
                 gone.cancel()
             if not prediction.done.is_set():  # the job goes on: its result stays for a later call
                 raise HTTPException(499, "the client closed the request")
+        prediction.collected = True  # a drain need not wait for it any longer
         if prediction.failed:
             raise HTTPException(500, "generation failed; the server log has the details")
         return {"context": prediction.context, "completion": prediction.completion, "time": prediction.seconds}

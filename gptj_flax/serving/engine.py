@@ -199,7 +199,10 @@ class Engine:
         try:
             start = time.monotonic()
             self.slots = self.model.slots(**self._slot_args)
-            self.slots.warm_up()
+            if not self.slots.warm_up(stop=lambda: self._stopping):
+                logger.info("warm-up stopped after %.1f s: the server is shutting down", time.monotonic() - start)
+                self._set_state(STOPPED)
+                return
             logger.info(
                 "warm-up: %d decode slots of %d tokens, %d programs compiled in %.1f s",
                 self.slots.slots,

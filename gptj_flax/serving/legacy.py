@@ -20,14 +20,12 @@ import json
 import secrets
 import time
 
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.routing import APIRoute
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gptj_flax.serving.request_body import BodyTooLarge, answer_too_large, is_json, read_body, replaying
 from gptj_flax.serving.schemas import QID_LIMIT
 
 # device_serve.py always generated 256 tokens; GPT-J's context (2048) leaves room for them.
@@ -36,13 +34,6 @@ DEVICE_SERVE_LENGTH = 256
 DEVICE_SERVE_FIELDS = frozenset({"context", "temp"})
 BODY_KIND = "gptj_flax.complete_body"
 DEVICE_SERVE = "device_serve"
-
-
-def is_json(headers: Headers) -> bool:
-    """Whether FastAPI parses this body as JSON (its strict content-type rule)."""
-    kind = headers.get("content-type", "").split(";")[0].strip().lower()
-    subtype = kind.partition("/")[2]
-    return kind.startswith("application/") and (subtype == "json" or subtype.endswith("+json"))
 
 
 def is_device_serve_body(body: bytes) -> bool:
@@ -67,27 +58,13 @@ class CompleteBodyDispatch:
             return await self.app(scope, receive, send)
         if not is_json(Headers(scope=scope)):
             return await self.app(scope, receive, send)
-        messages, body = [], bytearray()
         try:
-            while True:
-                message = await receive()
-                messages.append(message)
-                if message["type"] != "http.request":  # the client went away; the route finds out too
-                    break
-                body += message.get("body", b"")
-                if not message.get("more_body", False):
-                    break
-        except HTTPException as e:  # the app's body size limit: answered as any route answers it
-            response = await http_exception_handler(Request(scope), e)
-            return await response(scope, receive, send)
-        pending = collections.deque(messages)
-
-        async def replay():
-            return pending.popleft() if pending else await receive()
-
-        if is_device_serve_body(bytes(body)):
+            messages, body = await read_body(receive)
+        except BodyTooLarge as refused:
+            return await answer_too_large(scope, receive, send, refused)
+        if is_device_serve_body(body):
             scope = {**scope, BODY_KIND: DEVICE_SERVE}
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(messages, receive), send)
 
 
 class DeviceServeRoute(APIRoute):
@@ -102,7 +79,8 @@ class DeviceServeRoute(APIRoute):
 
 @dataclasses.dataclass
 class Prediction:
-    """One ``/model/predict`` job: whose it is, its context, and (once done) its completion or error."""
+    """One ``/model/predict`` job: whose it is, its context, and (once done) its completion or error,
+    and whether anyone has collected it."""
 
     key: str | None
     context: str
@@ -111,6 +89,7 @@ class Prediction:
     completion: str | None = None
     seconds: float = 0.0
     failed: bool = False
+    collected: bool = False
 
 
 class PredictionStore:
@@ -120,6 +99,7 @@ class PredictionStore:
         self.keep = keep
         self._jobs: dict[int, Prediction] = {}
         self._finished: collections.deque[int] = collections.deque()
+        self.running = 0  # jobs not finished yet
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -128,6 +108,7 @@ class PredictionStore:
         while (qid := secrets.randbelow(QID_LIMIT - 1) + 1) in self._jobs:
             pass
         prediction = self._jobs[qid] = Prediction(key, context, time.monotonic())
+        self.running += 1
         return qid, prediction
 
     def finish(self, qid: int, completion: str | None) -> None:
@@ -136,6 +117,7 @@ class PredictionStore:
         prediction.completion, prediction.failed = completion, completion is None
         prediction.seconds = time.monotonic() - prediction.submitted
         prediction.done.set()
+        self.running -= 1
         self._finished.append(qid)
         while len(self._finished) > self.keep:
             del self._jobs[self._finished.popleft()]
@@ -144,3 +126,11 @@ class PredictionStore:
         """The job, if it is known and was asked for with the same key (else, as if unknown)."""
         prediction = self._jobs.get(qid)
         return prediction if prediction is not None and prediction.key == key else None
+
+    def settled(self, grace_s: float, now: float | None = None) -> bool:
+        """Whether every job has finished and each result nobody has collected finished at least
+        ``grace_s`` seconds ago: what a drain waits for before the server exits."""
+        now = time.monotonic() if now is None else now
+        return self.running == 0 and all(
+            p.collected or now - (p.submitted + p.seconds) >= grace_s for p in self._jobs.values()
+        )

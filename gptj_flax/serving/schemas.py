@@ -5,35 +5,55 @@ JSON as Python reads it also has ``NaN``, ``Infinity`` (and ``1e309``, which ove
 strings holding lone UTF-16 surrogates (``"\\ud800"``), which no UTF-8 text can: float fields must
 be finite, and every text field has a length limit, which makes pydantic check it as Unicode text
 (it refuses a lone surrogate only in constrained strings).
+
+However large a body, its errors are few: a list of token ids is checked in one pass and gives
+one error (not one per id), ``prompt``'s shapes are told apart before validation (so a prompt is
+checked as one shape, not as each of four), and unknown fields are named up to ``MAX_ERRORS``.
 """
 
+import itertools
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 MAX_TEXT_CHARS = 16384  # the GPT-4chan limit on prompt and pre_prompt
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 4, 256
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
 MAX_PROMPT_TOKENS = MAX_TEXT_CHARS  # a token-id prompt's length limit (the body limit assumes it)
 SEED_LIMIT = 2**32  # LanguageModel.generate takes seeds in [0, 2**32)
+MAX_KEY_CHARS = 1024  # the longest API key: a keys file's, a Bearer token's or an api_key field's
+MAX_ERRORS = 20  # errors a 422 lists; it counts the rest
 SEED = Field(
     None,
     ge=0,
     lt=SEED_LIMIT,
     description="random seed; the same seed, prompt and settings give the same output (default: a fresh random seed)",
 )
-API_KEY = Field(None, min_length=1, max_length=128, description="API key (or send it as `Authorization: Bearer KEY`)")
+API_KEY = Field(
+    None, min_length=1, max_length=MAX_KEY_CHARS, description="API key (or send it as `Authorization: Bearer KEY`)"
+)
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-def _neutral_only(field: str, neutral: tuple, shown: str, instead: str = "") -> AfterValidator:
+def _neutral_only(field: str, neutral: tuple, shown: str, instead: str = "") -> BeforeValidator:
     """Accept one of OpenAI's fields this server does not implement only at a value that changes
     nothing (``neutral``, spelt ``shown``: clients often send the defaults), and refuse any other
-    value by name."""
+    value by name, as one error before its type is checked (a dict of many bad entries gives one)."""
 
     def check(value):
         if value not in neutral:
@@ -44,7 +64,20 @@ def _neutral_only(field: str, neutral: tuple, shown: str, instead: str = "") -> 
             )
         return value
 
-    return AfterValidator(check)
+    return BeforeValidator(check)
+
+
+def _unknown_fields_refused(model: type[BaseModel], data: Any) -> Any:
+    """Refuse the fields ``model`` does not have, naming the first ``MAX_ERRORS`` (pydantic's
+    ``extra="forbid"`` makes an error of each, and a body can hold hundreds of thousands)."""
+    if not isinstance(data, dict):
+        return data
+    known = model.model_fields.keys()
+    unknown = list(itertools.islice((name for name in data if name not in known), MAX_ERRORS))
+    if unknown:
+        errors = [InitErrorDetails(type="extra_forbidden", loc=(name,), input=None) for name in unknown]
+        raise ValidationError.from_exception_data(model.__name__, errors)
+    return data
 
 
 class CompleteRequest(StrictModel):
@@ -90,15 +123,63 @@ PromptText = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 ModelName = Annotated[str, Field(max_length=256, description="must be the served model's id, if given")]
 
 
-def token_ids(vocab: int) -> type:
-    """A non-empty list of token ids in [0, ``vocab``)."""
-    return Annotated[list[Annotated[int, Field(ge=0, lt=vocab)]], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+def _in_vocabulary(vocab: int) -> AfterValidator:
+    """One pass over a list of token ids: every one an integer in [0, ``vocab``), or one error saying
+    how many are not and where the first is (never the values)."""
+
+    def check(ids: list) -> list:
+        if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < vocab)):
+            return ids
+        bad = [i for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < vocab]
+        raise PydanticCustomError(
+            "token_id",
+            "token ids must be integers in [0, {vocab}): {count} of {total} are not, the first at position {first}",
+            {"vocab": vocab, "count": len(bad), "total": len(ids), "first": bad[0]},
+        )
+
+    return AfterValidator(check)
+
+
+def token_ids(vocab: int, min_length: int = 1) -> type:
+    """A list of token ids in [0, ``vocab``), ``min_length`` to ``MAX_PROMPT_TOKENS`` of them."""
+    schema = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
+    return Annotated[
+        list[Annotated[Any, WithJsonSchema(schema)]],
+        Field(min_length=min_length, max_length=MAX_PROMPT_TOKENS),
+        _in_vocabulary(vocab),
+    ]
+
+
+def _prompt_shape(prompt: Any) -> str | None:
+    """Which of the prompt's shapes a value has, told by its first item (None: none of them)."""
+    if isinstance(prompt, str):
+        return "text"
+    if not isinstance(prompt, list):
+        return None
+    if not prompt or isinstance(prompt[0], str):
+        return "texts"
+    return "token_lists" if isinstance(prompt[0], list) else "tokens"
+
+
+def prompt_type(max_prompts: int, vocab: int) -> type:
+    """`/v1/completions`' prompt: a text, up to ``max_prompts`` texts, token ids, or lists of them."""
+    TokenIds = token_ids(vocab)
+    return Annotated[
+        Annotated[PromptText, Tag("text")]
+        | Annotated[list[PromptText], Field(min_length=1, max_length=max_prompts), Tag("texts")]
+        | Annotated[TokenIds, Tag("tokens")]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=max_prompts), Tag("token_lists")],
+        Discriminator(
+            _prompt_shape,
+            custom_error_type="prompt_type",
+            custom_error_message="prompt must be a text, a list of texts, a list of token ids, or a list of such lists",
+        ),
+    ]
 
 
 def completion_request_model(max_prompts: int, vocab: int) -> type[StrictModel]:
     """The OpenAI-style `/v1/completions` body; a list prompt holds at most ``max_prompts`` (the batch
     size), token ids lie in [0, ``vocab``)."""
-    TokenIds = token_ids(vocab)
 
     class CompletionRequest(StrictModel):
         """OpenAI's legacy completions request, with vLLM's `top_k`, `min_p` and `repetition_penalty`.
@@ -107,15 +188,11 @@ def completion_request_model(max_prompts: int, vocab: int) -> type[StrictModel]:
         does not implement are accepted only at their neutral values.
         """
 
-        model_config = ConfigDict(strict=True, extra="forbid")
+        # Unknown fields are refused by _no_unknown_fields; the schema says so as extra="forbid" would.
+        model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"additionalProperties": False})
 
         model: ModelName | None = None
-        prompt: (
-            PromptText
-            | Annotated[list[PromptText], Field(min_length=1, max_length=max_prompts)]
-            | TokenIds
-            | Annotated[list[TokenIds], Field(min_length=1, max_length=max_prompts)]
-        ) = Field(
+        prompt: prompt_type(max_prompts, vocab) = Field(
             description=f"a text, a list of up to {max_prompts} texts, a list of token ids, or a list of up "
             f"to {max_prompts} such lists; `n` × prompts must not exceed {max_prompts}"
         )
@@ -179,6 +256,11 @@ def completion_request_model(max_prompts: int, vocab: int) -> type[StrictModel]:
             ),
         ] = None
 
+        @model_validator(mode="before")
+        @classmethod
+        def _no_unknown_fields(cls, data: Any) -> Any:
+            return _unknown_fields_refused(cls, data)
+
         @model_validator(mode="after")
         def _best_of_is_n(self):
             if self.best_of is not None and self.best_of != self.n:
@@ -237,7 +319,7 @@ def detokenize_request_model(vocab: int) -> type[StrictModel]:
         """vLLM's `/detokenize` body."""
 
         model: ModelName | None = None
-        tokens: Annotated[list[Annotated[int, Field(ge=0, lt=vocab)]], Field(max_length=MAX_PROMPT_TOKENS)]
+        tokens: token_ids(vocab, min_length=0)
 
     return DetokenizeRequest
 

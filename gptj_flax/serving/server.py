@@ -43,7 +43,7 @@ class DrainingServer(uvicorn.Server):
             self.service.begin_drain()
 
     async def on_tick(self, counter: int) -> bool:
-        if self.service.draining and self.service.in_flight == 0:
+        if self.service.drained():
             self.should_exit = True
         if self.service.worker.state == FAILED:
             self.should_exit = True

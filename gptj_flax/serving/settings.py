@@ -91,9 +91,9 @@ class ServeSettings:
     api_keys_file: str | None = _setting(
         None,
         str,
-        "file of valid API keys: the first whitespace-separated token of each line, at least 16 "
-        "characters; blank lines and lines starting with # are skipped; re-read when it changes (default: no "
-        "authentication)",
+        "file of valid API keys: the first whitespace-separated token of each line, 16 to 1024 "
+        "characters; blank lines and lines starting with # are skipped; re-read when it changes. Every route "
+        "but /health and /metrics then needs a key (default: no authentication)",
     )
     queue_size: int = _setting(1024, int, "prompts that may wait for the model; beyond it requests get 429")
     max_batch: int = _setting(
@@ -139,6 +139,12 @@ class ServeSettings:
     predictions_kept: int = _setting(
         1024, int, "finished /model/predict results kept for /model/get_prediction; beyond it the oldest go"
     )
+    predictions_grace: float = _setting(
+        10.0,
+        float,
+        "after SIGTERM, /model/get_prediction stays open until every /model/predict job has finished, and "
+        "then for up to this many seconds after each finishes, while its result has not been collected",
+    )
 
     def __post_init__(self):
         def check(ok: bool, name: str, accepted: str):
@@ -179,6 +185,7 @@ class ServeSettings:
         check(self.log_backups >= 0, "log_backups", ">= 0")
         check(self.log_level in LOG_LEVELS, "log_level", f"one of {list(LOG_LEVELS)}")
         check(self.predictions_kept >= 1, "predictions_kept", ">= 1")
+        check(0 <= self.predictions_grace <= 3600, "predictions_grace", "seconds in 0..3600")
 
     @property
     def served_model_name(self) -> str:

@@ -12,19 +12,16 @@ import dataclasses
 import math
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gptj_flax import attention, checkpoint, partitioning
 from gptj_flax.config import Config
-from gptj_flax.convert import lora as lora_lib
-from gptj_flax.data import Batch
 from gptj_flax.errors import GptjFlaxError
 from gptj_flax.model import GPTJ, KVCache, PagedKVCache, abstract_params
-from gptj_flax.training import optimizer, steps
 from gptj_flax.training.metrics import ChipPeak, chip_peak
+from gptj_flax.training.setup import TrainSetup
 
 GiB = 2**30
 
@@ -148,70 +145,18 @@ def topology_devices(topology: str):
 
 
 def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotReport:
+    """Compile ``config``'s train step for the TPU slice ``topology`` (the step ``train`` runs, from
+    the same :class:`~gptj_flax.training.setup.TrainSetup`) and report what each chip needs."""
     devices = topology_devices(topology)
-    mesh = partitioning.make_mesh(mesh_spec or config.mesh, devices=devices)
-    shape = partitioning.mesh_shape(mesh)
-    checkpoint.check_mesh(config.model, mesh)
-    tc = config.train
-    seq_len = tc.seq_len or config.model.max_len
-    batch = tc.global_batch_size(partitioning.data_parallel_size(mesh))
-
-    model = GPTJ(config.model, tc.lora)
-    tx = optimizer.make_optimizer(tc, nn.meta.unbox(steps.abstract_trained(model)), tc.freeze)
-    abstract, shardings = steps.state_targets(model, tx, mesh)
+    setup = TrainSetup.build(config, partitioning.make_mesh(mesh_spec or config.mesh, devices=devices))
     # A LoRA step also takes the frozen base, held in bfloat16 or, for QLoRA, with int8 block projections
     # (an argument: it counts in the HBM used).
-    base: tuple = ()
-    base_shardings = None
-    if tc.lora is not None:
-        base_targets, base_shardings = checkpoint.param_targets(lora_lib.base_model_config(config), mesh)
-        base = (base_targets,)
-    data_sharding = steps.batch_sharding(mesh, accumulated=True)
-
-    tokens = jax.ShapeDtypeStruct((tc.grad_accum_steps, batch, seq_len + 1), jnp.int32, sharding=data_sharding)
-    mask = jax.ShapeDtypeStruct((tc.grad_accum_steps, batch, seq_len), jnp.float32, sharding=data_sharding)
-    abstract_batch = Batch(tokens, tokens, mask)
-    step = steps.compile_train_step(
-        model, tx, mesh, shardings, optimizer.schedule(tc), tc.z_loss, accumulated=True, base_shardings=base_shardings
-    )
-    kind = devices[0].device_kind
-    n_tokens = tc.grad_accum_steps * batch * seq_len
-    backend = attention.choose(config.model, seq_len, devices[0])
-    kernel_flops, kernel_bytes = (
-        # a scanned stack's body is one layer to the cost analysis: count the kernel in it once too
-        attention.kernel_cost(
-            config.model, tc.grad_accum_steps * batch, seq_len, layers=1 if config.model.scan_layers else None
-        )
-        if backend.name != "xla"
-        else (0, 0)
-    )
-    report = AotReport(
-        topology=topology,
-        device_kind=kind,
-        n_devices=len(devices),
-        mesh=shape,
-        global_batch_tokens=n_tokens,
-        attention=backend.describe(),
-        lora=None
-        if tc.lora is None
-        else f"rank {tc.lora.rank} on {', '.join(tc.lora.projections)}, "
-        + ("bfloat16 base" if config.model.quantize is None else f"{config.model.quantize} base (QLoRA)"),
-        argument_bytes=0,
-        output_bytes=0,
-        alias_bytes=0,
-        temp_bytes=0,
-        peak=chip_peak(kind),
-        compile_error=None,
-        compiled_flops=0.0,
-        bytes_accessed=0.0,
-        kernel_flops=kernel_flops / len(devices),
-        kernel_bytes=kernel_bytes / len(devices),
-        scanned=config.model.scan_layers,
-        model_flops=config.model.flops_per_token(seq_len) * n_tokens / len(devices),
-    )
+    base = () if config.train.lora is None else (setup.base_targets(),)
+    train_step, _ = setup.compile(*base)
+    report = _unmeasured(setup, topology, devices)
     try:
-        with partitioning.sharding_scope(mesh):
-            compiled = step.lower(abstract, abstract_batch, *base).compile()
+        with partitioning.sharding_scope(setup.mesh):
+            compiled = train_step.lower(setup.targets, setup.abstract_batch(), *base).compile()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -230,6 +175,45 @@ def compile_for_topology(config: Config, topology: str, mesh_spec=None) -> AotRe
         temp_bytes=memory.temp_size_in_bytes,
         compiled_flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+    )
+
+
+def _unmeasured(setup: TrainSetup, topology: str, devices) -> AotReport:
+    """The report of ``setup``'s step on ``devices`` before XLA measures it: what is known from the
+    config, the fused attention kernel's cost counted analytically."""
+    mc, tc = setup.config.model, setup.config.train
+    kind, backend = devices[0].device_kind, setup.attention
+    kernel_flops, kernel_bytes = (
+        # a scanned stack's body is one layer to the cost analysis: count the kernel in it once too
+        attention.kernel_cost(
+            mc, tc.grad_accum_steps * setup.batch_size, setup.seq_len, layers=1 if mc.scan_layers else None
+        )
+        if backend.name != "xla"
+        else (0, 0)
+    )
+    return AotReport(
+        topology=topology,
+        device_kind=kind,
+        n_devices=len(devices),
+        mesh=partitioning.mesh_shape(setup.mesh),
+        global_batch_tokens=setup.tokens_per_step,
+        attention=backend.describe(),
+        lora=None
+        if tc.lora is None
+        else f"rank {tc.lora.rank} on {', '.join(tc.lora.projections)}, "
+        + ("bfloat16 base" if mc.quantize is None else f"{mc.quantize} base (QLoRA)"),
+        argument_bytes=0,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=0,
+        peak=chip_peak(kind),
+        compile_error=None,
+        compiled_flops=0.0,
+        bytes_accessed=0.0,
+        kernel_flops=kernel_flops / len(devices),
+        kernel_bytes=kernel_bytes / len(devices),
+        scanned=mc.scan_layers,
+        model_flops=mc.flops_per_token(setup.seq_len) * setup.tokens_per_step / len(devices),
     )
 
 
@@ -316,6 +300,44 @@ def serving_fit(
         devices, kind = jax.devices("cpu")[:1], ONE_CHIP_KINDS[topology]
         compiler = "estimated from the largest live tensors (no libtpu to compile for the chip)"
     mesh = partitioning.make_mesh(mesh_spec or (1, 1, -1), devices=devices)
+    programs, cache_bytes = _serving_programs(mc, mesh, batch, cache_len, chunk)
+    fit = ServingFit(
+        topology=topology,
+        device_kind=kind,
+        compiler=compiler,
+        quantize=mc.quantize,
+        kv_cache=mc.kv_cache,
+        param_dtype=mc.param_dtype,
+        batch=batch,
+        cache_len=cache_len,
+        chunk=chunk,
+        param_bytes=partitioning.bytes_per_device(abstract_params(mc), mesh),
+        cache_bytes=cache_bytes,
+        activation_bytes=0,
+        hbm_bytes=(chip_peak(kind) or ChipPeak(0, 0, 0)).hbm_bytes or None,
+        compile_error=None,
+    )
+    if compiler != XLA_TPU:
+        return dataclasses.replace(fit, activation_bytes=serving_activation_estimate(mc, batch, cache_len, chunk))
+    temporaries = []
+    try:
+        with partitioning.sharding_scope(mesh):
+            for fn, args, donated in programs:
+                compiled = jax.jit(fn, donate_argnums=donated).lower(*args).compile()
+                memory = compiled.memory_analysis()
+                if memory is None:
+                    raise TopologyError(f"XLA gave no memory analysis for {topology}'s serving programs")
+                temporaries.append(memory.temp_size_in_bytes)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return dataclasses.replace(fit, compile_error=str(e).split("RESOURCE_EXHAUSTED:")[-1].strip().splitlines()[0])
+    return dataclasses.replace(fit, activation_bytes=max(temporaries))
+
+
+def _serving_programs(mc, mesh, batch: int, cache_len: int, chunk: int) -> tuple[list, int]:
+    """``([(program, abstract arguments, donated argument), …], cache bytes per device)`` of the
+    decode-slot step and a prefill chunk, as ``gptj-serve`` of ``mc`` runs them on ``mesh``."""
     params, _ = checkpoint.param_targets(mc, mesh)
 
     def targets(shapes, shardings):
@@ -359,38 +381,7 @@ def serving_fit(
         math.prod(s.sharding.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
         for s in jax.tree.leaves((slots, one_row))
     )
-    fit = ServingFit(
-        topology=topology,
-        device_kind=kind,
-        compiler=compiler,
-        quantize=mc.quantize,
-        kv_cache=mc.kv_cache,
-        param_dtype=mc.param_dtype,
-        batch=batch,
-        cache_len=cache_len,
-        chunk=chunk,
-        param_bytes=partitioning.bytes_per_device(abstract_params(mc), mesh),
-        cache_bytes=cache_bytes,
-        activation_bytes=0,
-        hbm_bytes=(chip_peak(kind) or ChipPeak(0, 0, 0)).hbm_bytes or None,
-        compile_error=None,
-    )
-    if compiler != XLA_TPU:
-        return dataclasses.replace(fit, activation_bytes=serving_activation_estimate(mc, batch, cache_len, chunk))
-    temporaries = []
-    try:
-        with partitioning.sharding_scope(mesh):
-            for fn, args, donated in ((decode_step, decode_args, 4), (prefill_chunk, prefill_args, 2)):
-                compiled = jax.jit(fn, donate_argnums=donated).lower(*args).compile()
-                memory = compiled.memory_analysis()
-                if memory is None:
-                    raise TopologyError(f"XLA gave no memory analysis for {topology}'s serving programs")
-                temporaries.append(memory.temp_size_in_bytes)
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        return dataclasses.replace(fit, compile_error=str(e).split("RESOURCE_EXHAUSTED:")[-1].strip().splitlines()[0])
-    return dataclasses.replace(fit, activation_bytes=max(temporaries))
+    return [(decode_step, decode_args, 4), (prefill_chunk, prefill_args, 2)], cache_bytes
 
 
 def serving_activation_estimate(mc, batch: int, cache_len: int, chunk: int) -> int:

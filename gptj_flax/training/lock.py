@@ -3,7 +3,9 @@
 ``RUN_DIR/train.lock`` holds JSON ``{"host", "pid", "started", "command"}``. On a local or network
 file system the file is also ``flock``-ed for as long as the trainer runs, so the kernel releases it
 when the process dies however it dies; the next trainer on the same host then takes the stale file
-over with a notice. A lock left by another host cannot be checked from here and is never taken over.
+over with a notice. A lock left by another host cannot be checked from here and is never taken over,
+except one left by an earlier attempt of the same gptj-launch job: the launcher ended every process of
+that attempt, wherever it ran, before it started this one (after a preemption the hosts are new).
 Object stores (``gs://``) have no locks: the file is checked, written and read back, which catches
 a trainer that is already running but not two that start in the same instant.
 """
@@ -28,7 +30,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from gptj_flax.errors import GptjFlaxError
+from gptj_flax.errors import LAUNCHED_ENV, GptjFlaxError
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +42,29 @@ class RunDirLocked(GptjFlaxError, RuntimeError):
 
 
 def _holder_info() -> dict[str, Any]:
-    return {
+    info = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
     }
+    if os.environ.get(LAUNCHED_ENV):
+        info["launch"] = os.environ[LAUNCHED_ENV]
+    return info
+
+
+def _launch_attempt(text: Any) -> tuple[str, int] | None:
+    """gptj-launch's ``JOB:ATTEMPT`` as (job, attempt), or None."""
+    job, _, attempt = str(text or "").rpartition(":")
+    return (job, int(attempt)) if job and attempt.isdigit() else None
+
+
+def _left_by_an_earlier_attempt(info: dict[str, Any] | None) -> bool:
+    """Whether ``info``'s holder was a process of an earlier attempt of the gptj-launch job this process
+    belongs to, which the launcher ended before it started this one."""
+    ours = _launch_attempt(os.environ.get(LAUNCHED_ENV))
+    theirs = _launch_attempt((info or {}).get("launch"))
+    return ours is not None and theirs is not None and ours[0] == theirs[0] and theirs[1] < ours[1]
 
 
 def _parse(text: str) -> dict[str, Any] | None:
@@ -150,16 +169,22 @@ class RunDirLock:
             previous = os.pread(fd, 65536, 0).decode(errors="replace")
             if previous.strip():
                 info = _parse(previous)
-                if info is not None and info["host"] != socket.gethostname():
+                earlier_attempt = _left_by_an_earlier_attempt(info)
+                if info is not None and info["host"] != socket.gethostname() and not earlier_attempt:
                     raise self._refuse(
                         info,
                         f"this host cannot tell whether that process still runs; if it does not, delete {self.path}",
                     )
-                log.warning(
-                    "taking over the stale lock of %s: no process holds it any more%s",
-                    _describe(info),
-                    "" if info is None or not _pid_alive(info["pid"]) else " (its pid was reused)",
-                )
+                if earlier_attempt:
+                    log.warning(
+                        "taking over the lock of %s, an earlier attempt of this gptj-launch job", _describe(info)
+                    )
+                else:
+                    log.warning(
+                        "taking over the stale lock of %s: no process holds it any more%s",
+                        _describe(info),
+                        "" if info is None or not _pid_alive(info["pid"]) else " (its pid was reused)",
+                    )
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(_holder_info()) + "\n").encode(), 0)
             os.fsync(fd)
@@ -190,13 +215,16 @@ class RunDirLock:
         )
         if path.exists():
             info = _parse(path.read_text())
-            if info is None or info["host"] != socket.gethostname():
+            if _left_by_an_earlier_attempt(info):
+                log.warning("taking over the lock of %s, an earlier attempt of this gptj-launch job", _describe(info))
+            elif info is None or info["host"] != socket.gethostname():
                 raise self._refuse(
                     info, f"this host cannot tell whether that process still runs; if it does not, delete {self.path}"
                 )
-            if _pid_alive(info["pid"]):
+            elif _pid_alive(info["pid"]):
                 raise self._refuse(info, "wait for it to finish or stop it first")
-            log.warning("taking over the stale lock of %s: that process is no longer running", _describe(info))
+            else:
+                log.warning("taking over the stale lock of %s: that process is no longer running", _describe(info))
         path.parent.mkdir(parents=True, exist_ok=True)
         info = {**_holder_info(), "token": os.urandom(8).hex()}
         path.write_text(json.dumps(info) + "\n")

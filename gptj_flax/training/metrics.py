@@ -65,6 +65,49 @@ def peak_flops_per_device(override: float | None = None) -> float | None:
     return peak.flops if peak else None
 
 
+@dataclasses.dataclass
+class GradientNoiseScale:
+    """The gradient-noise statistics of McCandlish et al., "An Empirical Model of Large-Batch
+    Training" (appendix A.1), as ``device_train.py`` logged them, with B_big = ``accum_steps``
+    micro-batches and B_small = one (docs/train.md says what each estimates).
+
+    :meth:`update` takes one step's ``norm_big``, the norm of a replica's gradient averaged over its
+    micro-batches, and ``norm_micro``, the mean norm of one micro-batch's gradient (both averaged
+    over the replicas), and returns the step's ``noise/*`` values. The averages are kept in
+    checkpoints (:meth:`state`), so a resumed run continues them.
+    """
+
+    accum_steps: int
+    alpha: float  # train.noise_scale_alpha: the weight of each new step in the moving averages
+    g_avg: float | None = None
+    s_avg: float | None = None
+
+    def update(self, norm_big: float, norm_micro: float) -> dict[str, float]:
+        ga = self.accum_steps
+        small, big = norm_micro**2, norm_big**2
+        g_noise = (ga * big - small) / (ga - 1)  # the true gradient's squared norm, |G|^2
+        s_noise = (small - big) / (1 - 1 / ga)  # the trace of a micro-batch gradient's covariance
+        stats = {"noise/G_noise": g_noise, "noise/S_noise": s_noise}
+        # device_train.py's guard: the large gradients of early training would take long to wash
+        # out of the averages.
+        if big < 2:
+            a = self.alpha
+            self.g_avg = g_noise if self.g_avg is None else (1 - a) * self.g_avg + a * g_noise
+            self.s_avg = s_noise if self.s_avg is None else (1 - a) * self.s_avg + a * s_noise
+            stats["noise/G_noise_avg"] = self.g_avg
+            stats["noise/S_noise_avg"] = self.s_avg
+            stats["noise/B_simple"] = self.s_avg / self.g_avg if self.g_avg else math.nan
+        return stats
+
+    def state(self) -> dict[str, float | None]:
+        return {"G_noise_avg": self.g_avg, "S_noise_avg": self.s_avg}
+
+    def restore(self, state: Mapping[str, Any] | None) -> None:
+        """Continue the averages a checkpoint recorded (none recorded: they start afresh)."""
+        if state:
+            self.g_avg, self.s_avg = state.get("G_noise_avg"), state.get("S_noise_avg")
+
+
 def drop_records_from(path: str, first_dropped: int) -> int:
     """Rewrite the JSONL file ``path`` without rows of step >= ``first_dropped``, nor a torn last line.
 
