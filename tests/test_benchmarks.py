@@ -38,7 +38,7 @@ def figure(pattern: str, out: str) -> float:
     return float(match.group(1).replace(",", ""))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # scripts/bench.py in a process of its own, as a user runs it
 def test_train_benchmark(repo_root, tmp_path):
     out = bench(
         repo_root,
@@ -71,7 +71,7 @@ def test_train_benchmark(repo_root, tmp_path):
     assert figure(rf"their sum ({NUMBER}) ms against the step's {NUMBER} ms", out) > 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # scripts/bench.py in a process of its own, writing and reading a corpus
 def test_data_benchmark_compares_with_the_demo_config_by_default(repo_root, tmp_path):
     out = bench(repo_root, tmp_path, "data", "--batches", "2", "--text-bytes", "20000")
     assert (
@@ -107,7 +107,7 @@ def sample_benchmark(repo_root, tmp_path_factory) -> str:
     )
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # shares one scripts/bench.py sample process (a 27M-parameter model) with the next test
 def test_sample_benchmark(sample_benchmark):
     out = sample_benchmark
     assert "27.3M parameters, float32" in out
@@ -129,7 +129,7 @@ def test_sample_benchmark(sample_benchmark):
     assert len(re.findall(rf"^\s+\S+\s+matmul\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%$", profiled, re.MULTILINE)) >= 2
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the same sample benchmark process as the test above
 def test_sample_benchmark_prints_int8_weights_and_cache_beside_float32(sample_benchmark):
     out = sample_benchmark
     int8, kv_cache = out.split("int8 weights (block projections int8, a float32 scale per output channel")[1].split(
@@ -153,7 +153,7 @@ def test_sample_benchmark_prints_int8_weights_and_cache_beside_float32(sample_be
     assert "(ratio: how many times faster int8 cache is than float32)" in out
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # bench.py starts a server process and times requests against it
 def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
     out = bench(
         repo_root,
@@ -207,14 +207,14 @@ def test_pipeline_benchmark_returns_throughputs(tmp_path):
     assert results["text_corpus_tokens"] > 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a throughput target: 256 batches of 16 x 2048 tokens
 def test_pretokenised_pipeline_is_fast(tmp_path):
     """The target: well over 1M tokens/s from pre-tokenised records, at GPT-J's sequence length."""
     results = benchmark_pipeline(seq_len=2048, batch_size=16, n_batches=256, text_bytes=1 << 20, workdir=str(tmp_path))
     assert results["tfrecord_tokens_per_s"] > 1e6, results
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # scripts/bench.py in a process of its own, compiling train and decode steps
 def test_device_benchmark_on_cpu(repo_root, tmp_path):
     out = bench(
         repo_root,
@@ -237,7 +237,7 @@ def test_device_benchmark_on_cpu(repo_root, tmp_path):
     assert out.index(".. compiling and timing the train step") < out.index("attention xla")  # progress first
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # starts a Ray cluster and two 2-process trainings
 def test_launch_benchmark_times_gptj_launch_and_the_start_by_hand_on_a_cluster_of_its_own(repo_root, tmp_path):
     out = bench(repo_root, tmp_path, "launch", "--repeats", "1")
     hand = figure(rf"by hand \(two processes\)\s+({NUMBER}) s", out)

@@ -190,7 +190,7 @@ def test_slim_keeps_step_drops_nothing_else_and_rounds(tmp_path):
         assert torch.equal(tensor.to(torch.bfloat16).float(), back.state_dict()[name]), name
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two conversions of a model through the command line and a refused third
 def test_cli_round_trip_and_error_exit(tmp_path, run_command):
     cfg = tiny_config(n_layers=2)
     write_random_hf(tmp_path / "hf", cfg, seed=1)

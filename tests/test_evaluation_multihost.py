@@ -36,7 +36,7 @@ def harness_command(run, tasks, output) -> list[str]:
     ]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two JAX processes joined by a coordinator, then one in-process reference
 def test_eval_harness_on_two_processes_writes_one_results_file_equal_to_one_process(
     tmp_path, repo_root, monkeypatch, eval_checkpoint
 ):
@@ -79,7 +79,7 @@ def test_eval_harness_on_two_processes_writes_one_results_file_equal_to_one_proc
             assert multi["results"][task][metric] == expected, (task, metric)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a two-process training run with lm-eval at its validation steps
 def test_training_harness_hook_runs_on_both_processes(tmp_path, repo_root, stdlib_corpus):
     corpus = stdlib_corpus(max_bytes=100_000)
     tasks = write_tasks(tmp_path / "tasks")

@@ -87,7 +87,7 @@ def test_bad_arguments_say_what_to_fix(run, text_file):
         perplexity(run[0], text_file, seq_len=1000, progress=False)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the script and a reference both compile perplexity on an 8-device mesh
 def test_eval_script_perplexity_on_a_sharded_mesh(run, text_file, tmp_path, run_command):
     directory, _ = run
     output = tmp_path / "ppl.json"

@@ -22,7 +22,7 @@ def run(eval_checkpoint):
     return eval_checkpoint[0]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two JAX processes on two meshes, then one process's reference on each
 def test_two_processes_generate_stream_and_score_as_one_and_fail_clearly(run, tmp_path, repo_root):
     port = free_port()
     argv = [WORKER, run, str(tmp_path), "2"]
@@ -60,7 +60,7 @@ def test_two_processes_generate_stream_and_score_as_one_and_fail_clearly(run, tm
         assert "process(es) [1] were called with other arguments" in multi["divergent"], multi["divergent"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two scripts/sample.py processes joined by a coordinator
 def test_sample_script_on_two_processes_reads_prompts_on_process_0_and_prints_there(run, tmp_path, repo_root):
     prompts = ["The cat sat on the", "def add(a, b):"]
     port = free_port()

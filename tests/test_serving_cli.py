@@ -271,7 +271,7 @@ def wait_until_healthy(process: subprocess.Popen, url: str) -> None:
     wait_until(ready, 300, "the server to warm up", interval_s=0.2)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a real server process, its port and SIGTERM are the point
 def test_serve_script_serves_then_drains_and_exits_on_sigterm(tmp_path, repo_root):
     write_keys(tmp_path / "keys.txt")
     port, generic_port = free_port(), free_port()
@@ -323,7 +323,7 @@ def test_serve_script_serves_then_drains_and_exits_on_sigterm(tmp_path, repo_roo
         assert key not in output and key not in transcript
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a real server process converting a HuggingFace directory as it starts
 def test_serve_script_serves_a_huggingface_directory(tmp_path, repo_root):
     """``--checkpoint hf:DIR``: the GPT-4chan server's HF backend, without a second backend."""
     hf_dir = convert.to_hf(checkpoint_dir(), tmp_path / "hf")

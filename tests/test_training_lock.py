@@ -94,7 +94,7 @@ def _refused(run_command, config_path, holder_pid):
     assert f"is in use by another trainer: pid {holder_pid} on host {HOST}" in errors[0]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a trainer process holds the lock while it trains, is stopped and resumed
 def test_a_second_trainer_is_refused_on_a_fresh_run_dir_and_on_one_with_checkpoints(corpus, tmp_path, run_command):
     run = tmp_path / "run"
     cfg = write_config(make_config(corpus, run, total_steps=1000, val_set={}, ckpt_every=1000), tmp_path / "c.json")

@@ -81,7 +81,7 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
     assert checkpoint.Checkpointer(run, read_only=True).latest_step() == 4
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a reference run and a trainer process stopped by SIGTERM, then resumed
 def test_sigterm_saves_exits_zero_and_resumes_with_the_same_losses(corpus, tmp_path, repo_root, run_command):
     steps = 60
     reference = train(
@@ -171,7 +171,7 @@ def _run_workers(config_path, out_path, n_proc, local_devices, mesh, stop_after,
         return json.load(f)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two JAX training processes joined by a coordinator, and a reference
 def test_two_processes_match_one_and_their_checkpoint_restores_elsewhere(corpus, tmp_path, repo_root):
     overrides = dict(total_steps=8, ckpt_every=5, val_set={})
     single_cfg = write_config(make_config(corpus, tmp_path / "single", **overrides), tmp_path / "single.json")

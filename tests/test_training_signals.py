@@ -56,7 +56,7 @@ def test_records_past_the_resumed_step_are_dropped(tmp_path):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a trainer process stopped by SIGINT mid-run, then resumed
 def test_ctrl_c_saves_the_current_step_exits_130_and_resumes_with_the_same_losses(corpus, reference, tmp_path):
     run, log = tmp_path / "run", tmp_path / "train.log"
     proc = start_trainer(write_config(_config(corpus, run), tmp_path / "c.json"), log)
@@ -104,7 +104,7 @@ def test_a_second_ctrl_c_quits_at_once(tmp_path, repo_root):
     assert time.monotonic() - second < 5
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a trainer process killed by SIGKILL after a checkpoint, then resumed
 def test_after_a_crash_and_a_resume_metrics_hold_each_step_once(corpus, reference, tmp_path, caplog):
     run, log = tmp_path / "run", tmp_path / "train.log"
     proc = start_trainer(write_config(_config(corpus, run, ckpt_every=10), tmp_path / "c.json"), log)
