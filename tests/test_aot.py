@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -24,20 +23,16 @@ from gptj_flax.sampling.slot_programs import SlotPrograms
 from gptj_flax.sampling.slots import Request
 from gptj_flax.serving import schemas
 from gptj_flax.training.aot import topology_devices
+from tests import commands
 from tests.helpers import tiny_config
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed: the TPU path runs")
-def test_aot_check_without_libtpu_says_how_to_get_it(repo_root):
-    result = subprocess.run(
-        [sys.executable, "scripts/aot_check.py", "--config", "configs/tiny.json", "--topology", "v3:2x2"],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode != 0
-    assert "cannot describe TPU topology 'v3:2x2'" in result.stderr and "pip install -e '.[tpu]'" in result.stderr
+def test_aot_check_without_libtpu_says_how_to_get_it(repo_root, run_command):
+    aot_check = commands.script("aot_check.py")
+    result = run_command(aot_check, "--config", "configs/tiny.json", "--topology", "v3:2x2", cwd=repo_root)
+    assert result.status != 0
+    assert "cannot describe TPU topology 'v3:2x2'" in result.err and "pip install -e '.[tpu]'" in result.err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the tpu extra)")
@@ -115,25 +110,10 @@ def test_int8_gptj_6b_serving_fits_one_v5e_chip_and_bf16_does_not(repo_root):
     assert "FITS" in q.format() and "parameters 6.02 GiB + KV cache 7.88 GiB" in q.format()
 
 
-def test_aot_check_refuses_serving_flags_without_serve(repo_root):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "scripts/aot_check.py",
-            "--config",
-            "configs/tiny.json",
-            "--topology",
-            "v5e:1x1",
-            "--quantize",
-            "int8",
-        ],
-        cwd=repo_root,
-        env={**os.environ, "PYTHONPATH": str(repo_root)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 2 and "--quantize only apply with --serve" in result.stderr
+def test_aot_check_refuses_serving_flags_without_serve(repo_root, run_command):
+    args = ["--config", "configs/tiny.json", "--topology", "v5e:1x1", "--quantize", "int8"]
+    result = run_command(commands.script("aot_check.py"), *args, cwd=repo_root)
+    assert result.status == 2 and "--quantize only apply with --serve" in result.err
 
 
 def test_the_serving_fit_compiles_the_programs_the_decode_slots_run():

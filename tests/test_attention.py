@@ -61,7 +61,7 @@ def assert_close(actual, expected, rtol=1e-5):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # Splash runs in Pallas' interpreter on CPU, which compiles slowly
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (2, 1, 4)], ids=["1x1x1", "2x1x4"])
 def test_splash_in_the_model_equals_the_xla_path(mesh_shape):
     ref_logits, ref_grads = model_outputs(dataclasses.replace(CFG, attention="xla"), mesh_shape)

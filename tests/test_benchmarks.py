@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from benchmarks.data import benchmark_pipeline
+from tests import commands
 
 NUMBER = r"[\d,]+(?:\.\d+)?"
 
@@ -37,7 +38,7 @@ def figure(pattern: str, out: str) -> float:
     return float(match.group(1).replace(",", ""))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # scripts/bench.py in a process of its own, as a user runs it
 def test_train_benchmark(repo_root, tmp_path):
     out = bench(
         repo_root,
@@ -70,7 +71,7 @@ def test_train_benchmark(repo_root, tmp_path):
     assert figure(rf"their sum ({NUMBER}) ms against the step's {NUMBER} ms", out) > 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # scripts/bench.py in a process of its own, writing and reading a corpus
 def test_data_benchmark_compares_with_the_demo_config_by_default(repo_root, tmp_path):
     out = bench(repo_root, tmp_path, "data", "--batches", "2", "--text-bytes", "20000")
     assert (
@@ -81,24 +82,34 @@ def test_data_benchmark_compares_with_the_demo_config_by_default(repo_root, tmp_
         assert figure(rf"{re.escape(label)}\s+{NUMBER} tokens/s\s+=\s+({NUMBER})x the step", out) > 0
 
 
-@pytest.mark.slow
-def test_sample_benchmark(repo_root, tmp_path):
-    out = bench(
+@pytest.fixture(scope="module")
+def sample_benchmark(repo_root, tmp_path_factory) -> str:
+    """One run of the sample benchmark with every option, shared by the tests of its sections."""
+    return bench(
         repo_root,
-        tmp_path,
+        tmp_path_factory.mktemp("sample"),
         "sample",
         "--batch-sizes",
         "1,2",
         "--prompt-tokens",
         "4",
         "--new-tokens",
-        "2",
+        "3",
         "--repeats",
         "1",
         "--torch-threads",
         "1",
         "--profile",
+        "--quantize",
+        "int8",
+        "--kv-cache",
+        "int8",
     )
+
+
+@pytest.mark.slow  # shares one scripts/bench.py sample process (a 27M-parameter model) with the next test
+def test_sample_benchmark(sample_benchmark):
+    out = sample_benchmark
     assert "27.3M parameters, float32" in out
     rows = re.findall(
         rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \((?:memory|compute)\)\s+-?{NUMBER}%"
@@ -118,27 +129,9 @@ def test_sample_benchmark(repo_root, tmp_path):
     assert len(re.findall(rf"^\s+\S+\s+matmul\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%$", profiled, re.MULTILINE)) >= 2
 
 
-@pytest.mark.slow
-def test_sample_benchmark_prints_int8_weights_and_cache_beside_float32(repo_root, tmp_path):
-    out = bench(
-        repo_root,
-        tmp_path,
-        "sample",
-        "--batch-sizes",
-        "1,2",
-        "--prompt-tokens",
-        "4",
-        "--new-tokens",
-        "3",
-        "--repeats",
-        "1",
-        "--torch-threads",
-        "1",
-        "--quantize",
-        "int8",
-        "--kv-cache",
-        "int8",
-    )
+@pytest.mark.slow  # the same sample benchmark process as the test above
+def test_sample_benchmark_prints_int8_weights_and_cache_beside_float32(sample_benchmark):
+    out = sample_benchmark
     int8, kv_cache = out.split("int8 weights (block projections int8, a float32 scale per output channel")[1].split(
         "int8 KV cache (a float32 scale per cached key and value vector"
     )
@@ -160,7 +153,7 @@ def test_sample_benchmark_prints_int8_weights_and_cache_beside_float32(repo_root
     assert "(ratio: how many times faster int8 cache is than float32)" in out
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # bench.py starts a server process and times requests against it
 def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
     out = bench(
         repo_root,
@@ -197,16 +190,10 @@ def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
         (["--url", "http://127.0.0.1:9", "--prefill", "beside"], "with --url the server is yours"),
     ],
 )
-def test_serve_benchmark_refuses_bad_arguments_in_one_line(repo_root, tmp_path, args, message):
-    done = subprocess.run(
-        [sys.executable, str(repo_root / "scripts" / "bench.py"), "serve", *args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.startswith("error: ") and message in done.stderr, done.stderr
+def test_serve_benchmark_refuses_bad_arguments_in_one_line(tmp_path, args, message, run_command):
+    done = run_command(commands.script("bench.py"), "serve", *args, cwd=tmp_path)
+    assert done.status != 0 and "Traceback" not in done.err, done.err
+    assert done.err.startswith("error: ") and message in done.err, done.err
 
 
 def test_pipeline_benchmark_returns_throughputs(tmp_path):
@@ -220,14 +207,14 @@ def test_pipeline_benchmark_returns_throughputs(tmp_path):
     assert results["text_corpus_tokens"] > 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a throughput target: 256 batches of 16 x 2048 tokens
 def test_pretokenised_pipeline_is_fast(tmp_path):
     """The target: well over 1M tokens/s from pre-tokenised records, at GPT-J's sequence length."""
     results = benchmark_pipeline(seq_len=2048, batch_size=16, n_batches=256, text_bytes=1 << 20, workdir=str(tmp_path))
     assert results["tfrecord_tokens_per_s"] > 1e6, results
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # scripts/bench.py in a process of its own, compiling train and decode steps
 def test_device_benchmark_on_cpu(repo_root, tmp_path):
     out = bench(
         repo_root,
@@ -250,7 +237,7 @@ def test_device_benchmark_on_cpu(repo_root, tmp_path):
     assert out.index(".. compiling and timing the train step") < out.index("attention xla")  # progress first
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # starts a Ray cluster and two 2-process trainings
 def test_launch_benchmark_times_gptj_launch_and_the_start_by_hand_on_a_cluster_of_its_own(repo_root, tmp_path):
     out = bench(repo_root, tmp_path, "launch", "--repeats", "1")
     hand = figure(rf"by hand \(two processes\)\s+({NUMBER}) s", out)

@@ -34,6 +34,7 @@ from gptj_flax.checkpoint import CheckpointCorrupted, CheckpointDiskFull, Checkp
 from gptj_flax.config import Config, TrainConfig
 from gptj_flax.convert import from_hf
 from gptj_flax.model import GPTJ
+from tests import commands
 from tests.helpers import tiny_config
 from tests.test_sampling_api import make_tokenizer
 
@@ -200,18 +201,12 @@ def test_a_corrupted_optimiser_state_chunk_is_refused(tmp_path):
     )
 
 
-def test_to_hf_on_a_corrupted_checkpoint_is_one_error_line(run, tmp_path, repo_root):
+def test_to_hf_on_a_corrupted_checkpoint_is_one_error_line(run, tmp_path, repo_root, run_command):
     flip_bytes_in_a_chunk(run / "2" / "params")
-    result = subprocess.run(
-        [sys.executable, "scripts/convert.py", "to-hf", str(run), str(tmp_path / "hf")],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 1
-    lines = [line for line in result.stderr.splitlines() if line.strip() and "writing safetensors" not in line]
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr  # progress bars aside
+    result = run_command(commands.script("convert.py"), "to-hf", run, tmp_path / "hf", cwd=repo_root)
+    assert result.status == 1
+    lines = [line for line in result.err.splitlines() if line.strip() and "writing safetensors" not in line]
+    assert len(lines) == 1 and "Traceback" not in result.err, result.err  # progress bars aside
     assert lines[0].startswith(f"error: checkpoint step 2 in {run} is corrupted: the stored data of array ")
     assert lines[0].endswith(f"The previous step is 1: load {run / '1'} (or step=1) instead.")
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob("hf.tmp-*"))

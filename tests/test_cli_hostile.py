@@ -36,7 +36,7 @@ from gptj_flax.model import abstract_params
 from gptj_flax.sampling import SamplingError
 from tests.evaluation_helpers import write_tasks
 from tests.test_sampling_api import make_checkpoint
-from tests.training_helpers import make_config, make_corpus, write_config
+from tests.training_helpers import make_config, write_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -342,8 +342,8 @@ def test_sample_and_eval_on_a_run_without_a_tokenizer_give_command_line_advice_t
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"), max_bytes=100_000)
+def corpus(stdlib_corpus):
+    return stdlib_corpus(max_bytes=100_000)
 
 
 def test_resuming_with_another_seed_gives_command_line_advice_that_works(corpus, tmp_path, monkeypatch, capsys):

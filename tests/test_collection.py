@@ -4,13 +4,12 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 
-def collected(command: list[str], cwd) -> int:
+def collected_by_a_process(command: list[str], cwd) -> int:
     # No PYTHONPATH: the checkout must be found through the pytest configuration alone.
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     done = subprocess.run(
@@ -26,13 +25,25 @@ def collected(command: list[str], cwd) -> int:
     return int(count)
 
 
-@pytest.mark.slow
-def test_bare_pytest_and_python_m_pytest_collect_the_whole_suite(repo_root):
-    # Both at once: each is a minute of single-threaded imports.
-    with ThreadPoolExecutor(2) as pool:
-        bare, module = pool.map(
-            lambda command: collected(command, repo_root),
-            [[str(Path(sys.executable).parent / "pytest")], [sys.executable, "-m", "pytest"]],
-        )
+class Count:
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.items = len(session.items)
+
+
+def collected_here(cwd, monkeypatch) -> int:
+    """What ``python -m pytest`` collects from ``cwd``, collected in this process, where every test
+    module is already imported (``python -m pytest`` differs from bare ``pytest`` only in putting
+    the working directory on sys.path, which this process has)."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.syspath_prepend(str(cwd))
+    count = Count()
+    assert pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider"], plugins=[count]) == pytest.ExitCode.OK
+    return count.items
+
+
+@pytest.mark.slow  # a fresh process imports every test module: TensorFlow, PyTorch, lm-eval, JAX
+def test_bare_pytest_and_python_m_pytest_collect_the_whole_suite(repo_root, monkeypatch):
+    bare = collected_by_a_process([str(Path(sys.executable).parent / "pytest")], repo_root)
+    module = collected_here(repo_root, monkeypatch)
     test_files = list((repo_root / "tests").glob("test_*.py"))
     assert bare == module and bare > len(test_files)

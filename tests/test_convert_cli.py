@@ -15,6 +15,7 @@ from benchmarks.common import write_random_hf
 from gptj_flax import checkpoint, convert, partitioning
 from gptj_flax.convert import ConversionError, config_for_legacy, from_hf, from_legacy, safetensors_io
 from gptj_flax.training import make_optimizer
+from tests import commands
 from tests.helpers import tiny_config
 from tests.legacy_writer import dense_model, dense_moments, legacy_config_dict, write_legacy_checkpoint
 from tests.test_sampling_api import make_tokenizer
@@ -22,15 +23,8 @@ from tests.test_sampling_api import make_tokenizer
 CFG = tiny_config(n_layers=3, d_model=32, n_heads=4, rotary_dim=4, vocab_size=64)
 
 
-def _convert(repo_root, *args, cwd, timeout=300):
-    return subprocess.run(
-        [sys.executable, str(repo_root / "scripts" / "convert.py"), *args],
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(repo_root)},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def _convert(run_command, *args, cwd):
+    return run_command(commands.script("convert.py"), *args, cwd=cwd)
 
 
 def _leftovers(directory, name):
@@ -52,7 +46,7 @@ def _full_legacy(directory):
     return directory / "step_5", directory / "legacy.json"
 
 
-def test_every_subcommand_takes_paths_relative_to_where_it_is_run(tmp_path, repo_root):
+def test_every_subcommand_takes_paths_relative_to_where_it_is_run(tmp_path, run_command):
     write_random_hf(tmp_path / "hf", CFG)
     _full_legacy(tmp_path)
     commands = [
@@ -62,9 +56,9 @@ def test_every_subcommand_takes_paths_relative_to_where_it_is_run(tmp_path, repo
         ("from-legacy", "step_5", "from_legacy", "--config", "legacy.json", "--with-opt-state"),
     ]
     for command in commands:
-        result = _convert(repo_root, *command, cwd=tmp_path)  # not the repository: the paths are tmp_path's
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert f"wrote {tmp_path / command[2]}" in result.stdout
+        result = _convert(run_command, *command, cwd=tmp_path)  # not the repository: the paths are tmp_path's
+        assert result.status == 0, result.err[-3000:]
+        assert f"wrote {tmp_path / command[2]}" in result.out
 
     original, exported = (safetensors_io.read_header(tmp_path / d / "model.safetensors") for d in ("hf", "back"))
     assert original.keys() == exported.keys()
@@ -130,7 +124,7 @@ def test_ctrl_c_during_a_conversion_leaves_nothing_behind(tmp_path, repo_root):
     assert not _leftovers(tmp_path, "out")
 
 
-def test_from_hf_checks_the_tokenizer_it_carries(tmp_path, repo_root, caplog):
+def test_from_hf_checks_the_tokenizer_it_carries(tmp_path, caplog, run_command):
     write_random_hf(tmp_path / "hf", CFG)
     with caplog.at_level(logging.WARNING, logger="gptj_flax.convert.hf"):
         from_hf(tmp_path / "hf", tmp_path / "weights_only")
@@ -156,11 +150,11 @@ def test_from_hf_checks_the_tokenizer_it_carries(tmp_path, repo_root, caplog):
     with pytest.raises(ConversionError, match=refused):
         from_hf(tmp_path / "hf", tmp_path / "garbage")
     assert not _leftovers(tmp_path, "garbage")
-    result = _convert(repo_root, "from-hf", "hf", "garbage", cwd=tmp_path)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
+    result = _convert(run_command, "from-hf", "hf", "garbage", cwd=tmp_path)
+    lines = [line for line in result.err.splitlines() if line.strip()]
+    assert result.status == 1 and len(lines) == 1, result.err[-3000:]
     assert lines[0].startswith(f"error: {tmp_path / 'hf'}: its tokenizer files (")
     assert not _leftovers(tmp_path, "garbage")
-    result = _convert(repo_root, "from-hf", "hf", "garbage", "--no-tokenizer", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = _convert(run_command, "from-hf", "hf", "garbage", "--no-tokenizer", cwd=tmp_path)
+    assert result.status == 0, result.err[-2000:]
     assert checkpoint.tokenizer_dir(tmp_path / "garbage") is None

@@ -2,8 +2,6 @@
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +17,7 @@ from gptj_flax.convert import from_hf, load_init_params, safetensors_io, slim, t
 from gptj_flax.convert.hf import HFCheckpoint
 from gptj_flax.convert.orbax_io import OrbaxParams
 from gptj_flax.model import GPTJ, unstack_layers
+from tests import commands
 from tests.helpers import hf_model, hf_state_numpy, params_matching, tiny_config
 
 # (n_layers, d_model, n_heads, rotary_dim, vocab): rotary below and at head_dim, odd depth and vocab.
@@ -191,23 +190,25 @@ def test_slim_keeps_step_drops_nothing_else_and_rounds(tmp_path):
         assert torch.equal(tensor.to(torch.bfloat16).float(), back.state_dict()[name]), name
 
 
-@pytest.mark.slow
-def test_cli_round_trip_and_error_exit(tmp_path, repo_root):
+@pytest.mark.slow  # two conversions of a model through the command line and a refused third
+def test_cli_round_trip_and_error_exit(tmp_path, run_command):
     cfg = tiny_config(n_layers=2)
     write_random_hf(tmp_path / "hf", cfg, seed=1)
-    script = str(repo_root / "scripts" / "convert.py")
-    run = lambda *args: subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True)  # noqa: E731
+
+    def run(*args):
+        return run_command(commands.script("convert.py"), *args)
+
     done = run("from-hf", tmp_path / "hf", tmp_path / "ours")
-    assert done.returncode == 0, done.stderr
+    assert done.status == 0, done.err
     done = run("to-hf", tmp_path / "ours", tmp_path / "back", "--dtype", "fp32", "--max-shard-size", "50KB")
-    assert done.returncode == 0, done.stderr
+    assert done.status == 0, done.err
     for name, info in safetensors_io.read_header(tmp_path / "hf" / "model.safetensors").items():
         index = json.loads((tmp_path / "back" / safetensors_io.INDEX_FILE).read_text())["weight_map"]
         back = safetensors_io.read_header(tmp_path / "back" / index[name])[name]
         np.testing.assert_array_equal(safetensors_io.read_tensor(info), safetensors_io.read_tensor(back))
 
     failed = run("to-hf", tmp_path / "ours", tmp_path / "back")  # OUT exists: refused, untouched
-    assert failed.returncode != 0 and "already exists" in failed.stderr
+    assert failed.status != 0 and "already exists" in failed.err
 
 
 @pytest.mark.parametrize(
@@ -241,22 +242,21 @@ def test_an_hf_import_computes_in_the_stored_precision(tmp_path, torch_dtype, de
     assert OrbaxParams.open(tmp_path / "ours").config.model.dtype == expected
 
 
-def test_convert_cli_takes_either_dtype_spelling_and_prints_the_canonical_one(tmp_path, repo_root):
+def test_convert_cli_takes_either_dtype_spelling_and_prints_the_canonical_one(tmp_path, run_command):
     cfg = tiny_config(n_layers=1)
     hf_model(cfg).save_pretrained(tmp_path / "hf")
-    script = str(repo_root / "scripts" / "convert.py")
 
     def run(*args):
-        return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True, timeout=300)
+        return run_command(commands.script("convert.py"), *args)
 
     done = run("from-hf", tmp_path / "hf", tmp_path / "bf16", "--no-tokenizer", "--dtype", "bf16")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"wrote {tmp_path / 'bf16'}: parameters float32, compute bfloat16"
+    assert done.status == 0, done.err
+    assert done.out.strip() == f"wrote {tmp_path / 'bf16'}: parameters float32, compute bfloat16"
     assert OrbaxParams.open(tmp_path / "bf16").config.model.dtype == "bfloat16"
     done = run("from-hf", tmp_path / "hf", tmp_path / "default", "--no-tokenizer")
-    assert done.stdout.strip().endswith("compute float32")
+    assert done.out.strip().endswith("compute float32")
     done = run("slim", tmp_path / "default", tmp_path / "slim", "--dtype", "half")
-    assert done.returncode == 0 and done.stdout.strip().endswith("parameters float16"), done.stderr
+    assert done.status == 0 and done.out.strip().endswith("parameters float16"), done.err
     bad = run("from-hf", tmp_path / "hf", tmp_path / "bad", "--no-tokenizer", "--dtype", "fp64")
-    assert bad.returncode == 2 and "argument --dtype: 'fp64' is not a supported dtype; use one of float32" in bad.stderr
+    assert bad.status == 2 and "argument --dtype: 'fp64' is not a supported dtype; use one of float32" in bad.err
     assert not (tmp_path / "bad").exists()

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the README's demo trains 240 steps to a perplexity that falls five-fold
 def test_demo_trains_and_samples(repo_root, tmp_path):
     # No arguments, from a directory outside the checkout: the checkout's config, the run under it.
     run = tmp_path / "runs" / "demo"

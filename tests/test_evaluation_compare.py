@@ -2,12 +2,11 @@
 cases, as markdown and as a chart, through ``scripts/eval.py compare``."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from gptj_flax.evaluation.compare import compare, load_results, mark, plot, significance, to_markdown
+from tests import commands
 
 
 def results(tasks: dict, higher_is_better: dict | None = None) -> dict:
@@ -112,33 +111,24 @@ def test_compare_rows_table_and_chart(tmp_path):
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_eval_script_compare(tmp_path, repo_root):
+def test_eval_script_compare(tmp_path, run_command):
     (tmp_path / "gpt4chan.json").write_text(json.dumps(A))
     (tmp_path / "gptj.json").write_text(json.dumps(B))
     (tmp_path / "broken.json").write_text(json.dumps({"no": "results"}))
-    script = [sys.executable, str(repo_root / "scripts" / "eval.py"), "compare"]
-    done = subprocess.run(
-        [
-            *script,
-            str(tmp_path / "gpt4chan.json"),
-            str(tmp_path / "gptj.json"),
-            "--markdown",
-            str(tmp_path / "table.md"),
-            "--plot",
-            str(tmp_path / "chart.png"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    eval_script = commands.script("eval.py")
+    done = run_command(
+        eval_script,
+        "compare",
+        tmp_path / "gpt4chan.json",
+        tmp_path / "gptj.json",
+        "--markdown",
+        tmp_path / "table.md",
+        "--plot",
+        tmp_path / "chart.png",
     )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("| Task | Metric | gpt4chan | ± | gptj | ± | z | Sig. |")
-    assert (tmp_path / "table.md").read_text() in done.stdout and (tmp_path / "chart.png").stat().st_size > 0
+    assert done.status == 0, done.err
+    assert done.out.startswith("| Task | Metric | gpt4chan | ± | gptj | ± | z | Sig. |")
+    assert (tmp_path / "table.md").read_text() in done.out and (tmp_path / "chart.png").stat().st_size > 0
     assert load_results(tmp_path / "gptj.json") == B
-    bad = subprocess.run(
-        [*script, str(tmp_path / "broken.json"), str(tmp_path / "gptj.json")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bad.returncode == 1 and "not an lm-eval results file" in bad.stderr
+    bad = run_command(eval_script, "compare", tmp_path / "broken.json", tmp_path / "gptj.json")
+    assert bad.status == 1 and "not an lm-eval results file" in bad.err

@@ -24,12 +24,12 @@ from gptj_flax.config import ModelConfig
 from gptj_flax.data import load_tokenizer
 from gptj_flax.evaluation.during_training import HarnessDuringTraining
 from gptj_flax.evaluation.harness import GenerationSettings, GPTJFlaxLM, flat_metrics, task_manager
+from tests import commands
 from tests.evaluation_helpers import (
     CFG,
     CHOICE_DOCS,
     TEXT_DOCS,
     TOKENIZER_VOCAB,
-    make_checkpoint,
     make_tokenizer,
     write_tasks,
 )
@@ -54,9 +54,8 @@ def requests(kind, arguments):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("run"))
-    return directory, make_checkpoint(directory)
+def run(eval_checkpoint):
+    return eval_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +230,7 @@ def test_lm_eval_builds_the_registered_model_from_model_args(run, offline, tmp_p
         GPTJFlaxLM.create_from_arg_string(f"checkpoint={run[0]}", {"batch_size": "auto"})
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a fresh process must register the model with lm-eval on its own
 def test_local_tasks_run_through_lm_evals_own_entry_point(run, offline, tmp_path):
     """``python -m gptj_flax.cli.lm_eval`` is lm-eval's ``cli_evaluate`` with the model registered."""
     tasks = write_tasks(tmp_path / "tasks")
@@ -275,7 +274,7 @@ def console_command(name: str) -> str:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the installed console command in a process of its own, compared with PyTorch
 def test_the_gptj_lm_eval_command_runs_the_model_as_huggingface_scores(odd_run, offline, tmp_path):
     """The installed ``gptj-lm-eval --model gptj_flax …`` command, on an odd-shaped model
     converted from HuggingFace with no dtype given anywhere: per-request log-likelihoods, accuracy,
@@ -334,44 +333,21 @@ def test_the_gptj_lm_eval_command_runs_the_model_as_huggingface_scores(odd_run, 
     assert "gptj_flax" in done.stdout and "tiny_choice" in done.stdout  # lm-eval's table
 
 
-@pytest.mark.slow
-def test_eval_script_harness_writes_the_results_json(run, offline, tmp_path, repo_root):
+def test_eval_script_harness_writes_the_results_json(run, offline, tmp_path, repo_root, run_command):
     tasks = write_tasks(tmp_path / "tasks")
     output = tmp_path / "results.json"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    command = [
-        sys.executable,
-        str(repo_root / "scripts" / "eval.py"),
-        "harness",
-        "--checkpoint",
-        run[0],
-        "--tasks",
-        "tiny_choice",
-        "--include-path",
-        tasks,
-        "--no-builtin-tasks",
-        "--output",
-        str(output),
-        "--batch-size",
-        "2",
-        "--limit",
-        "3",
-    ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    arguments = ["harness", "--checkpoint", run[0], "--tasks", "tiny_choice", "--include-path", tasks]
+    options = ["--no-builtin-tasks", "--output", output, "--batch-size", "2", "--limit", "3"]
+    done = run_command(commands.script("eval.py"), *arguments, *options, cwd=repo_root)
+    assert done.status == 0, done.err[-3000:]
     results = json.loads(output.read_text())
     assert results["n-samples"]["tiny_choice"]["effective"] == 3
     assert results["config"]["model"] == "gptj_flax" and results["config"]["checkpoint"] == run[0]
-    assert "acc" in done.stdout and str(output) in done.stdout
-    assert f"{run[0]} step 0: parameters float32, compute float32" in done.stderr  # the dtypes in effect
-    bad = subprocess.run(
-        [*command[:4], os.path.join(run[0], "missing"), *command[5:]],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert bad.returncode == 1 and "error:" in bad.stderr and "Traceback" not in bad.stderr
+    assert "acc" in done.out and str(output) in done.out
+    assert f"{run[0]} step 0: parameters float32, compute float32" in done.err  # the dtypes in effect
+    arguments[2] = os.path.join(run[0], "missing")
+    bad = run_command(commands.script("eval.py"), *arguments, *options, cwd=repo_root)
+    assert bad.status == 1 and "error:" in bad.err and "Traceback" not in bad.err
 
 
 def test_training_hook_scores_new_parameters_without_recompiling(run, lm, offline, tmp_path):

@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from gptj_flax.cli import eval as eval_cli
-from tests.evaluation_helpers import make_checkpoint, write_tasks
+from tests.evaluation_helpers import write_tasks
 from tests.multihost_helpers import free_port, log_of, start_processes
-from tests.training_helpers import make_config, make_corpus, write_config
+from tests.training_helpers import make_config, write_config
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 TASKS = ["tiny_choice", "tiny_text", "tiny_generation"]
@@ -36,10 +36,11 @@ def harness_command(run, tasks, output) -> list[str]:
     ]
 
 
-@pytest.mark.slow
-def test_eval_harness_on_two_processes_writes_one_results_file_equal_to_one_process(tmp_path, repo_root, monkeypatch):
-    run = str(tmp_path / "run")
-    make_checkpoint(run)
+@pytest.mark.slow  # two JAX processes joined by a coordinator, then one in-process reference
+def test_eval_harness_on_two_processes_writes_one_results_file_equal_to_one_process(
+    tmp_path, repo_root, monkeypatch, eval_checkpoint
+):
+    run = eval_checkpoint[0]
     tasks = write_tasks(tmp_path / "tasks")
     output = tmp_path / "multi" / "results.json"
     output.parent.mkdir()
@@ -78,9 +79,9 @@ def test_eval_harness_on_two_processes_writes_one_results_file_equal_to_one_proc
             assert multi["results"][task][metric] == expected, (task, metric)
 
 
-@pytest.mark.slow
-def test_training_harness_hook_runs_on_both_processes(tmp_path, repo_root):
-    corpus = make_corpus(tmp_path / "corpus", max_bytes=100_000)
+@pytest.mark.slow  # a two-process training run with lm-eval at its validation steps
+def test_training_harness_hook_runs_on_both_processes(tmp_path, repo_root, stdlib_corpus):
+    corpus = stdlib_corpus(max_bytes=100_000)
     tasks = write_tasks(tmp_path / "tasks")
     run_dir = tmp_path / "run"
     config = make_config(

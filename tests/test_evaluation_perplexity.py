@@ -4,8 +4,6 @@
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,15 +11,15 @@ import torch
 
 from gptj_flax import data
 from gptj_flax.evaluation.perplexity import perplexity
-from tests.evaluation_helpers import CORPUS, make_checkpoint
+from tests import commands
+from tests.evaluation_helpers import CORPUS
 
 SEQ_LEN = 24
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("run"))
-    return directory, make_checkpoint(directory)
+def run(eval_checkpoint):
+    return eval_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -89,39 +87,31 @@ def test_bad_arguments_say_what_to_fix(run, text_file):
         perplexity(run[0], text_file, seq_len=1000, progress=False)
 
 
-@pytest.mark.slow
-def test_eval_script_perplexity_on_a_sharded_mesh(run, text_file, tmp_path, repo_root):
+@pytest.mark.slow  # the script and a reference both compile perplexity on an 8-device mesh
+def test_eval_script_perplexity_on_a_sharded_mesh(run, text_file, tmp_path, run_command):
     directory, _ = run
     output = tmp_path / "ppl.json"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(repo_root / "scripts" / "eval.py"),
-            "perplexity",
-            "--checkpoint",
-            directory,
-            "--data",
-            text_file,
-            "--seq-len",
-            str(SEQ_LEN),
-            "--batch-size",
-            "4",
-            "--mesh",
-            "2,1,4",
-            "--output",
-            str(output),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    done = run_command(
+        commands.script("eval.py"),
+        "perplexity",
+        "--checkpoint",
+        directory,
+        "--data",
+        text_file,
+        "--seq-len",
+        SEQ_LEN,
+        "--batch-size",
+        "4",
+        "--mesh",
+        "2,1,4",
+        "--output",
+        output,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.status == 0, done.err[-3000:]
     written = json.loads(output.read_text())
     reference = perplexity(directory, text_file, seq_len=SEQ_LEN, batch_size=4, progress=False)
     assert written["loss"] == pytest.approx(reference.loss, abs=1e-5) and written["tokens"] == reference.tokens
-    assert f"perplexity {written['perplexity']:.4f}" in done.stdout
-    assert "parameters float32, compute float32)" in done.stdout  # the dtypes in effect
+    assert f"perplexity {written['perplexity']:.4f}" in done.out
+    assert "parameters float32, compute float32)" in done.out  # the dtypes in effect
     assert (written["param_dtype"], written["dtype"]) == ("float32", "float32")
-    assert "perplexity: 100%" in done.stderr  # the progress bar
+    assert "perplexity: 100%" in done.err  # the progress bar

@@ -24,7 +24,7 @@ from gptj_flax.launch import Ending, LaunchError, judge
 from gptj_flax.launch.job import Restarts
 from gptj_flax.launch.output import Relay
 from gptj_flax.training import train
-from tests.training_helpers import make_config, make_corpus, train_losses, write_config
+from tests.training_helpers import make_config, train_losses, write_config
 
 STARTED = re.compile(r"started gptj-train on (\d) host\(s\): #0 \S+ \(pid (\d+)\)(?:, #1 \S+ \(pid (\d+)\))?")
 PROGRAM_ENV = ["--env", "XLA_FLAGS=", "--env", "JAX_PLATFORMS=cpu", "--env", "JAX_NUM_CPU_DEVICES=4"]
@@ -36,8 +36,8 @@ def saved_step(run) -> int:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
+def corpus(stdlib_corpus):
+    return stdlib_corpus()
 
 
 @pytest.fixture(scope="module")

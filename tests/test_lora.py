@@ -4,11 +4,8 @@ exports: merge-lora, to-hf --merge-lora and HuggingFace PEFT's format, checked a
 
 import dataclasses
 import json
-import os
 import random
 import shutil
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -25,15 +22,16 @@ from gptj_flax.config import ConfigError, LoraConfig, from_dict
 from gptj_flax.convert import lora as lora_lib
 from gptj_flax.model import GPTJ, unstack_layers
 from gptj_flax.training import hooks, optimizer, start, steps, train
-from tests.training_helpers import MODEL, make_config, make_corpus
+from tests import commands
+from tests.training_helpers import MODEL, make_config
 
 LORA = {"rank": 8, "alpha": 16, "targets": ["*"]}
 RUN = dict(total_steps=16, warmup_steps=2, anneal_steps=14, lr=1e-2, end_lr=1e-3, val_every=16, ckpt_every=16)
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
+def corpus(stdlib_corpus):
+    return stdlib_corpus()
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +205,7 @@ def test_only_the_adapters_train_and_are_saved(lora_run, base, corpus):
     assert {x.dtype for x in jax.tree.leaves(held.base)} == {jnp.dtype(jnp.bfloat16)}
 
 
-def test_the_adapter_checkpoint_size_is_printed_next_to_the_bases(corpus, tmp_path, repo_root):
+def test_the_adapter_checkpoint_size_is_printed_next_to_the_bases(corpus, tmp_path, repo_root, run_command):
     config = make_config(corpus, tmp_path / "run", lora={"rank": 4}, total_steps=2, ckpt_every=2, val_set={})
     # A base wide enough that the checkpoint's fixed overheads (which vary from save to save, 0.12 MiB
     # once beside a 1.07 MiB base at d_model 128) do not hide the ratio: 2 layers, d_model 256.
@@ -216,19 +214,14 @@ def test_the_adapter_checkpoint_size_is_printed_next_to_the_bases(corpus, tmp_pa
     base = f"hf:{tmp_path / 'hf'}"
     path = tmp_path / "config.json"
     gptj_flax.config.save_config(config, path)
-    out = subprocess.run(
-        [sys.executable, "scripts/train.py", "--config", str(path), "--init-from", base, "--no-progress"],
-        cwd=repo_root,
-        env={**os.environ, "PYTHONPATH": str(repo_root)},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = run_command(
+        commands.script("train.py"), "--config", path, "--init-from", base, "--no-progress", cwd=repo_root
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next(line for line in out.stdout.splitlines() if line.startswith("LoRA checkpoint step 2:"))
+    assert out.status == 0, out.err[-3000:]
+    line = next(line for line in out.out.splitlines() if line.startswith("LoRA checkpoint step 2:"))
     print(line)
     ckpt_mib, base_mib = (float(x.split(" MiB")[0].split()[-1]) for x in line.split(";"))
-    assert f"LoRA base {base}" in out.stderr and "held in bfloat16" in out.stderr
+    assert f"LoRA base {base}" in out.err and "held in bfloat16" in out.err
     assert ckpt_mib * 10 < base_mib
     assert abs(base_mib - lora_lib.disk_bytes(checkpoint.absolute_path(tmp_path / "hf")) / 2**20) < 0.01
 
@@ -286,7 +279,7 @@ def _hf_logits(directory, tokens, adapter=None):
         return model(torch.tensor(np.asarray(tokens))).logits.numpy()
 
 
-def test_peft_export_loads_in_peft_and_matches_our_merged_model(lora_run, base, tmp_path, repo_root):
+def test_peft_export_loads_in_peft_and_matches_our_merged_model(lora_run, base, tmp_path, repo_root, run_command):
     run, _ = lora_run
     adapter = lora_lib.read_adapter(run)
     config = adapter.config
@@ -302,16 +295,9 @@ def test_peft_export_loads_in_peft_and_matches_our_merged_model(lora_run, base, 
     assert np.abs(ours - base_logits).max() > 1e-2  # the adapters trained to something
 
     def cli(*args):
-        out = subprocess.run(
-            [sys.executable, "scripts/convert.py", *args],
-            cwd=repo_root,
-            env={**os.environ, "PYTHONPATH": str(repo_root)},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout
+        out = run_command(commands.script("convert.py"), *args, cwd=repo_root)
+        assert out.status == 0, out.err[-3000:]
+        return out.out
 
     cli("to-hf", base, str(tmp_path / "hf_base"))
     assert "PEFT LoRA adapter" in cli("to-peft", str(run), str(tmp_path / "peft"))

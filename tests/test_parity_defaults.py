@@ -6,8 +6,6 @@ shapes: 11 layers, rotary_dim < head_dim, a vocabulary and widths no power of tw
 """
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ import torch
 
 import gptj_flax
 from gptj_flax.config import ModelConfig
+from tests import commands
 from tests.helpers import hf_model
 from tests.legacy_writer import dense_model, hf_state_dict, legacy_config_dict, write_legacy_checkpoint
 
@@ -34,14 +33,9 @@ def torch_log_probs(model, ids: list[int]) -> np.ndarray:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
 
 
-def run_script(repo_root, *args):
-    done = subprocess.run(
-        [sys.executable, str(repo_root / "scripts" / "convert.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def run_script(run_command, *args):
+    done = run_command(commands.script("convert.py"), *args)
+    assert done.status == 0, done.err[-3000:]
     return done
 
 
@@ -53,9 +47,9 @@ def hf_dir(tmp_path_factory):
     return directory, model
 
 
-def test_from_hf_cli_then_load_scores_like_huggingface(hf_dir, tmp_path, repo_root):
+def test_from_hf_cli_then_load_scores_like_huggingface(hf_dir, tmp_path, run_command):
     directory, model = hf_dir
-    run_script(repo_root, "from-hf", directory, tmp_path / "out", "--no-tokenizer")
+    run_script(run_command, "from-hf", directory, tmp_path / "out", "--no-tokenizer")
     lm = gptj_flax.load(tmp_path / "out")
     ids = tokens(HF_SHAPE)
     np.testing.assert_allclose(lm.score(ids).logprobs, torch_log_probs(model, ids), rtol=0, atol=TOLERANCE)
@@ -68,7 +62,7 @@ def test_load_of_an_hf_directory_scores_like_huggingface(hf_dir):
     np.testing.assert_allclose(lm.score(ids).logprobs, torch_log_probs(model, ids), rtol=0, atol=TOLERANCE)
 
 
-def test_from_legacy_cli_of_a_full_float32_checkpoint_scores_like_huggingface(tmp_path, repo_root):
+def test_from_legacy_cli_of_a_full_float32_checkpoint_scores_like_huggingface(tmp_path, run_command):
     dense = dense_model(LEGACY_SHAPE, seed=4)
     step_dir = tmp_path / "legacy" / "step_500"
     write_legacy_checkpoint(
@@ -76,7 +70,7 @@ def test_from_legacy_cli_of_a_full_float32_checkpoint_scores_like_huggingface(tm
     )
     config = tmp_path / "legacy.json"
     config.write_text(json.dumps(legacy_config_dict(LEGACY_SHAPE, shards=1)))
-    run_script(repo_root, "from-legacy", step_dir, tmp_path / "out", "--config", config)
+    run_script(run_command, "from-legacy", step_dir, tmp_path / "out", "--config", config)
 
     reference = hf_model(LEGACY_SHAPE)
     reference.load_state_dict({k: torch.from_numpy(v) for k, v in hf_state_dict(dense, LEGACY_SHAPE).items()})

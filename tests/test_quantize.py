@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -27,6 +25,7 @@ from gptj_flax.convert.quantize import quantize_kernel, quantized_kernels
 from gptj_flax.model import GPTJ, abstract_params
 from gptj_flax.sampling import SamplingError
 from gptj_flax.training import train
+from tests import commands
 from tests.helpers import tiny_config
 from tests.test_sampling_api import make_tokenizer
 
@@ -189,31 +188,28 @@ def float_checkpoint(tmp_path_factory):
 # The command line and the refusals
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run(
-        [sys.executable, *args], cwd=REPO, env={**env, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=300
-    )
-
-
-def test_convert_quantize_then_sample_and_the_refusals(float_checkpoint, tmp_path):
+def test_convert_quantize_then_sample_and_the_refusals(float_checkpoint, tmp_path, run_command):
     config, _, path = float_checkpoint
+
+    def run_script(script, *args):
+        return run_command(commands.script(script), *args, cwd=REPO)
+
     out = tmp_path / "int8"
-    done = run_script("scripts/convert.py", "quantize", path, str(out))
-    assert done.returncode == 0, done.stderr
-    assert "block projections int8" in done.stdout
+    done = run_script("convert.py", "quantize", path, str(out))
+    assert done.status == 0, done.err
+    assert "block projections int8" in done.out
     assert json.loads((out / "0" / "config" / "metadata").read_text())["model"]["quantize"] == "int8"
     lm = gptj_flax.load(out)
     assert lm.config.quantize == "int8" and "block projections int8" in repr(lm)
-    again = run_script("scripts/convert.py", "quantize", str(out), str(tmp_path / "twice"))
-    assert again.returncode != 0 and "already quantised" in again.stderr and not (tmp_path / "twice").exists()
+    again = run_script("convert.py", "quantize", str(out), str(tmp_path / "twice"))
+    assert again.status != 0 and "already quantised" in again.err and not (tmp_path / "twice").exists()
     for command in ("slim", "to-hf"):
-        refused = run_script("scripts/convert.py", command, str(out), str(tmp_path / command))
-        assert refused.returncode != 0 and "holds a quantised model" in refused.stderr, refused.stderr
-    bad = run_script("scripts/sample.py", path, "--prompt", "x", "--quantize", "int4")
-    assert bad.returncode == 2 and "invalid choice: 'int4' (choose from 'int8')" in bad.stderr
+        refused = run_script("convert.py", command, str(out), str(tmp_path / command))
+        assert refused.status != 0 and "holds a quantised model" in refused.err, refused.err
+    bad = run_script("sample.py", path, "--prompt", "x", "--quantize", "int4")
+    assert bad.status == 2 and "invalid choice: 'int4' (choose from 'int8')" in bad.err
     sampled = run_script(
-        "scripts/sample.py",
+        "sample.py",
         path,
         "--prompt",
         "def",
@@ -225,8 +221,8 @@ def test_convert_quantize_then_sample_and_the_refusals(float_checkpoint, tmp_pat
         "8",
         "--ignore-eos",
     )
-    assert sampled.returncode == 0, sampled.stderr
-    assert "block projections int8" in sampled.stderr and sampled.stdout.strip()
+    assert sampled.status == 0, sampled.err
+    assert "block projections int8" in sampled.err and sampled.out.strip()
 
 
 def test_bad_quantize_values_are_refused_naming_the_choices(float_checkpoint, tmp_path):

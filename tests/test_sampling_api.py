@@ -3,8 +3,6 @@ the padded vocabulary and ``scripts/sample.py`` (``tests/test_notebook.py`` runs
 
 import os
 import re
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -18,6 +16,7 @@ from gptj_flax.checkpoint import Checkpointer, CheckpointError
 from gptj_flax.config import Config, TrainConfig
 from gptj_flax.model import GPTJ
 from gptj_flax.sampling import LanguageModel, Sampling, SamplingError
+from tests import commands
 from tests.helpers import CORPUS, tiny_config
 
 TOKENIZER_VOCAB = 300
@@ -233,25 +232,12 @@ def test_bad_requests_raise_clear_errors(lm, call, message):
         call(lm)
 
 
-def _run_script(repo_root, *args, stdin=None):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run(
-        [sys.executable, str(repo_root / "scripts" / "sample.py"), *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=repo_root,
-    )
+def test_sample_script_one_shot_and_interactive(lm, checkpoint_dir, repo_root, run_command):
+    def _run_script(*args, stdin=""):
+        return run_command(commands.script("sample.py"), *args, cwd=repo_root, stdin=stdin)
 
-
-@pytest.mark.slow
-def test_sample_script_one_shot_and_interactive(lm, checkpoint_dir, repo_root):
     expected = lm.generate("def add(", 16, temperature=0, ignore_eos=True).text
     one_shot = _run_script(
-        repo_root,
         checkpoint_dir,
         "--prompt",
         "def add(",
@@ -261,11 +247,10 @@ def test_sample_script_one_shot_and_interactive(lm, checkpoint_dir, repo_root):
         "0",
         "--ignore-eos",
     )
-    assert one_shot.returncode == 0, one_shot.stderr
-    assert one_shot.stdout == expected + "\n"
+    assert one_shot.status == 0, one_shot.err
+    assert one_shot.out == expected + "\n"
 
     loop = _run_script(
-        repo_root,
         checkpoint_dir,
         "--interactive",
         "--max-new-tokens",
@@ -280,7 +265,7 @@ def test_sample_script_one_shot_and_interactive(lm, checkpoint_dir, repo_root):
         "bfloat16",
         stdin="import os\n" + "x" * 200 + "\nclass \n\n",
     )
-    assert loop.returncode == 0, loop.stderr
-    assert loop.stdout.count("===== sample 0") == 2 and loop.stdout.count("===== sample 1") == 2
-    assert "exceeds the model's context" in loop.stderr  # the over-long prompt is refused, the loop goes on
-    assert loop.stderr.count("completion done in") == 2
+    assert loop.status == 0, loop.err
+    assert loop.out.count("===== sample 0") == 2 and loop.out.count("===== sample 1") == 2
+    assert "exceeds the model's context" in loop.err  # the over-long prompt is refused, the loop goes on
+    assert loop.err.count("completion done in") == 2

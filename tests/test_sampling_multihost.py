@@ -11,7 +11,6 @@ import pytest
 
 import gptj_flax
 from gptj_flax.sampling.multihost import fingerprint
-from tests.evaluation_helpers import make_checkpoint
 from tests.multihost_helpers import free_port, log_of, run_calls, start_processes
 
 WORKER = "tests/workers/infer_worker.py"
@@ -19,13 +18,11 @@ MESHES = ("2,2,2", "1,2,4")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("run"))
-    make_checkpoint(directory)
-    return directory
+def run(eval_checkpoint):
+    return eval_checkpoint[0]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two JAX processes on two meshes, then one process's reference on each
 def test_two_processes_generate_stream_and_score_as_one_and_fail_clearly(run, tmp_path, repo_root):
     port = free_port()
     argv = [WORKER, run, str(tmp_path), "2"]
@@ -63,7 +60,7 @@ def test_two_processes_generate_stream_and_score_as_one_and_fail_clearly(run, tm
         assert "process(es) [1] were called with other arguments" in multi["divergent"], multi["divergent"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two scripts/sample.py processes joined by a coordinator
 def test_sample_script_on_two_processes_reads_prompts_on_process_0_and_prints_there(run, tmp_path, repo_root):
     prompts = ["The cat sat on the", "def add(a, b):"]
     port = free_port()

@@ -18,6 +18,7 @@ import gptj_flax
 from gptj_flax import convert
 from gptj_flax.serving import ServeSettings, SettingsError, add_arguments, settings_from
 from gptj_flax.serving.auth import key_id
+from tests import commands
 from tests.test_serving_support import (
     KEYS,
     checkpoint_dir,
@@ -191,17 +192,12 @@ def serve_env(repo_root, **variables) -> dict:
     return {**env, "JAX_PLATFORMS": "cpu", **variables}
 
 
-def run_serve(repo_root, cwd, *args, **variables) -> tuple[int, str]:
-    """Run scripts/serve.py to its end; its exit status and its output (stdout and stderr)."""
-    process = subprocess.run(
-        [sys.executable, str(repo_root / "scripts" / "serve.py"), *args],
-        cwd=cwd,
-        env=serve_env(repo_root, **variables),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return process.returncode, scanned(process.stdout + process.stderr)
+def run_serve(run_command, cwd, *args, **variables) -> tuple[int, str]:
+    """Run scripts/serve.py in this process to its end, with this environment's GPTJ_FLAX_ settings
+    replaced by ``variables``; its exit status and its output (stdout and stderr)."""
+    unset = {key: None for key in os.environ if key.upper().startswith("GPTJ_FLAX_")}
+    ran = run_command(commands.script("serve.py"), *args, cwd=cwd, env={**unset, **variables})
+    return ran.status, scanned(ran.out + ran.err)
 
 
 def assert_one_error_line(status: int, output: str, expected: str) -> None:
@@ -218,7 +214,7 @@ def write_short_key_file(path) -> str:
 
 
 @pytest.mark.parametrize("case", ["missing checkpoint", "missing keys file", "short key", "bad setting"])
-def test_a_bad_setting_or_file_is_one_error_line_before_the_model_loads(case, tmp_path, repo_root):
+def test_a_bad_setting_or_file_is_one_error_line_before_the_model_loads(case, tmp_path, run_command):
     args, variables = ["--checkpoint", checkpoint_dir(), "--port", str(free_port())], {}
     if case == "missing checkpoint":
         args[1] = "runs/missing"  # relative: the message names the absolute path
@@ -236,18 +232,18 @@ def test_a_bad_setting_or_file_is_one_error_line_before_the_model_loads(case, tm
     else:
         variables["GPTJ_FLAX_MAX_BATCH"] = "0"
         expected = "error: --max-batch (or GPTJ_FLAX_MAX_BATCH) must be >= 1, got 0"
-    status, output = run_serve(repo_root, tmp_path, *args, **variables)
+    status, output = run_serve(run_command, tmp_path, *args, **variables)
     assert_one_error_line(status, output, expected)
     if case == "short key":
         assert short not in output
 
 
-def test_a_port_in_use_is_one_error_line_before_the_model_loads(tmp_path, repo_root):
+def test_a_port_in_use_is_one_error_line_before_the_model_loads(tmp_path, run_command):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        status, output = run_serve(repo_root, tmp_path, "--checkpoint", checkpoint_dir(), GPTJ_FLAX_PORT=str(port))
+        status, output = run_serve(run_command, tmp_path, "--checkpoint", checkpoint_dir(), GPTJ_FLAX_PORT=str(port))
     assert_one_error_line(
         status,
         output,
@@ -275,7 +271,7 @@ def wait_until_healthy(process: subprocess.Popen, url: str) -> None:
     wait_until(ready, 300, "the server to warm up", interval_s=0.2)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a real server process, its port and SIGTERM are the point
 def test_serve_script_serves_then_drains_and_exits_on_sigterm(tmp_path, repo_root):
     write_keys(tmp_path / "keys.txt")
     port, generic_port = free_port(), free_port()
@@ -327,7 +323,7 @@ def test_serve_script_serves_then_drains_and_exits_on_sigterm(tmp_path, repo_roo
         assert key not in output and key not in transcript
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a real server process converting a HuggingFace directory as it starts
 def test_serve_script_serves_a_huggingface_directory(tmp_path, repo_root):
     """``--checkpoint hf:DIR``: the GPT-4chan server's HF backend, without a second backend."""
     hf_dir = convert.to_hf(checkpoint_dir(), tmp_path / "hf")

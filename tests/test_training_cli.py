@@ -14,11 +14,12 @@ from gptj_flax import checkpoint, partitioning
 from gptj_flax.cli.args import cli_path, join_negative_values
 from gptj_flax.config import ConfigError
 from gptj_flax.training import train
-from tests.training_helpers import REPO, make_config, make_corpus, write_config
+from tests import commands
+from tests.training_helpers import REPO, make_config, write_config
 
 
 def run_script(script, *args, cwd=REPO, env=None):
-    """Run scripts/SCRIPT with ``args``; returns (status, stdout, stderr)."""
+    """Run scripts/SCRIPT with ``args`` in a process of its own; returns (status, stdout, stderr)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     env = {k: v for k, v in env.items() if v is not None}
     done = subprocess.run(
@@ -39,8 +40,8 @@ def one_error_line(status, stderr) -> str:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"), max_bytes=100_000)
+def corpus(stdlib_corpus):
+    return stdlib_corpus(max_bytes=100_000)
 
 
 def test_mesh_values_starting_with_minus_one_reach_the_parser():
@@ -68,11 +69,11 @@ def test_cli_paths_are_absolute_and_keep_their_prefixes(tmp_path, monkeypatch):
         ("eval.py", ["perplexity", "--checkpoint", "missing_run", "--data", "x.txt"]),
     ],
 )
-def test_every_cli_takes_a_mesh_starting_with_minus_one(script, args, repo_root, tmp_path):
+def test_every_cli_takes_a_mesh_starting_with_minus_one(script, args, repo_root, tmp_path, run_command):
     args = [a.format(tiny=repo_root / "configs/tiny.json") for a in args]
-    status, _, stderr = run_script(script, *args, "--mesh", "-1,-1,1", cwd=tmp_path)
-    assert "expected one argument" not in stderr
-    line = one_error_line(status, stderr)
+    ran = run_command(commands.script(script), *args, "--mesh", "-1,-1,1", cwd=tmp_path)
+    assert "expected one argument" not in ran.err
+    line = one_error_line(ran.status, ran.err)
     if script in ("train.py", "demo.py"):  # those build the mesh before anything else can fail
         assert "at most one axis may be -1" in line
 
@@ -93,14 +94,14 @@ def test_every_cli_takes_a_mesh_starting_with_minus_one(script, args, repo_root,
         ("bench.py", ["data", "--config", "nope.json"], "config file not found: {cwd}/nope.json"),
     ],
 )
-def test_bad_inputs_give_one_error_line_with_absolute_paths(script, args, message, tmp_path):
-    status, _, stderr = run_script(script, *args, cwd=tmp_path)
-    assert message.format(cwd=tmp_path) in one_error_line(status, stderr)
+def test_bad_inputs_give_one_error_line_with_absolute_paths(script, args, message, tmp_path, run_command):
+    ran = run_command(commands.script(script), *args, cwd=tmp_path)
+    assert message.format(cwd=tmp_path) in one_error_line(ran.status, ran.err)
 
 
-def test_debug_shows_the_traceback(tmp_path):
-    status, _, stderr = run_script("sample.py", "missing_run", "--prompt", "hi", "--debug", cwd=tmp_path)
-    assert status != 0 and "Traceback" in stderr and "CheckpointError" in stderr
+def test_debug_shows_the_traceback(tmp_path, run_command):
+    ran = run_command(commands.script("sample.py"), "missing_run", "--prompt", "hi", "--debug", cwd=tmp_path)
+    assert ran.status != 0 and "Traceback" in ran.err and "CheckpointError" in ran.err
 
 
 def test_a_config_needing_more_devices_than_the_cpu_has_says_how_to_get_them(repo_root):

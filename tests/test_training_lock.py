@@ -14,7 +14,8 @@ from gptj_flax import checkpoint
 from gptj_flax.errors import LAUNCHED_ENV
 from gptj_flax.training import RunDirLocked
 from gptj_flax.training.lock import LOCK_NAME, RunDirLock
-from tests.training_helpers import make_config, make_corpus, start_trainer, train_losses, wait_for, write_config
+from tests import commands
+from tests.training_helpers import REPO, make_config, start_trainer, train_losses, wait_for, write_config
 
 HOST = socket.gethostname()
 
@@ -78,29 +79,29 @@ def test_on_an_object_store_a_live_holder_is_refused_and_a_dead_one_replaced(tmp
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"), max_bytes=200_000)
+def corpus(stdlib_corpus):
+    return stdlib_corpus(max_bytes=200_000)
 
 
-def _refused(config_path, log_path, holder_pid):
-    """Run a second scripts/train.py and check it is refused with one line naming the holder."""
-    second = start_trainer(config_path, log_path)
-    second.wait(timeout=300)
-    out = open(log_path).read()
+def _refused(run_command, config_path, holder_pid):
+    """Run a second scripts/train.py (in this process: the holder is a process of its own) and check
+    it is refused with one line naming the holder."""
+    second = run_command(commands.script("train.py"), "--config", config_path, "--no-progress", cwd=REPO)
+    out = second.out + second.err
     errors = [line for line in out.splitlines() if line.startswith("error:")]
-    assert second.returncode == 1, out[-3000:]
+    assert second.status == 1, out[-3000:]
     assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
     assert f"is in use by another trainer: pid {holder_pid} on host {HOST}" in errors[0]
 
 
-@pytest.mark.slow
-def test_a_second_trainer_is_refused_on_a_fresh_run_dir_and_on_one_with_checkpoints(corpus, tmp_path):
+@pytest.mark.slow  # a trainer process holds the lock while it trains, is stopped and resumed
+def test_a_second_trainer_is_refused_on_a_fresh_run_dir_and_on_one_with_checkpoints(corpus, tmp_path, run_command):
     run = tmp_path / "run"
     cfg = write_config(make_config(corpus, run, total_steps=1000, val_set={}, ckpt_every=1000), tmp_path / "c.json")
 
     first = start_trainer(cfg, tmp_path / "first.log")
     wait_for(lambda: (run / LOCK_NAME).exists(), first, tmp_path / "first.log", what="taking the lock")
-    _refused(cfg, tmp_path / "second.log", first.pid)
+    _refused(run_command, cfg, first.pid)
     assert checkpoint.Checkpointer(run, read_only=True).latest_step() is None  # still a fresh run dir
     wait_for(lambda: len(train_losses(run)) >= 3, first, tmp_path / "first.log", what="three steps")
     first.send_signal(signal.SIGTERM)
@@ -110,7 +111,7 @@ def test_a_second_trainer_is_refused_on_a_fresh_run_dir_and_on_one_with_checkpoi
 
     resumed = start_trainer(cfg, tmp_path / "resumed.log")
     wait_for(lambda: len(train_losses(run)) >= saved + 2, resumed, tmp_path / "resumed.log", what="resuming")
-    _refused(cfg, tmp_path / "third.log", resumed.pid)
+    _refused(run_command, cfg, resumed.pid)
     resumed.send_signal(signal.SIGTERM)
     assert resumed.wait(timeout=300) == 0, open(tmp_path / "resumed.log").read()[-3000:]
     steps = [step for step, _ in train_losses(run)]

@@ -14,15 +14,17 @@ import numpy as np
 import pytest
 
 from gptj_flax import checkpoint, convert, partitioning
+from gptj_flax.config import load_config
 from gptj_flax.training import TrainingDiverged, train
-from tests.training_helpers import make_config, make_corpus, write_config
+from tests import commands
+from tests.training_helpers import make_config, write_config
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "train_worker.py")
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
+def corpus(stdlib_corpus):
+    return stdlib_corpus()
 
 
 def params_of(run_dir, mesh_shape):
@@ -79,8 +81,8 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
     assert checkpoint.Checkpointer(run, read_only=True).latest_step() == 4
 
 
-@pytest.mark.slow
-def test_sigterm_saves_exits_zero_and_resumes_with_the_same_losses(corpus, tmp_path, repo_root):
+@pytest.mark.slow  # a reference run and a trainer process stopped by SIGTERM, then resumed
+def test_sigterm_saves_exits_zero_and_resumes_with_the_same_losses(corpus, tmp_path, repo_root, run_command):
     steps = 60
     reference = train(
         make_config(corpus, tmp_path / "ref", total_steps=steps, val_set={}, ckpt_every=1000), progress=False
@@ -100,8 +102,8 @@ def test_sigterm_saves_exits_zero_and_resumes_with_the_same_losses(corpus, tmp_p
     stopped = checkpoint.Checkpointer(run, read_only=True).latest_step()
     assert 5 <= stopped < steps and f"step {stopped}: preempted, saved" in out
 
-    rerun = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    rerun = run_command(commands.script("train.py"), *cmd[2:], cwd=repo_root)  # the same command, in this process
+    assert rerun.status == 0, rerun.out[-2000:] + rerun.err[-2000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
     assert sorted(losses) == list(range(1, steps + 1))  # every step once: nothing lost, nothing repeated
@@ -169,20 +171,21 @@ def _run_workers(config_path, out_path, n_proc, local_devices, mesh, stop_after,
         return json.load(f)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two JAX training processes joined by a coordinator, and a reference
 def test_two_processes_match_one_and_their_checkpoint_restores_elsewhere(corpus, tmp_path, repo_root):
     overrides = dict(total_steps=8, ckpt_every=5, val_set={})
     single_cfg = write_config(make_config(corpus, tmp_path / "single", **overrides), tmp_path / "single.json")
     multi_cfg = write_config(make_config(corpus, tmp_path / "multi", **overrides), tmp_path / "multi.json")
 
-    single = _run_workers(single_cfg, str(tmp_path / "single.out"), 1, 8, "2,2,2", 8, repo_root)
+    # One process (this one, 8 devices as the worker would have) is the reference.
+    single = train(load_config(single_cfg), mesh=partitioning.make_mesh("2,2,2"), stop_after=8, progress=False)
     multi = _run_workers(multi_cfg, str(tmp_path / "multi.out"), 2, 4, "2,2,2", 5, repo_root)
     assert multi["step"] == 5
     for step in range(1, 6):
-        assert abs(multi["losses"][str(step)] - single["losses"][str(step)]) <= 1e-6, step
+        assert abs(multi["losses"][str(step)] - single.losses[step]) <= 1e-6, step
 
     # The 2-process checkpoint (step 5) continues in 1 process on a different mesh with the same losses.
-    resumed = _run_workers(multi_cfg, str(tmp_path / "resumed.out"), 1, 8, "1,4,2", 3, repo_root)
-    assert resumed["step"] == 8
+    resumed = train(load_config(multi_cfg), mesh=partitioning.make_mesh("1,4,2"), stop_after=3, progress=False)
+    assert resumed.step == 8
     for step in range(6, 9):
-        assert abs(resumed["losses"][str(step)] - single["losses"][str(step)]) <= 1e-5, step
+        assert abs(resumed.losses[step] - single.losses[step]) <= 1e-5, step

@@ -17,7 +17,7 @@ from gptj_flax.config import Config, ConfigError, MeshConfig, ModelConfig, Train
 from gptj_flax.data import Batch
 from gptj_flax.training import TrainSetup, start, train
 from gptj_flax.training.metrics import GradientNoiseScale
-from tests.training_helpers import make_config, make_corpus
+from tests.training_helpers import make_config
 
 GA = 3
 # 32 sequences a micro-batch keep the replicas' gradients small enough (|G_big|² < 2) for the averages.
@@ -26,8 +26,8 @@ NAMES = ("noise/G_noise", "noise/S_noise", "noise/G_noise_avg", "noise/S_noise_a
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"), max_bytes=100_000)
+def corpus(stdlib_corpus):
+    return stdlib_corpus(max_bytes=100_000)
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from gptj_flax import data
 from gptj_flax.checkpoint import CheckpointCorrupted, Checkpointer, CheckpointError
 from gptj_flax.config import save_config
 from gptj_flax.training import train
+from tests import commands
 from tests.test_checkpoint_integrity import flip_bytes_in_a_chunk
 from tests.test_training_loop import corpus, make_config  # noqa: F401 - corpus is a fixture
 
@@ -47,7 +46,7 @@ def _losses_by_step(run_dir):
 
 
 def test_a_corrupted_latest_step_is_refused_and_the_run_resumes_from_the_previous_one(
-    corpus, base_run, run, tmp_path, repo_root
+    corpus, base_run, run, tmp_path, repo_root, run_command
 ):  # noqa: F811
     flip_bytes_in_a_chunk(run / "4" / "params")
     config = make_config(corpus, run, **{**STEPS, "total_steps": 6})
@@ -63,24 +62,18 @@ def test_a_corrupted_latest_step_is_refused_and_the_run_resumes_from_the_previou
     assert Checkpointer(run, read_only=True).all_steps() == [2, 4]  # nothing was changed
 
     save_config(config, tmp_path / "config.json")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "scripts/train.py",
-            "--config",
-            str(tmp_path / "config.json"),
-            "--resume-step",
-            "2",
-            "--no-progress",
-        ],
+    result = run_command(
+        commands.script("train.py"),
+        "--config",
+        tmp_path / "config.json",
+        "--resume-step",
+        "2",
+        "--no-progress",
         cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"step 6: saved in {run}" in result.stdout
-    assert "the later step(s) [4] were moved to" in result.stderr
+    assert result.status == 0, result.err[-3000:]
+    assert f"step 6: saved in {run}" in result.out
+    assert "the later step(s) [4] were moved to" in result.err
     assert (run / "abandoned" / "4" / "params").is_dir()
     assert Checkpointer(run, read_only=True).all_steps() == [4, 6]
     # Steps 3 and 4 ran again from step 2's state and data position: exactly as the first time.

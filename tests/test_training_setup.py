@@ -12,7 +12,7 @@ import pytest
 from gptj_flax import convert, partitioning
 from gptj_flax.config import from_dict
 from gptj_flax.training import TrainSetup, aot, steps, train
-from tests.training_helpers import MODEL, make_config, make_corpus
+from tests.training_helpers import MODEL, make_config
 
 LORA = {"rank": 4, "alpha": 8, "targets": ["*"]}
 # Two steps, saved after each, no validation sets: the smallest run that can stop and resume.
@@ -21,8 +21,8 @@ ONCE_PER_RUN = {"abstract_trained": 1, "abstract_state": 1, "batch_sharding": 2}
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"), max_bytes=100_000)
+def corpus(stdlib_corpus):
+    return stdlib_corpus(max_bytes=100_000)
 
 
 @pytest.fixture(scope="module")

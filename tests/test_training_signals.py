@@ -17,14 +17,14 @@ from gptj_flax.training import train
 from gptj_flax.training.lock import LOCK_NAME
 from gptj_flax.training.metrics import MetricsWriter, drop_records_from
 from tests.multihost_helpers import free_port, log_of, start_processes
-from tests.training_helpers import make_config, make_corpus, start_trainer, train_losses, wait_for, write_config
+from tests.training_helpers import make_config, start_trainer, train_losses, wait_for, write_config
 
 STEPS = 40
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"), max_bytes=200_000)
+def corpus(stdlib_corpus):
+    return stdlib_corpus(max_bytes=200_000)
 
 
 def _config(corpus, run_dir, ckpt_every=1000):
@@ -56,7 +56,7 @@ def test_records_past_the_resumed_step_are_dropped(tmp_path):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a trainer process stopped by SIGINT mid-run, then resumed
 def test_ctrl_c_saves_the_current_step_exits_130_and_resumes_with_the_same_losses(corpus, reference, tmp_path):
     run, log = tmp_path / "run", tmp_path / "train.log"
     proc = start_trainer(write_config(_config(corpus, run), tmp_path / "c.json"), log)
@@ -104,7 +104,7 @@ def test_a_second_ctrl_c_quits_at_once(tmp_path, repo_root):
     assert time.monotonic() - second < 5
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a trainer process killed by SIGKILL after a checkpoint, then resumed
 def test_after_a_crash_and_a_resume_metrics_hold_each_step_once(corpus, reference, tmp_path, caplog):
     run, log = tmp_path / "run", tmp_path / "train.log"
     proc = start_trainer(write_config(_config(corpus, run, ckpt_every=10), tmp_path / "c.json"), log)

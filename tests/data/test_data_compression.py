@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import gzip
 import lzma
-import os
-import subprocess
-import sys
 
 import pytest
 import zstandard
@@ -18,6 +15,7 @@ from gptj_flax.data import DataError, make_eval_sets, make_train_iterator, open_
 from gptj_flax.data.compression import open_decompressed
 from gptj_flax.data.text import iter_documents
 from gptj_flax.errors import EXIT_ERROR
+from tests import commands
 
 COMPRESSORS = {
     ".zst": lambda data: zstandard.ZstdCompressor().compress(data),
@@ -108,37 +106,31 @@ def test_text_sources_refuse_a_truncated_file_alone_or_next_to_a_good_one(tmp_pa
 # scripts/create_tfrecords.py
 
 
-def _create_tfrecords_process(args, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "create_tfrecords.py")
-    return subprocess.run(
-        [sys.executable, script, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
-
-
 @FORMATS
-def test_create_tfrecords_cli_stops_at_a_truncated_file_next_to_a_good_one(tmp_path, tokenizer_dir, suffix):
+def test_create_tfrecords_cli_stops_at_a_truncated_file_next_to_a_good_one(
+    tmp_path, tokenizer_dir, suffix, run_command
+):
     data = corpus_bytes()
     (tmp_path / "good.txt").write_bytes(data)
     cut = write_cut(tmp_path / f"cut.txt{suffix}", data, suffix)
     # Relative paths, as a user types them: the message names the absolute file.
-    done = _create_tfrecords_process(
-        [
-            "good.txt",
-            f"cut.txt{suffix}",
-            "--output-dir",
-            "out",
-            "--tokenizer",
-            str(tokenizer_dir),
-            "--seq-len",
-            "64",
-            "--quiet",
-        ],
+    done = run_command(
+        commands.script("create_tfrecords.py"),
+        "good.txt",
+        f"cut.txt{suffix}",
+        "--output-dir",
+        "out",
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--seq-len",
+        "64",
+        "--quiet",
         cwd=tmp_path,
+        env={"HF_HUB_OFFLINE": "1"},
     )
-    assert done.returncode == EXIT_ERROR, done.stdout
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
+    assert done.status == EXIT_ERROR, done.out
+    lines = done.err.strip().splitlines()
+    assert len(lines) == 1, done.err
     assert lines[0].startswith(f"error: {cut}: truncated: ")
     assert not (tmp_path / "out").exists()
 

@@ -299,7 +299,7 @@ def _peak_rss_kb(repo_root, dump, out) -> int:
     return usage.ru_maxrss
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # peak memory of two conversion processes, on 16 MB and 64 MB dumps
 def test_memory_stays_flat_as_the_dump_grows(tmp_path, repo_root):
     small, large = tmp_path / "small.ndjson", tmp_path / "large.ndjson"
     write_synthetic_dump(small, 16 << 20, seed=3)
