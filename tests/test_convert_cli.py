@@ -88,11 +88,14 @@ def test_a_conversion_failing_half_way_leaves_no_temporary_directory(tmp_path):
         assert not _leftovers(tmp_path, "out")
 
 
+# SIGINT is first handled as Python does by default: a suite run in the background of a
+# non-interactive shell hands its processes SIGINT ignored, and the signal below would be lost.
 # gptj-convert in a process that sends itself Ctrl-C's signal as the writer takes up its fifth tensor:
 # mid-write every time. (Sending it from here once found data files on disk raced the conversion,
 # which once ran to its end first.)
 CTRL_C_MID_WRITE = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's shell starts it
 from gptj_flax.cli.convert import main
 from gptj_flax.convert.layout import StreamedArray
 materialize, taken = StreamedArray.materialize, []

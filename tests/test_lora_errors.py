@@ -318,10 +318,13 @@ def test_a_file_given_as_an_adapter_says_which_directory_to_give(peft, base, tmp
 # --------------------------------------------------------------------------------------------
 # 8. Ctrl-C while merge-lora writes
 
+# SIGINT is first handled as Python does by default: a suite run in the background of a
+# non-interactive shell hands its processes SIGINT ignored, and the signal below would be lost.
 # gptj-convert in a process that sends itself Ctrl-C's signal as the fifth array of its output is
 # opened for writing (TensorStore opens each as Orbax writes it): mid-write every time.
 CTRL_C_MID_WRITE = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's shell starts it
 import tensorstore
 from gptj_flax.cli.convert import main
 open_store, opened = tensorstore.open, []
