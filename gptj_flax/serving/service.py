@@ -10,10 +10,11 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from gptj_flax import partitioning
-from gptj_flax.serving import schemas
+from gptj_flax.serving import chat, schemas
 from gptj_flax.serving.auth import KEY_ID, PUBLIC_PATHS, KeyStore
 from gptj_flax.serving.engine import Engine
 from gptj_flax.serving.metrics import Metrics
@@ -26,7 +27,7 @@ from gptj_flax.serving.worker import READY, WARMING_UP, Job, NotAccepting, Queue
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/complete", "/v1/completions")
+GENERATION_PATHS = ("/complete", "/v1/completions", "/v1/chat/completions")
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 DOCKER_API_PATHS = ("/model/predict", "/model/get_prediction")
 KNOWN_PATHS = (
@@ -117,6 +118,8 @@ class Service:
         self.start_token = int(model.eos_token_id) if model.eos_token_id is not None else 0
         self.vocab = int(model.decoder.valid_vocab)  # the ids a prompt may hold: the tokenizer's
         self._token_texts: dict[int, str] = {}
+        self._token_bytes: dict[int, list[int]] = {}
+        self.chat_template = chat.chat_template(settings.chat_template, model.tokenizer)
         self.metrics = Metrics()
         self.keys = keys if keys is not None else open_keys(settings)
         self.request_log = request_log if request_log is not None else open_request_log(settings)
@@ -176,6 +179,29 @@ class Service:
         if text is None:
             text = self._token_texts[token] = self.model.decode([token])
         return text
+
+    def token_bytes(self, token: int) -> list[int]:
+        """One token's bytes, as OpenAI's chat logprobs show them (remembered, as its text is)."""
+        found = self._token_bytes.get(token)
+        if found is None:
+            found = self._token_bytes[token] = chat.token_bytes(self.model.tokenizer, token, self.token_text(token))
+        return found
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The prompt text of a conversation: a 400 naming --chat-template without a template, a 422
+        naming the messages when the template refuses them."""
+        if self.chat_template is None:
+            raise HTTPException(
+                400,
+                "this server has no chat template: its tokenizer has none; start it with --chat-template FILE "
+                "(a Jinja chat template) to serve /v1/chat/completions, or send the prompt to /v1/completions",
+            )
+        try:
+            return chat.render(self.model.tokenizer, self.chat_template, messages)
+        except chat.RenderError as e:
+            raise RequestValidationError(
+                [{"type": "value_error", "loc": ("body", "messages"), "msg": str(e), "input": None}]
+            ) from None
 
     def text_offsets(self, start: int) -> TextOffsets:
         """The ``text_offset`` of tokens whose text begins at character ``start``."""
