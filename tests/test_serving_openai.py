@@ -10,10 +10,13 @@ lm-eval — so the same weights give the independent references: PyTorch's log-p
 import copy
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -37,6 +40,11 @@ MAX_BATCH = 4
 NAME = "tiny-gptj"
 PROMPTS = ["The cat sat on the", "One two three", "Paris is the capital of"]
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+SERVE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "serve.md"
+
+
+def code_blocks(text: str) -> list[tuple[str, str]]:
+    return re.findall(r"^```(\S*)\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
 
 
 @pytest.fixture(scope="module")
@@ -364,6 +372,24 @@ def test_the_tokenizers_own_template_is_used_and_a_broken_one_refused(lm, tmp_pa
     tokenizer.chat_template = "{% for m in messages %}"
     with pytest.raises(chat.ChatTemplateError, match="the tokenizer's chat template .* is not a valid Jinja template"):
         chat.chat_template(None, tokenizer)
+
+
+def test_the_docs_chat_example_gets_a_chat_completion(chat_server):
+    """docs/serve.md's curl example of a chat request, sent as curl would send it."""
+    words = next(
+        shlex.split(line, comments=True)
+        for _, block in code_blocks(SERVE_PAGE.read_text())
+        for line in block.replace("\\\n", " ").splitlines()
+        if "/v1/chat/completions" in line
+    )
+    response = httpx.post(
+        chat_server.url + "/v1/chat/completions",
+        content=words[words.index("-d") + 1],
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["role"] == "assistant"
 
 
 # -- tokenizer endpoints and bad input ----------------------------------------------------------------
