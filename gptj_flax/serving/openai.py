@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 
 from gptj_flax.serving import schemas
+from gptj_flax.serving.chat import RenderError
 from gptj_flax.serving.offsets import TextOffsets
 from gptj_flax.serving.service import ERRORS, Service, caller, draw_seed, error_response
 from gptj_flax.serving.worker import Job, Prompt, StreamEnd
@@ -238,7 +239,10 @@ async def create_chat_completion(service: Service, body: ChatBody, request: Requ
     completion, or (``stream``) its server-sent events."""
     started, key = time.monotonic(), caller(request)
     service.check_model(body.model)
-    text = service.render_chat([_message(m) for m in body.messages])
+    try:
+        text = service.render_chat([_message(m) for m in body.messages])
+    except RenderError as e:  # the template's raise_exception, or its failure on these messages
+        raise _invalid("messages", str(e)) from None
     prompts = _prompts(service, text)
     prompt_tokens = len(prompts[0][1])
     room = service.context - prompt_tokens  # the default length: what the context leaves

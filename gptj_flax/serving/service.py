@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from gptj_flax import partitioning
@@ -39,6 +38,7 @@ KNOWN_PATHS = (
     "/openapi.json",
     "/docs",
 )
+CHAT_BODY_TEXTS = 8  # the full-length messages a chat body has room for on a server of a small --max-batch
 # Open while draining: the probes, and the docker API's collection of results accepted before it.
 OPEN_WHILE_DRAINING = (*PUBLIC_PATHS, "/model/get_prediction")
 
@@ -134,8 +134,10 @@ class Service:
             prefill_mesh=prefill_mesh(model.mesh, settings.prefill),
         )
         self.scorer = PromptScorer(model, max_rows=settings.queue_size)
-        # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest.
-        self.max_body_bytes = 2**16 + 2 * settings.max_batch * schemas.MAX_TEXT_CHARS * 6
+        # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest; a
+        # chat request carries a whole conversation, so at least CHAT_BODY_TEXTS full texts, whatever the batch.
+        texts = max(2 * settings.max_batch, CHAT_BODY_TEXTS)
+        self.max_body_bytes = 2**16 + texts * schemas.MAX_TEXT_CHARS * 6
         self.predictions = PredictionStore(settings.predictions_kept)  # the docker API's jobs
         self.created = int(time.time())
         self.draining = False
@@ -188,20 +190,15 @@ class Service:
         return found
 
     def render_chat(self, messages: list[dict]) -> str:
-        """The prompt text of a conversation: a 400 naming --chat-template without a template, a 422
-        naming the messages when the template refuses them."""
+        """The prompt text of a conversation (``chat.RenderError`` if the template refuses it); a 400
+        naming --chat-template on a server without a template."""
         if self.chat_template is None:
             raise HTTPException(
                 400,
                 "this server has no chat template: its tokenizer has none; start it with --chat-template FILE "
                 "(a Jinja chat template) to serve /v1/chat/completions, or send the prompt to /v1/completions",
             )
-        try:
-            return chat.render(self.model.tokenizer, self.chat_template, messages)
-        except chat.RenderError as e:
-            raise RequestValidationError(
-                [{"type": "value_error", "loc": ("body", "messages"), "msg": str(e), "input": None}]
-            ) from None
+        return chat.render(self.model.tokenizer, self.chat_template, messages)
 
     def text_offsets(self, start: int) -> TextOffsets:
         """The ``text_offset`` of tokens whose text begins at character ``start``."""
