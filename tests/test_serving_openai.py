@@ -374,6 +374,24 @@ def test_the_tokenizers_own_template_is_used_and_a_broken_one_refused(lm, tmp_pa
         chat.chat_template(None, tokenizer)
 
 
+def test_a_template_that_fails_on_the_messages_is_a_render_error_and_an_empty_file_refused(lm, tmp_path):
+    assistant_first = [{"role": "assistant", "content": "x"}]
+    with pytest.raises(chat.RenderError, match="refused these messages: a conversation starts with the system"):
+        chat.render(lm.tokenizer, CHAT_TEMPLATE, assistant_first)
+    with pytest.raises(chat.RenderError, match=r"failed on these messages \(TypeError\)"):
+        chat.render(lm.tokenizer, "{{ messages[0].content + 1 }}", CHAT)
+    (tmp_path / "empty.jinja").write_text(" \n")
+    with pytest.raises(chat.ChatTemplateError, match="empty.jinja is empty: it must be a Jinja chat template"):
+        chat.read_chat_template(str(tmp_path / "empty.jinja"))
+
+
+def test_a_tokens_bytes_are_its_own_also_for_part_of_a_character(lm):
+    text = "naïve €5"
+    tokens = lm.encode(text)
+    assert sum(lm.decode([t]) == "\ufffd" for t in tokens) >= 3  # ï and € are split into byte tokens
+    assert b"".join(bytes(chat.token_bytes(lm.tokenizer, t, lm.decode([t]))) for t in tokens) == text.encode()
+
+
 def test_the_docs_chat_example_gets_a_chat_completion(chat_server):
     """docs/serve.md's curl example of a chat request, sent as curl would send it."""
     words = next(
