@@ -65,6 +65,10 @@ NOT_RUN = {
     "ray stop": LAUNCHED_IN_TESTS,
     "curl -fsS http://127.0.0.1:8080/model/": "tests/test_serving_legacy_clients.py sends docs/serve.md's ```sh "
     "examples to the server and checks the documented answers",
+    "gptj-serve --checkpoint CKPT --chat-template": "needs the template file the page shows; "
+    "tests/test_serving_openai.py serves with --chat-template and tests/test_serving_cli.py checks the flag",
+    "curl -fsS http://127.0.0.1:8080/v1/chat/completions": "needs a server with a chat template; "
+    "tests/test_serving_openai.py sends docs/serve.md's chat example to one and checks the answer",
 }
 # Arguments added after a command so that it runs in seconds on the stand-ins (argparse: the last wins).
 SHORTER = {

@@ -537,6 +537,7 @@ POISONS = [float("nan"), float("inf"), float("-inf"), OVERFLOW, "\ud800", "text 
 BODY_FIELDS = {
     "/complete": sorted(schemas.CompleteRequest.model_fields),
     "/v1/completions": sorted(schemas.completion_request_model(1, 300).model_fields),
+    "/v1/chat/completions": sorted(schemas.chat_request_model(1).model_fields),
     "/tokenize": sorted(schemas.TokenizeRequest.model_fields),
     "/detokenize": sorted(schemas.detokenize_request_model(300).model_fields),
 }
@@ -552,12 +553,20 @@ def poisoned_json(body, field: str, poison, shape: str) -> bytes:
 
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(lm, tmp_path):
     write_keys(tmp_path / "keys.txt")
-    with RunningServer(lm, max_batch=1, api_keys_file=str(tmp_path / "keys.txt")) as server:
+    # A template that reads every message field, so that generated conversations are rendered too.
+    (tmp_path / "chat.jinja").write_text(
+        "{% for m in messages %}{{ m.name or '' }} {{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    with RunningServer(
+        lm, max_batch=1, api_keys_file=str(tmp_path / "keys.txt"), chat_template=str(tmp_path / "chat.jinja")
+    ) as server:
         schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=BEARER)
         operations = [result.ok() for result in schema.get_all_operations()]
         assert {op.label for op in operations} == {
             "POST /complete",
             "POST /v1/completions",
+            "POST /v1/chat/completions",
             "POST /tokenize",
             "POST /detokenize",
             "GET /tokenizer_info",

@@ -213,9 +213,16 @@ def write_short_key_file(path) -> str:
     return short
 
 
-@pytest.mark.parametrize("case", ["missing checkpoint", "missing keys file", "short key", "bad setting"])
+CHAT_TEMPLATE_CASES = ["missing chat template", "unreadable chat template", "chat template not Jinja"]
+
+
+@pytest.mark.parametrize(
+    "case", ["missing checkpoint", "missing keys file", "short key", "bad setting", *CHAT_TEMPLATE_CASES]
+)
 def test_a_bad_setting_or_file_is_one_error_line_before_the_model_loads(case, tmp_path, run_command):
     args, variables = ["--checkpoint", checkpoint_dir(), "--port", str(free_port())], {}
+    if case in CHAT_TEMPLATE_CASES:
+        args, expected = chat_template_case(case, tmp_path, args, variables)
     if case == "missing checkpoint":
         args[1] = "runs/missing"  # relative: the message names the absolute path
         expected = f"error: checkpoint not found: {tmp_path}/runs/missing (set --checkpoint or GPTJ_FLAX_CHECKPOINT)"
@@ -229,13 +236,43 @@ def test_a_bad_setting_or_file_is_one_error_line_before_the_model_loads(case, tm
             f"error: API keys file {tmp_path}/keys.txt line 3: the key is shorter than 16 characters; use "
             "a longer random key, or start the line with # to comment it out"
         )
-    else:
+    elif case == "bad setting":
         variables["GPTJ_FLAX_MAX_BATCH"] = "0"
         expected = "error: --max-batch (or GPTJ_FLAX_MAX_BATCH) must be >= 1, got 0"
     status, output = run_serve(run_command, tmp_path, *args, **variables)
     assert_one_error_line(status, output, expected)
     if case == "short key":
         assert short not in output
+
+
+def chat_template_case(case: str, tmp_path, args: list[str], variables: dict) -> tuple[list[str], str]:
+    """The arguments (and variables) of a bad --chat-template, and the error line expected."""
+    if case == "missing chat template":  # relative: the message names the absolute path
+        return [*args, "--chat-template", "chat.jinja"], (
+            f"error: --chat-template file not found: {tmp_path}/chat.jinja "
+            "(set --chat-template or GPTJ_FLAX_CHAT_TEMPLATE)"
+        )
+    if case == "unreadable chat template":  # a directory, given as the variable
+        (tmp_path / "templates").mkdir()
+        variables["GPTJ_FLAX_CHAT_TEMPLATE"] = "templates"
+        return args, f"error: --chat-template {tmp_path}/templates cannot be read: Is a directory"
+    (tmp_path / "chat.jinja").write_text("{% for m in messages %}{{ m.content }}\n{{ m.role }")
+    return [*args, "--chat-template", "chat.jinja"], (
+        f"error: --chat-template {tmp_path}/chat.jinja is not a valid Jinja template: line 2: unexpected '}}'"
+    )
+
+
+def test_the_chat_template_setting_is_a_flag_and_a_variable_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse(["--checkpoint", "c"], {}).chat_template is None
+    assert parse(["--checkpoint", "c", "--chat-template", "chat.jinja"], {}).chat_template == str(
+        tmp_path / "chat.jinja"
+    )
+    flag_wins = parse(["--checkpoint", "c", "--chat-template", "/t/a.jinja"], {"GPTJ_FLAX_CHAT_TEMPLATE": "b.jinja"})
+    assert flag_wins.chat_template == "/t/a.jinja"
+    assert parse(["--checkpoint", "c"], {"GPTJ_FLAX_CHAT_TEMPLATE": "b.jinja"}).chat_template == str(
+        tmp_path / "b.jinja"
+    )
 
 
 def test_a_port_in_use_is_one_error_line_before_the_model_loads(tmp_path, run_command):

@@ -7,12 +7,16 @@ lm-eval — so the same weights give the independent references: PyTorch's log-p
 ``hf`` model, and ``LanguageModel.generate`` for what is sampled.
 """
 
+import copy
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -23,6 +27,7 @@ from lm_eval import simple_evaluate
 
 import gptj_flax
 from gptj_flax.evaluation.harness import task_manager
+from gptj_flax.serving import chat
 from tests.evaluation_helpers import CFG, TEXT_DOCS, make_tokenizer, write_tasks
 from tests.helpers import hf_model
 from tests.test_serving_support import (
@@ -35,6 +40,11 @@ MAX_BATCH = 4
 NAME = "tiny-gptj"
 PROMPTS = ["The cat sat on the", "One two three", "Paris is the capital of"]
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+SERVE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "serve.md"
+
+
+def code_blocks(text: str) -> list[tuple[str, str]]:
+    return re.findall(r"^```(\S*)\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +77,46 @@ def server(lm, hf_dir):
 @pytest.fixture
 def client(server):
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
+        yield sdk
+
+
+# A chat template as a fine-tune's card would give one: the tokenizer's special tokens are its
+# variables (bos_token), and it refuses what it cannot render with transformers' raise_exception.
+CHAT_TEMPLATE = """{{ bos_token }}{% if messages[0].role == 'assistant' %}\
+{{ raise_exception('a conversation starts with the system or the user') }}{% endif %}\
+{% for m in messages %}{{ m.role[0] | upper }}: {{ m.content }}
+{% endfor %}{% if add_generation_prompt %}A:{% endif %}"""  # short turns: the context is 64 tokens
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "The cat"},
+    {"role": "assistant", "content": "sat."},
+    {"role": "user", "content": "One two"},
+]
+RENDERED = "<|endoftext|>S: Be brief.\nU: The cat\nA: sat.\nU: One two\nA:"
+
+
+@pytest.fixture(scope="module")
+def chat_server(lm, hf_dir, tmp_path_factory):
+    """The same model and settings as ``server`` (so the same compiled programs), with ``--chat-template``
+    and a request log."""
+    directory = tmp_path_factory.mktemp("chat")
+    (directory / "chat.jinja").write_text(CHAT_TEMPLATE)
+    with RunningServer(
+        lm,
+        checkpoint=str(hf_dir[0]),
+        dtype="float32",
+        model_name=NAME,
+        max_batch=MAX_BATCH,
+        queue_size=64,
+        chat_template=str(directory / "chat.jinja"),
+        log_file=str(directory / "requests.jsonl"),
+    ) as running:
+        yield running
+
+
+@pytest.fixture
+def chat_client(chat_server):
+    with openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
         yield sdk
 
 
@@ -156,6 +206,208 @@ def test_n_samples_and_token_id_prompts_match_generate(lm, client):
     several = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0, stop=["e"])
     assert [c.text for c in several.choices] == [c.text for c in lm.generate(ids, 6, temperature=0, stop=["e"])]
     assert several.usage.prompt_tokens == sum(map(len, ids))
+
+
+# -- chat completions ---------------------------------------------------------------------------------
+def test_the_chat_template_renders_as_transformers_does(lm):
+    assert lm.tokenizer.chat_template is None  # the tiny tokenizer has none: the server gets --chat-template
+    rendered = lm.tokenizer.apply_chat_template(
+        CHAT, chat_template=CHAT_TEMPLATE, add_generation_prompt=True, tokenize=False
+    )
+    assert rendered == RENDERED
+    assert chat.render(lm.tokenizer, CHAT_TEMPLATE, CHAT) == RENDERED
+
+
+def chat_reference(client, rendered: str, **settings):
+    """/v1/completions' answer for the rendered prompt, on the same server."""
+    return client.completions.create(model=NAME, prompt=rendered, **settings)
+
+
+def assert_logprobs_match(lm, content, reference, k: int) -> None:
+    """Chat logprobs (a list per token) against the completions logprobs object of the same tokens."""
+    assert [entry.token for entry in content] == reference.tokens
+    assert [entry.logprob for entry in content] == pytest.approx(reference.token_logprobs, abs=1e-5)
+    for entry, top in zip(content, reference.top_logprobs, strict=True):
+        assert len(entry.top_logprobs) == k
+        values = [alternative.logprob for alternative in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        by_text = {}
+        for alternative in entry.top_logprobs:
+            by_text.setdefault(alternative.token, alternative.logprob)
+        assert by_text == pytest.approx({text: top[text] for text in by_text}, abs=1e-5)
+
+
+def test_sdk_chat_completion_equals_completions_on_the_rendered_prompt(lm, chat_client, chat_server):
+    settings = dict(max_tokens=12, temperature=0)
+    out = chat_client.chat.completions.create(model=NAME, messages=CHAT, logprobs=True, top_logprobs=3, **settings)
+    reference = chat_reference(chat_client, RENDERED, logprobs=3, **settings).choices[0]
+    choice = out.choices[0]
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-") and out.model == NAME
+    assert choice.message.role == "assistant" and choice.message.content == reference.text
+    assert choice.finish_reason == reference.finish_reason
+    assert_logprobs_match(lm, choice.logprobs.content, reference.logprobs, 3)
+    # the bytes of the tokens are the text's (the end-of-text token a choice may end with is not part of it)
+    tokens = [entry for entry in choice.logprobs.content if entry.token != lm.tokenizer.eos_token]
+    assert b"".join(bytes(entry.bytes) for entry in tokens).decode("utf-8", "replace") == reference.text
+    assert out.usage.prompt_tokens == len(lm.tokenizer.encode(RENDERED))
+    assert out.usage.completion_tokens == len(choice.logprobs.content) <= 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+    record = json.loads(open(chat_server.settings.log_file).read().splitlines()[-2])  # then the completion's
+    assert record["endpoint"] == "/v1/chat/completions" and record["prompt"] == RENDERED
+    assert record["response"] == reference.text
+
+
+def test_sdk_streamed_chat_equals_the_plain_one_and_ends_with_its_usage(lm, chat_client):
+    settings = dict(model=NAME, messages=CHAT, max_completion_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    plain = chat_client.chat.completions.create(**settings)
+    chunks = list(chat_client.chat.completions.create(**settings, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = [c.choices[0] for c in chunks[:-1]]
+    assert "".join(choice.delta.content or "" for choice in streamed) == plain.choices[0].message.content
+    content = [entry for choice in streamed if choice.logprobs for entry in choice.logprobs.content]
+    assert [(e.token, e.bytes) for e in content] == [(e.token, e.bytes) for e in plain.choices[0].logprobs.content]
+    assert [e.logprob for e in content] == pytest.approx([e.logprob for e in plain.choices[0].logprobs.content])
+    assert streamed[-1].finish_reason == plain.choices[0].finish_reason
+    assert [choice.finish_reason for choice in streamed[:-1]] == [None] * (len(streamed) - 1)
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage  # include_usage: a last chunk of usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_n_choices_and_stop_strings_equal_completions(lm, chat_client, chat_server):
+    settings = dict(n=2, temperature=1.0, seed=11, stop=["e"], max_tokens=8)
+    out = chat_client.chat.completions.create(model=NAME, messages=CHAT[:2], **settings)
+    rendered = lm.tokenizer.apply_chat_template(
+        CHAT[:2], chat_template=CHAT_TEMPLATE, add_generation_prompt=True, tokenize=False
+    )
+    reference = chat_reference(chat_client, rendered, **settings)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.message.content for c in out.choices] == [c.text for c in reference.choices]
+    assert [c.finish_reason for c in out.choices] == [c.finish_reason for c in reference.choices]
+    assert out.usage == reference.usage and out.usage.prompt_tokens == len(lm.tokenizer.encode(rendered))
+
+    # streamed over HTTP as it goes out: each choice's role first, every chunk without usage, [DONE] last
+    body = {"messages": CHAT[:2], **settings, "stream": True}
+    with httpx.stream("POST", chat_server.url + "/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]
+    assert all("usage" not in c and len(c["choices"]) == 1 for c in chunks)
+    texts = ["", ""]
+    for c in chunks:
+        texts[c["choices"][0]["index"]] += c["choices"][0]["delta"].get("content", "")
+    assert texts == [c.text for c in reference.choices]
+
+
+def test_a_server_without_a_chat_template_answers_400_naming_the_flag(client, server):
+    assert server.service.chat_template is None
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=NAME, messages=CHAT)
+    assert refused.value.status_code == 400 and "--chat-template" in refused.value.body["detail"]
+    assert httpx.get(server.url + "/v1/models", timeout=60).json()["data"][0]["id"] == NAME
+
+
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
+    ({"messages": [{"content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "content"),
+    ({"messages": [{"role": "user", "content": None}]}, "content"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "text"),
+    ({"messages": [{"role": "user", "content": []}]}, "content"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "tool_calls"),
+    ({"messages": [{"role": "assistant", "content": "x"}]}, "messages"),  # the template refuses it
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": 3}, "logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
+    ({"n": MAX_BATCH + 1}, "n"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"prompt": "x"}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("fields,field", BAD_CHATS, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD_CHATS)])
+def test_bad_chat_requests_are_a_422_naming_the_field(chat_server, fields, field):
+    body = {"messages": CHAT[:2], **fields}
+    response = httpx.post(
+        chat_server.url + "/v1/chat/completions",
+        content=json.dumps(body),  # NaN as Python's json writes it, lone surrogates as \uXXXX
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 422, response.text
+    assert field in {str(part) for error in response.json()["detail"] for part in error["loc"]}
+
+
+def test_chat_messages_too_long_for_the_context_are_a_413(chat_server):
+    long = [{"role": "user", "content": "one two three four five six seven eight nine ten " * 8}]
+    for extra in ({}, {"max_tokens": 1}):
+        response = httpx.post(chat_server.url + "/v1/chat/completions", json={"messages": long, **extra}, timeout=60)
+        assert response.status_code == 413 and "context of 64 tokens" in response.json()["detail"], response.text
+    short = {"messages": CHAT[:2], "temperature": 0}  # without max_tokens: what the context leaves
+    out = httpx.post(chat_server.url + "/v1/chat/completions", json=short, timeout=60).json()
+    assert out["usage"]["total_tokens"] == CFG.max_len or out["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_tokenizers_own_template_is_used_and_a_broken_one_refused(lm, tmp_path):
+    tokenizer = copy.deepcopy(lm.tokenizer)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    assert chat.chat_template(None, tokenizer) == CHAT_TEMPLATE
+    assert chat.chat_template(None, lm.tokenizer) is None
+    (tmp_path / "other.jinja").write_text("{{ messages | length }}")
+    assert chat.chat_template(str(tmp_path / "other.jinja"), tokenizer) == "{{ messages | length }}"  # the flag wins
+    tokenizer.chat_template = "{% for m in messages %}"
+    with pytest.raises(chat.ChatTemplateError, match="the tokenizer's chat template .* is not a valid Jinja template"):
+        chat.chat_template(None, tokenizer)
+
+
+def test_a_template_that_fails_on_the_messages_is_a_render_error_and_an_empty_file_refused(lm, tmp_path):
+    assistant_first = [{"role": "assistant", "content": "x"}]
+    with pytest.raises(chat.RenderError, match="refused these messages: a conversation starts with the system"):
+        chat.render(lm.tokenizer, CHAT_TEMPLATE, assistant_first)
+    with pytest.raises(chat.RenderError, match=r"failed on these messages \(TypeError\)"):
+        chat.render(lm.tokenizer, "{{ messages[0].content + 1 }}", CHAT)
+    (tmp_path / "empty.jinja").write_text(" \n")
+    with pytest.raises(chat.ChatTemplateError, match="empty.jinja is empty: it must be a Jinja chat template"):
+        chat.read_chat_template(str(tmp_path / "empty.jinja"))
+
+
+def test_a_tokens_bytes_are_its_own_also_for_part_of_a_character(lm):
+    text = "naïve €5"
+    tokens = lm.encode(text)
+    assert sum(lm.decode([t]) == "\ufffd" for t in tokens) >= 3  # ï and € are split into byte tokens
+    assert b"".join(bytes(chat.token_bytes(lm.tokenizer, t, lm.decode([t]))) for t in tokens) == text.encode()
+
+
+def test_the_docs_chat_example_gets_a_chat_completion(chat_server):
+    """docs/serve.md's curl example of a chat request, sent as curl would send it."""
+    words = next(
+        shlex.split(line, comments=True)
+        for _, block in code_blocks(SERVE_PAGE.read_text())
+        for line in block.replace("\\\n", " ").splitlines()
+        if "/v1/chat/completions" in line
+    )
+    response = httpx.post(
+        chat_server.url + "/v1/chat/completions",
+        content=words[words.index("-d") + 1],
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["role"] == "assistant"
 
 
 # -- tokenizer endpoints and bad input ----------------------------------------------------------------

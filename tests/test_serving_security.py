@@ -54,11 +54,16 @@ def no_server_error(client) -> bool:
 def test_a_comment_line_in_the_keys_file_is_not_a_key(client, server):
     with open(server.settings.api_keys_file) as f:
         assert f.readline().startswith("# ")  # the file the server reads starts with a comment
-    for path in ("/complete", "/v1/completions"):
+    for path in ("/complete", "/v1/completions", "/v1/chat/completions"):
         assert client.post(path, json={"prompt": "x", "api_key": "#"}).status_code == 401
         assert client.post(path, json={"prompt": "x"}, headers={"Authorization": "Bearer #"}).status_code == 401
     answered = client.post("/complete", json={"prompt": "x", "length": 2, "api_key": KEYS[0]})
     assert answered.status_code == 200
+    # a valid key lets a chat request through to the route (this server has no chat template)
+    chat = client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "api_key": KEYS[0]}
+    )
+    assert chat.status_code == 400 and "--chat-template" in chat.json()["detail"]
 
 
 def test_a_short_key_is_refused_when_the_file_is_read_by_its_line_number(tmp_path):

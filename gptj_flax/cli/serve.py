@@ -1,4 +1,5 @@
-"""Serve a checkpoint over HTTP: GPT-4chan's /complete, OpenAI-style /v1/completions, /health, /metrics,
+"""Serve a checkpoint over HTTP: GPT-4chan's /complete, OpenAI-style /v1/completions and
+/v1/chat/completions (with the tokenizer's chat template or --chat-template FILE), /health, /metrics,
 and the APIs of mesh-transformer-jax's device_serve.py (on /complete) and docker/ server (/model/...).
 
     python scripts/serve.py --checkpoint runs/demo [--host 127.0.0.1] [--port 8080] [--mesh 1,1,8]
@@ -7,7 +8,7 @@ and the APIs of mesh-transformer-jax's device_serve.py (on /complete) and docker
 Every flag can also be set in the environment as GPTJ_FLAX_<SETTING> (GPTJ_FLAX_PORT=9000,
 GPTJ_FLAX_API_KEYS_FILE=keys.txt, …); a flag wins. The GPT-4chan server's own variables
 (QUEUE_SIZE, LOG_FILE, API_KEYS_FILE, PRE_PROMPT_LENGTH) still work, with a deprecation notice;
-other unprefixed names such as HOST or PORT are ignored. The checkpoint, the keys file and the port
+other unprefixed names such as HOST or PORT are ignored. The checkpoint, the keys file, the chat template and the port
 are checked before the model loads. SIGTERM or Ctrl-C drains: new requests get 503, those in flight
 finish, then the server exits (a second signal exits at once). --cors (off by default) lets web
 pages of any origin call the server, as mesh-transformer-jax's servers did.

@@ -2,14 +2,15 @@
 family, which live in their own modules:
 
 - :mod:`~gptj_flax.serving.gpt4chan`: GPT-4chan's ``/complete``;
-- :mod:`~gptj_flax.serving.openai`: OpenAI-style ``/v1/completions`` and ``/v1/models``, vLLM-style
+- :mod:`~gptj_flax.serving.openai`: OpenAI-style ``/v1/completions``, ``/v1/chat/completions`` and
+  ``/v1/models``, vLLM-style
   ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``;
 - :mod:`~gptj_flax.serving.legacy`: mesh-transformer-jax's own servers, ``device_serve.py``'s body on
   ``/complete`` and the ``docker/`` API's ``/model/predict`` and ``/model/get_prediction``;
 - :mod:`~gptj_flax.serving.service`: ``/health`` and ``/metrics``, and the service they all share
   (the serving engine: continuous batching, echoed prompts scored beside it).
 
-Status codes: 400 malformed JSON, 401 missing or wrong API key (with a keys file, on every route but
+Status codes: 400 malformed JSON (or a chat request to a server without a chat template), 401 missing or wrong API key (with a keys file, on every route but
 ``/health`` and ``/metrics``, before the body is validated: see ``auth``), 404 unknown model or qid,
 413 a prompt that cannot fit the context (or an over-large body), 422 a field of the wrong type or
 out of range (the error names it and the problem, never the value sent; the first 20 errors and a
@@ -61,7 +62,8 @@ def create_app(
         version="1",
         lifespan=lifespan,
         max_body_size=service.max_body_bytes,
-        description="GPT-J completions: the GPT-4chan `/complete` API and OpenAI-style `/v1/completions`.",
+        description="GPT-J completions: the GPT-4chan `/complete` API and OpenAI-style `/v1/completions` "
+        "and `/v1/chat/completions`.",
     )
     app.state.service = service
     app.add_middleware(legacy.CompleteBodyDispatch)  # inside ServiceMiddleware: drained, counted as /complete

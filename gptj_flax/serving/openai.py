@@ -1,6 +1,7 @@
-"""OpenAI's legacy completions (``POST /v1/completions``, ``GET /v1/models``) and vLLM's tokenizer
-routes (``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``), with OpenAI's logprobs
-object and server-sent events.
+"""OpenAI's legacy completions (``POST /v1/completions``, ``GET /v1/models``), its chat completions
+(``POST /v1/chat/completions``: the messages rendered by the chat template, then completed as
+``/v1/completions`` completes that prompt) and vLLM's tokenizer routes (``POST /tokenize``,
+``POST /detokenize``, ``GET /tokenizer_info``), with OpenAI's logprobs objects and server-sent events.
 
 Each route is a module-level function of the :class:`~gptj_flax.serving.service.Service` and the
 request; :func:`add_routes` registers thin wrappers around them (the request types of
@@ -18,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 
 from gptj_flax.serving import schemas
+from gptj_flax.serving.chat import RenderError
 from gptj_flax.serving.offsets import TextOffsets
 from gptj_flax.serving.service import ERRORS, Service, caller, draw_seed, error_response
 from gptj_flax.serving.worker import Job, Prompt, StreamEnd
@@ -41,8 +43,18 @@ COMPLETION_RESPONSES = {
     },
 }
 
+CHAT_RESPONSES = {
+    **COMPLETION_RESPONSES,
+    400: error_response("malformed JSON, or the server has no chat template (start it with --chat-template)"),
+    200: {
+        "content": {"text/event-stream": {"schema": SSE_EVENT}},
+        "description": "a chat completion; with `stream`, server-sent events of `chat.completion.chunk` objects",
+    },
+}
+
 Prompts = list[tuple[str, list[int]]]  # each prompt's text and tokens
 Body = schemas.CompletionFields  # the /v1/completions body: completion_request_model fills in its limits
+ChatBody = schemas.ChatFields  # the /v1/chat/completions body: chat_request_model fills in its limits
 
 
 # -- /v1/completions ---------------------------------------------------------------------------------
@@ -53,14 +65,14 @@ async def create_completion(service: Service, body: Body, request: Request):
     prompts = checked_prompts(service, body)
     rows = completion_rows(body, prompts)
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    log = functools.partial(_log, service, body, prompts, key, started)
+    log = functools.partial(_log, service, "/v1/completions", body, prompts, key, started)
     if body.stream:
-        job = Job(rows, stream=True, logprobs=body.logprobs is not None)
-        service.submit(job)
         prompt_chars = [len(prompts[i // body.n][0]) for i in range(len(rows))]
-        return JobStream(
-            _events(service, job, completion_id, created, prompt_chars, log),
-            on_close=lambda: service.worker.cancel(job),
+        return _streamed(
+            service,
+            Job(rows, stream=True, logprobs=body.logprobs is not None),
+            lambda job: CompletionChunks(service, job, completion_id, created, prompt_chars),
+            log,
         )
     results = await _results(service, body, request, prompts, rows)
     choices = [
@@ -75,11 +87,13 @@ async def create_completion(service: Service, body: Body, request: Request):
         created=created,
         model=service.name,
         choices=choices,
-        usage=schemas.Usage(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        ),
+        usage=_usage(prompt_tokens, completion_tokens),
+    )
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> schemas.Usage:
+    return schemas.Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
     )
 
 
@@ -91,6 +105,12 @@ def checked_prompts(service: Service, body: Body) -> Prompts:
     if body.max_tokens == 0 and not body.echo:
         raise _invalid("max_tokens", "max_tokens 0 generates nothing: it is only for scoring the prompt with echo")
     prompts = _prompts(service, body.prompt)
+    check_room(service, body, prompts)
+    return prompts
+
+
+def check_room(service: Service, body: Body, prompts: Prompts, label: str = "prompt {index}") -> None:
+    """The request's rows fit the batch, and each prompt with ``max_tokens`` fits the context (413)."""
     if len(prompts) * body.n > service.settings.max_batch:
         raise _invalid(
             "n",
@@ -101,10 +121,9 @@ def checked_prompts(service: Service, body: Body) -> Prompts:
         if len(tokens) + body.max_tokens > service.context:
             raise HTTPException(
                 413,
-                f"prompt {i} has {len(tokens)} tokens; with max_tokens={body.max_tokens} "
+                f"{label.format(index=i)} has {len(tokens)} tokens; with max_tokens={body.max_tokens} "
                 f"that exceeds the model's context of {service.context} tokens",
             )
-    return prompts
 
 
 def completion_rows(body: Body, prompts: Prompts) -> list[Prompt]:
@@ -158,13 +177,21 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def _log(service: Service, body: Body, prompts: Prompts, key: str | None, started: float, responses: list[str]):
-    """The request log's record: a text prompt with one choice as texts, otherwise a response per
-    choice (``n`` per prompt)."""
+def _log(
+    service: Service,
+    endpoint: str,
+    body: Body,
+    prompts: Prompts,
+    key: str | None,
+    started: float,
+    responses: list[str],
+):
+    """The request log's record: a text prompt (a chat's rendered messages) with one choice as texts,
+    otherwise a response per choice (``n`` per prompt)."""
     single = isinstance(body.prompt, str) and len(responses) == 1
     service.log(
         key=key,
-        endpoint="/v1/completions",
+        endpoint=endpoint,
         prompt=body.prompt if isinstance(body.prompt, str) else [text for text, _ in prompts],
         pre_prompt="",
         settings=dict(
@@ -205,6 +232,97 @@ def _prompts(service: Service, prompt) -> Prompts:
     return out
 
 
+# -- /v1/chat/completions ----------------------------------------------------------------------------
+async def create_chat_completion(service: Service, body: ChatBody, request: Request):
+    """Answer ``body`` (of :func:`~gptj_flax.serving.schemas.chat_request_model`'s type): its messages
+    rendered by the chat template and completed as ``/v1/completions`` completes that text; a chat
+    completion, or (``stream``) its server-sent events."""
+    started, key = time.monotonic(), caller(request)
+    service.check_model(body.model)
+    try:
+        text = service.render_chat([_message(m) for m in body.messages])
+    except RenderError as e:  # the template's raise_exception, or its failure on these messages
+        raise _invalid("messages", str(e)) from None
+    prompts = _prompts(service, text)
+    prompt_tokens = len(prompts[0][1])
+    room = service.context - prompt_tokens  # the default length: what the context leaves
+    completion = _as_completion(body, text, body.length if body.length is not None else max(room, 1))
+    check_room(service, completion, prompts, "the rendered messages")
+    rows = completion_rows(completion, prompts)
+    chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    log = functools.partial(_log, service, "/v1/chat/completions", completion, prompts, key, started)
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return _streamed(
+            service,
+            Job(rows, stream=True, logprobs=body.logprobs),
+            lambda job: ChatChunks(service, job, chat_id, created, prompt_tokens, usage),
+            log,
+        )
+    completions = [c for _, c in await _results(service, completion, request, prompts, rows)]
+    log([c.text for c in completions])
+    return schemas.ChatCompletionResponse(
+        id=chat_id,
+        created=created,
+        model=service.name,
+        choices=[_chat_choice(service, body.logprobs, index, c) for index, c in enumerate(completions)],
+        usage=_usage(prompt_tokens, sum(c.completion_tokens for c in completions)),
+    )
+
+
+def _message(message: schemas.ChatMessage) -> dict[str, str]:
+    """A message as chat templates read it: its role, its content as one text, and its name if given."""
+    out = {"role": message.role, "content": message.text}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _as_completion(body: ChatBody, prompt: str, max_tokens: int) -> Body:
+    """The ``/v1/completions`` request a chat request is: its rendered prompt with the same settings
+    (the same Sampling, seeds and stop strings), ``top_logprobs`` alternatives with ``logprobs``."""
+    shared = {name: getattr(body, name) for name in schemas.GenerationFields.model_fields}
+    alternatives = (body.top_logprobs or 0) if body.logprobs else None
+    return Body.model_construct(**shared, prompt=prompt, max_tokens=max_tokens, logprobs=alternatives)
+
+
+def _chat_choice(service: Service, logprobs: bool, index: int, completion) -> schemas.ChatChoice:
+    return schemas.ChatChoice(
+        index=index,
+        message=schemas.AssistantMessage(content=completion.text),
+        logprobs=(
+            _chat_logprobs(service, completion.tokens, completion.logprobs, completion.top_logprobs)
+            if logprobs
+            else None
+        ),
+        finish_reason=OPENAI_FINISH_REASON[completion.finish_reason],
+    )
+
+
+def _chat_entry(service: Service, token: int, logprob: float) -> dict:
+    return {"token": service.token_text(token), "logprob": logprob, "bytes": service.token_bytes(token)}
+
+
+def _chat_logprobs(
+    service: Service, tokens: list[int], logprobs: list[float], alternatives: list[dict[int, float]] | None
+) -> schemas.ChatLogprobs:
+    """OpenAI's chat logprobs: each token's text, log-prob and bytes, and the most likely tokens at its
+    position (one entry per token id, so two may share a text; their bytes tell them apart)."""
+    tops = alternatives or [{}] * len(tokens)
+    return schemas.ChatLogprobs(
+        content=[
+            schemas.TokenLogprob(
+                **_chat_entry(service, token, logprob),
+                top_logprobs=[
+                    schemas.TopLogprob(**_chat_entry(service, other, value))
+                    for other, value in sorted(top.items(), key=lambda item: -item[1])
+                ],
+            )
+            for token, logprob, top in zip(tokens, logprobs, tops, strict=True)
+        ]
+    )
+
+
 # -- streaming ---------------------------------------------------------------------------------------
 class JobStream(StreamingResponse):
     """Server-sent events of a streaming job; however the response ends (done, client gone, or never
@@ -225,23 +343,18 @@ def _sse(payload: Any) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def _events(service: Service, job: Job, completion_id: str, created: int, prompt_chars: list[int], log):
-    """The job's text as OpenAI completion chunks (with the logprobs of each chunk's tokens, if the job
-    asks), then ``data: [DONE]``."""
+def _streamed(service: Service, job: Job, chunks, log) -> JobStream:
+    """Queue the streaming ``job`` and answer with its events, as ``chunks(job)`` formats them."""
+    service.submit(job)
+    return JobStream(_events(job, chunks(job), log), on_close=lambda: service.worker.cancel(job))
+
+
+async def _events(job: Job, chunks, log):
+    """The job's text as ``chunks`` (:class:`CompletionChunks` or :class:`ChatChunks`) formats it, a
+    last chunk per choice saying why it ended, then ``data: [DONE]``."""
     texts = [""] * len(job.rows)
-    offsets = [service.text_offsets(start) for start in prompt_chars]  # each row's, across its pieces
-
-    def chunk(index: int, text: str, logprobs, finish_reason) -> str:
-        return _sse(
-            {
-                "id": completion_id,
-                "object": "text_completion",
-                "created": created,
-                "model": service.name,
-                "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}],
-            }
-        )
-
+    for event in chunks.opening():
+        yield event
     while True:
         item = await job.pieces.get()
         if isinstance(item, StreamEnd):
@@ -256,17 +369,94 @@ async def _events(service: Service, job: Job, completion_id: str, created: int, 
             # for a job that reports tokens (its batch neighbours may have asked for them).
             if len(piece) > 0 or (job.logprobs and piece):
                 texts[index] += piece
-                logprobs = None
-                if job.logprobs:
-                    logprobs = _token_logprobs(
-                        service, piece.tokens, piece.logprobs, piece.top_logprobs, offsets[index]
-                    ).model_dump()
-                yield chunk(index, str(piece), logprobs, None)
+                yield chunks.piece(index, piece)
     for index, reason in enumerate(item.finish_reasons):  # as OpenAI: a last chunk per choice says why it ended
         if reason is not None:
-            yield chunk(index, "", None, OPENAI_FINISH_REASON[reason])
+            yield chunks.finish(index, OPENAI_FINISH_REASON[reason])
+    for event in chunks.closing():
+        yield event
     log(texts)
     yield _sse("[DONE]")
+
+
+class CompletionChunks:
+    """OpenAI's ``text_completion`` chunks: a piece's text, with its tokens' logprobs object if the job asks."""
+
+    def __init__(self, service: Service, job: Job, completion_id: str, created: int, prompt_chars: list[int]):
+        self.service, self.job, self.id, self.created = service, job, completion_id, created
+        self.offsets = [service.text_offsets(start) for start in prompt_chars]  # each row's, across its pieces
+
+    def opening(self) -> list[str]:
+        return []
+
+    def piece(self, index: int, piece) -> str:
+        logprobs = None
+        if self.job.logprobs:
+            logprobs = _token_logprobs(
+                self.service, piece.tokens, piece.logprobs, piece.top_logprobs, self.offsets[index]
+            ).model_dump()
+        return self._chunk(index, str(piece), logprobs, None)
+
+    def finish(self, index: int, reason: str) -> str:
+        return self._chunk(index, "", None, reason)
+
+    def closing(self) -> list[str]:
+        return []
+
+    def _chunk(self, index: int, text: str, logprobs, finish_reason) -> str:
+        choice = {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+        return _sse(
+            {
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.service.name,
+                "choices": [choice],
+            }
+        )
+
+
+class ChatChunks:
+    """OpenAI's ``chat.completion.chunk`` objects: first each choice's role, then its text as content
+    deltas (with their tokens' logprobs if asked), and with ``include_usage`` a last chunk of no
+    choices holding the request's usage (every other chunk has ``usage: null``)."""
+
+    def __init__(self, service: Service, job: Job, chat_id: str, created: int, prompt_tokens: int, usage: bool):
+        self.service, self.job, self.id, self.created = service, job, chat_id, created
+        self.prompt_tokens, self.usage = prompt_tokens, usage
+
+    def opening(self) -> list[str]:
+        return [self._chunk(index, {"role": "assistant", "content": ""}) for index in range(len(self.job.rows))]
+
+    def piece(self, index: int, piece) -> str:
+        logprobs = None
+        if self.job.logprobs:
+            logprobs = _chat_logprobs(self.service, piece.tokens, piece.logprobs, piece.top_logprobs).model_dump()
+        return self._chunk(index, {"content": str(piece)}, logprobs)
+
+    def finish(self, index: int, reason: str) -> str:
+        return self._chunk(index, {}, finish_reason=reason)
+
+    def closing(self) -> list[str]:
+        if not self.usage:
+            return []
+        generated = sum(c.completion_tokens for c in self.job.outputs if c is not None)  # filled before StreamEnd
+        return [self._event([], _usage(self.prompt_tokens, generated).model_dump())]
+
+    def _chunk(self, index: int, delta: dict, logprobs=None, finish_reason=None) -> str:
+        return self._event([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+
+    def _event(self, choices: list, usage=None) -> str:
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.service.name,
+            "choices": choices,
+        }
+        if self.usage:
+            chunk["usage"] = usage
+        return _sse(chunk)
 
 
 # -- OpenAI's logprobs object ------------------------------------------------------------------------
@@ -384,12 +574,20 @@ def list_models(service: Service) -> schemas.ModelList:
 def add_routes(app: FastAPI, service: Service) -> None:
     CompletionRequest = schemas.completion_request_model(service.settings.max_batch, service.vocab)
     DetokenizeRequest = schemas.detokenize_request_model(service.vocab)
+    ChatRequest = schemas.chat_request_model(service.settings.max_batch)
 
     @app.post("/v1/completions", response_model=schemas.CompletionResponse, responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI-style completions of one prompt or a list (texts or token ids), `n` each; `stream`
         sends server-sent events; `echo` with `logprobs` scores the prompt too (`max_tokens` 0: only that)."""
         return await create_completion(service, body, request)
+
+    @app.post("/v1/chat/completions", response_model=schemas.ChatCompletionResponse, responses=CHAT_RESPONSES)
+    async def chat_completions(body: ChatRequest, request: Request):
+        """OpenAI-style chat completions: the messages rendered by the chat template (the tokenizer's, or
+        `--chat-template`), then completed as `/v1/completions` completes that text; `n` choices, `stream`
+        (server-sent events), `logprobs` with `top_logprobs`."""
+        return await create_chat_completion(service, body, request)
 
     @app.post("/tokenize", response_model=schemas.TokenizeResponse, responses={**ERRORS, **UNKNOWN_MODEL})
     async def tokenize(body: schemas.TokenizeRequest):

@@ -24,8 +24,10 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    ValidationInfo,
     WithJsonSchema,
     create_model,
+    field_validator,
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -207,8 +209,9 @@ def _unimplemented_penalty(field: str) -> Any:
     return Annotated[float, Field(allow_inf_nan=False), _neutral_only(field, (0,), "0", "; repetition_penalty is")]
 
 
-class CompletionFields(StrictModel):
-    """OpenAI's legacy completions request, with vLLM's `top_k`, `min_p` and `repetition_penalty`.
+class GenerationFields(StrictModel):
+    """What OpenAI's completions and chat completions requests share: the sampling settings (with
+    vLLM's `top_k`, `min_p` and `repetition_penalty`), stop strings, seed and stream.
 
     As OpenAI does, a field it does not know is refused by name. OpenAI's fields this server
     does not implement are accepted only at their neutral values.
@@ -218,16 +221,7 @@ class CompletionFields(StrictModel):
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"additionalProperties": False})
 
     model: ModelName | None = None
-    prompt: Any  # a text, texts or token ids: completion_request_model gives its type
-    max_tokens: int = Field(
-        16,
-        ge=0,
-        le=2**20,
-        description="tokens to generate per prompt; prompt and max_tokens must fit the model's context; "
-        "0 (with `echo`) only scores the prompt",
-    )
-    n: int  # completion_request_model gives its limit
-    echo: bool = Field(False, description="return the prompt before the completion (and its log-probs)")
+    n: int  # the request model gives its limit
     temperature: Annotated[Temperature, Field(le=2)] = 1.0
     top_p: TopP = 1.0
     top_k: Annotated[TopK, Field(ge=-1, description="keep the k most likely tokens; 0 or -1 is off")] = 0
@@ -246,6 +240,39 @@ class CompletionFields(StrictModel):
     )
     seed: Seed = None
     stream: bool = Field(False, description="send the text as server-sent events while it is generated")
+    api_key: ApiKey = None
+    presence_penalty: _unimplemented_penalty("presence_penalty") = 0.0
+    frequency_penalty: _unimplemented_penalty("frequency_penalty") = 0.0
+    logit_bias: Annotated[dict[str, float] | None, _neutral_only("logit_bias", (None, {}), "null or {}")] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_fields(cls, data: Any) -> Any:
+        return _unknown_fields_refused(cls, data)
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(
+            temperature=self.temperature,
+            top_p=fewest(self.top_p),
+            top_k=max(self.top_k, 0),
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+        )
+
+
+class CompletionFields(GenerationFields):
+    """OpenAI's legacy completions request, with vLLM's `top_k`, `min_p` and `repetition_penalty`."""
+
+    prompt: Any  # a text, texts or token ids: completion_request_model gives its type
+    max_tokens: int = Field(
+        16,
+        ge=0,
+        le=2**20,
+        description="tokens to generate per prompt; prompt and max_tokens must fit the model's context; "
+        "0 (with `echo`) only scores the prompt",
+    )
+    echo: bool = Field(False, description="return the prompt before the completion (and its log-probs)")
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -253,11 +280,7 @@ class CompletionFields(StrictModel):
         description=f"return each token's log-probability and the {MAX_LOGPROBS} at most most likely "
         "alternatives at its position (the chosen token is always among them)",
     )
-    api_key: ApiKey = None
-    presence_penalty: _unimplemented_penalty("presence_penalty") = 0.0
-    frequency_penalty: _unimplemented_penalty("frequency_penalty") = 0.0
     best_of: int | None = Field(None, description="accepted only as null or equal to `n`")
-    logit_bias: Annotated[dict[str, float] | None, _neutral_only("logit_bias", (None, {}), "null or {}")] = None
     suffix: Annotated[str | None, _neutral_only("suffix", (None, ""), 'null or ""')] = None
     stream_options: Annotated[
         dict[str, bool] | None,
@@ -269,11 +292,6 @@ class CompletionFields(StrictModel):
         ),
     ] = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_unknown_fields(cls, data: Any) -> Any:
-        return _unknown_fields_refused(cls, data)
-
     @model_validator(mode="after")
     def _best_of_is_n(self):
         if self.best_of is not None and self.best_of != self.n:
@@ -283,16 +301,6 @@ class CompletionFields(StrictModel):
                 {"n": self.n},
             )
         return self
-
-    @property
-    def sampling(self) -> Sampling:
-        return Sampling(
-            temperature=self.temperature,
-            top_p=fewest(self.top_p),
-            top_k=max(self.top_k, 0),
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-        )
 
 
 def completion_request_model(max_prompts: int, vocab: int) -> type[CompletionFields]:
@@ -310,6 +318,128 @@ def completion_request_model(max_prompts: int, vocab: int) -> type[CompletionFie
         __module__=__name__,
         prompt=(prompt_type(max_prompts, vocab), prompt),
         n=(int, n),
+    )
+
+
+# -- /v1/chat/completions --------------------------------------------------------------------------
+ROLES = ("system", "user", "assistant")
+MAX_MESSAGES = 1024  # a conversation's messages; each content has MAX_TEXT_CHARS at most
+
+
+def _text_part_only(part: Any) -> Any:
+    """A content part of another type than text (an image, audio, a file) is refused by its field."""
+    if isinstance(part, dict) and part.get("type") != "text":
+        raise PydanticCustomError(
+            "content_part",
+            'only content parts of type "text" are accepted: this model reads text only',
+        )
+    return part
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: PromptText
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_fields(cls, data: Any) -> Any:
+        return _unknown_fields_refused(cls, _text_part_only(data))
+
+
+def _content_shape(content: Any) -> str | None:
+    return "text" if isinstance(content, str) else "parts" if isinstance(content, list) else None
+
+
+MessageContent = Annotated[
+    Annotated[PromptText, Tag("text")]
+    | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_MESSAGES), Tag("parts")],
+    Discriminator(
+        _content_shape,
+        custom_error_type="content_type",
+        custom_error_message="content must be a text or a list of text parts",
+    ),
+]
+
+
+class ChatMessage(StrictModel):
+    """One message of the conversation; a list of text parts is read as their texts joined by newlines."""
+
+    role: Literal[ROLES] = Field(description="who wrote it: " + ", ".join(ROLES))
+    content: MessageContent
+    name: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        None, description="the author's name, for templates that use it"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_fields(cls, data: Any) -> Any:
+        return _unknown_fields_refused(cls, data)
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = Field(False, description="end the stream with a chunk that holds the request's usage")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_fields(cls, data: Any) -> Any:
+        return _unknown_fields_refused(cls, data)
+
+
+ChatLength = Annotated[
+    int | None,
+    Field(
+        ge=1,
+        le=2**20,
+        description="tokens to generate per choice; the rendered messages and it must fit the model's context "
+        "(default: as many as the context leaves)",
+    ),
+]
+
+
+class ChatFields(GenerationFields):
+    """OpenAI's chat completions request: the messages, rendered into the prompt by the chat
+    template, then completed as `/v1/completions` completes that prompt."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: ChatLength = None
+    max_completion_tokens: ChatLength = None
+    logprobs: bool = Field(False, description="return each generated token's log-probability")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="with `logprobs`: the most likely tokens at each position"
+    )
+    stream_options: StreamOptions | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise PydanticCustomError("logprobs_needed", "top_logprobs needs logprobs: true")
+        return value
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_length(cls, value: int | None, info: ValidationInfo) -> int | None:
+        given = info.data.get("max_tokens")
+        if None not in (value, given) and value != given:
+            raise PydanticCustomError(
+                "conflict", "max_tokens and max_completion_tokens differ: give one (max_tokens is its older name)"
+            )
+        return value
+
+    @property
+    def length(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def chat_request_model(max_choices: int) -> type[ChatFields]:
+    """The `/v1/chat/completions` body: `n` is at most ``max_choices`` (the batch size)."""
+    n = Field(1, ge=1, le=max_choices, description="choices, each with its own seed")
+    return create_model(
+        "ChatCompletionRequest", __base__=ChatFields, __doc__=ChatFields.__doc__, __module__=__name__, n=(int, n)
     )
 
 
@@ -341,6 +471,42 @@ class CompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[Choice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] = Field(description="the token's UTF-8 bytes (part of a character's, for some tokens)")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="the most likely tokens at this position, most likely first")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
     usage: Usage
 
 

@@ -15,6 +15,7 @@ from gptj_flax.convert.hf import HF_PREFIX
 from gptj_flax.errors import configure_logging
 from gptj_flax.sampling import load
 from gptj_flax.serving.app import create_app
+from gptj_flax.serving.chat import read_chat_template
 from gptj_flax.serving.service import Service, open_keys, open_request_log, prefill_mesh
 from gptj_flax.serving.settings import ServeSettings, ServingError
 from gptj_flax.serving.worker import FAILED
@@ -91,8 +92,8 @@ def check_checkpoint(checkpoint: str) -> None:
 def serve(settings: ServeSettings) -> int:
     """Check the files and the port, load the checkpoint, then serve until drained after a signal.
 
-    Everything that can be wrong with the settings (a missing checkpoint or keys file, a bad key,
-    a port in use) raises a :class:`~gptj_flax.errors.GptjFlaxError` before the model loads.
+    Everything that can be wrong with the settings (a missing checkpoint, keys file or chat template,
+    a bad key, a template that is not Jinja, a port in use) raises a :class:`~gptj_flax.errors.GptjFlaxError` before the model loads.
     Returns the exit status.
     """
     configure_logging(settings.log_level.upper(), LOG_FORMAT)
@@ -100,6 +101,8 @@ def serve(settings: ServeSettings) -> int:
     check_checkpoint(settings.checkpoint)
     if settings.adapter is not None and "://" not in settings.adapter and not os.path.exists(settings.adapter):
         raise ServingError(f"adapter not found: {settings.adapter} (set --adapter or GPTJ_FLAX_ADAPTER)")
+    if settings.chat_template is not None:
+        read_chat_template(settings.chat_template)  # a missing or broken template is found before the model loads
     keys = open_keys(settings)
     if settings.prefill == "beside":  # before the model loads, which can take minutes
         prefill_mesh(partitioning.make_mesh(settings.mesh or partitioning.ONE_DEVICE), settings.prefill)

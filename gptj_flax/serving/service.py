@@ -13,7 +13,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 from gptj_flax import partitioning
-from gptj_flax.serving import schemas
+from gptj_flax.serving import chat, schemas
 from gptj_flax.serving.auth import KEY_ID, PUBLIC_PATHS, KeyStore
 from gptj_flax.serving.engine import Engine
 from gptj_flax.serving.metrics import Metrics
@@ -26,7 +26,7 @@ from gptj_flax.serving.worker import READY, WARMING_UP, Job, NotAccepting, Queue
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/complete", "/v1/completions")
+GENERATION_PATHS = ("/complete", "/v1/completions", "/v1/chat/completions")
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 DOCKER_API_PATHS = ("/model/predict", "/model/get_prediction")
 KNOWN_PATHS = (
@@ -38,6 +38,7 @@ KNOWN_PATHS = (
     "/openapi.json",
     "/docs",
 )
+CHAT_BODY_TEXTS = 8  # the full-length messages a chat body has room for on a server of a small --max-batch
 # Open while draining: the probes, and the docker API's collection of results accepted before it.
 OPEN_WHILE_DRAINING = (*PUBLIC_PATHS, "/model/get_prediction")
 
@@ -117,6 +118,8 @@ class Service:
         self.start_token = int(model.eos_token_id) if model.eos_token_id is not None else 0
         self.vocab = int(model.decoder.valid_vocab)  # the ids a prompt may hold: the tokenizer's
         self._token_texts: dict[int, str] = {}
+        self._token_bytes: dict[int, list[int]] = {}
+        self.chat_template = chat.chat_template(settings.chat_template, model.tokenizer)
         self.metrics = Metrics()
         self.keys = keys if keys is not None else open_keys(settings)
         self.request_log = request_log if request_log is not None else open_request_log(settings)
@@ -131,8 +134,10 @@ class Service:
             prefill_mesh=prefill_mesh(model.mesh, settings.prefill),
         )
         self.scorer = PromptScorer(model, max_rows=settings.queue_size)
-        # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest.
-        self.max_body_bytes = 2**16 + 2 * settings.max_batch * schemas.MAX_TEXT_CHARS * 6
+        # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest; a
+        # chat request carries a whole conversation, so at least CHAT_BODY_TEXTS full texts, whatever the batch.
+        texts = max(2 * settings.max_batch, CHAT_BODY_TEXTS)
+        self.max_body_bytes = 2**16 + texts * schemas.MAX_TEXT_CHARS * 6
         self.predictions = PredictionStore(settings.predictions_kept)  # the docker API's jobs
         self.created = int(time.time())
         self.draining = False
@@ -176,6 +181,24 @@ class Service:
         if text is None:
             text = self._token_texts[token] = self.model.decode([token])
         return text
+
+    def token_bytes(self, token: int) -> list[int]:
+        """One token's bytes, as OpenAI's chat logprobs show them (remembered, as its text is)."""
+        found = self._token_bytes.get(token)
+        if found is None:
+            found = self._token_bytes[token] = chat.token_bytes(self.model.tokenizer, token, self.token_text(token))
+        return found
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The prompt text of a conversation (``chat.RenderError`` if the template refuses it); a 400
+        naming --chat-template on a server without a template."""
+        if self.chat_template is None:
+            raise HTTPException(
+                400,
+                "this server has no chat template: its tokenizer has none; start it with --chat-template FILE "
+                "(a Jinja chat template) to serve /v1/chat/completions, or send the prompt to /v1/completions",
+            )
+        return chat.render(self.model.tokenizer, self.chat_template, messages)
 
     def text_offsets(self, start: int) -> TextOffsets:
         """The ``text_offset`` of tokens whose text begins at character ``start``."""

@@ -29,7 +29,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "GPTJ_FLAX_"
 # The GPT-4chan server's own settings, which its deployments set without a prefix.
 LEGACY_ENV = ("queue_size", "log_file", "api_keys_file", "pre_prompt_length")
-PATH_SETTINGS = ("checkpoint", "adapter", "api_keys_file", "log_file")
+PATH_SETTINGS = ("checkpoint", "adapter", "api_keys_file", "log_file", "chat_template")
 
 
 class ServingError(GptjFlaxError):
@@ -120,6 +120,12 @@ class ServeSettings:
         PREFILL_PLACES,
     )
     pre_prompt_length: int = _setting(512, int, "tokens of /complete's pre_prompt that are kept (its first ones)")
+    chat_template: str | None = _setting(
+        None,
+        str,
+        "Jinja chat template file that /v1/chat/completions renders messages with, as transformers' "
+        "apply_chat_template does (default: the tokenizer's own template; without either, that route answers 400)",
+    )
     model_name: str | None = _setting(
         None, str, "model id in /v1/models and responses (default: the checkpoint directory's name)"
     )
