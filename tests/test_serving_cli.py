@@ -376,6 +376,8 @@ def test_serve_script_serves_a_huggingface_directory(tmp_path, repo_root):
             str(port),
             "--max-len",
             "32",
+            "--max-batch",  # the backend is under test, not the batch: fewer programs to compile
+            "2",
         ],
         env=serve_env(repo_root),
         cwd=repo_root,
