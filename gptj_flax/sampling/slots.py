@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -45,6 +45,7 @@ from gptj_flax import partitioning
 from gptj_flax.model import KVCache
 from gptj_flax.sampling.decoding import Decoder, bucket
 from gptj_flax.sampling.multihost import to_device, to_host
+from gptj_flax.sampling.prefix_cache import PrefixCache
 from gptj_flax.sampling.samplers import SamplingParams
 from gptj_flax.sampling.slot_programs import NewRows, SlotPrograms, SlotShape, SlotState, Tokens
 
@@ -116,28 +117,44 @@ class PageTable:
     far may have written for slot ``s``'s sequence: its pages cover at least that many.
     """
 
-    def __init__(self, rows: int, per_row: int, page: int):
+    def __init__(self, rows: int, per_row: int, page: int, prefix: PrefixCache | None = None):
         self.page, self.per_row, self.pages = page, per_row, rows * per_row
+        self.prefix = prefix
         self.ids = np.full((rows, per_row), self.pages, np.int32)
         self.held = np.zeros(rows, np.int64)
         self.reach = np.zeros(rows, np.int64)
         self._free = list(range(self.pages))  # a heap: the lowest free page first
 
-    def start(self, row: int, length: int) -> None:
-        """Row ``row`` now holds a new sequence of ``length`` slots (its old pages return to the pool)."""
+    def start(self, row: int, length: int, keys: Sequence[bytes] = ()) -> None:
+        """Row ``row`` now holds a new sequence of ``length`` slots (its old pages return to the pool).
+        ``keys``: the prefix-cache keys of its prompt's full pages, which its first pages will hold."""
         self.free(row)
         self.grow(row, length)
+        if self.prefix is not None:
+            for i, key in enumerate(keys):
+                self.prefix.add(key, int(self.ids[row, i]))
 
     def grow(self, row: int, slots: int) -> None:
         """Let row ``row``'s sequence reach ``slots`` more slots (never past its last page)."""
         self.reach[row] = min(self.reach[row] + slots, self.per_row * self.page)
         while self.held[row] * self.page < self.reach[row]:
-            self.ids[row, self.held[row]] = heapq.heappop(self._free)
+            self.ids[row, self.held[row]] = self._take()
             self.held[row] += 1
 
+    def _take(self) -> int:
+        """The lowest free page, or else the least recently used cached page that no row holds."""
+        if self._free:
+            return heapq.heappop(self._free)
+        page = None if self.prefix is None else self.prefix.evict()
+        if page is None:  # the pool holds every row's whole length: it cannot run out
+            raise RuntimeError("the page pool is exhausted")
+        return page
+
     def free(self, row: int) -> None:
+        """Row ``row``'s sequence has ended: its pages return to the pool, its cached ones stay cached."""
         for page in self.ids[row, : self.held[row]]:
-            heapq.heappush(self._free, int(page))
+            if self.prefix is None or not self.prefix.release(int(page)):
+                heapq.heappush(self._free, int(page))
         self.ids[row] = self.pages
         self.held[row] = self.reach[row] = 0
 
