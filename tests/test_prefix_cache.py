@@ -5,10 +5,17 @@ log-prob for log-prob as without the cache, with no program compiled after the w
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from gptj_flax.model import GPTJ
+from gptj_flax.sampling import LanguageModel
 from gptj_flax.sampling.prefix_cache import PrefixCache, page_keys
-from gptj_flax.sampling.slots import PageTable
+from gptj_flax.sampling.samplers import SamplingParams
+from gptj_flax.sampling.slots import PageTable, Request
+from tests.helpers import tiny_config
 
 
 def test_page_keys_chain_each_full_page_to_the_pages_before_it():
@@ -66,3 +73,85 @@ def test_the_pool_never_runs_out_while_rows_hold_less_than_their_whole_length():
         held = table.ids[table.ids < table.pages]
         assert len(set(held.tolist())) == held.size  # no page in two rows
         assert held.size + cache.idle + len(table._free) == table.pages
+
+
+CFG = tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=96, max_len=64, scan_layers=False)
+PAGE, SLOTS, NEW = 8, 2, 4  # 2 rows of 64 slots: a pool of 16 pages
+
+
+@pytest.fixture(scope="module")
+def lm():
+    lm = LanguageModel(CFG, GPTJ(CFG).init(jax.random.key(3), jnp.zeros((1, 4), jnp.int32))["params"])
+    lm.decoder.page_columns = PAGE
+    return lm
+
+
+def _request(tokens, seed: int = 0) -> Request:
+    return Request([int(t) for t in tokens], NEW, -1, seed, SamplingParams.build(1, temperature=0.0), want_top=True)
+
+
+def _run(slots, batch: list[Request]) -> list:
+    """Admit ``batch`` as the engine does (short prompts together, a long one alone, chunk by chunk),
+    decode it to its end, free its rows: every row's tokens, log-probs and alternatives."""
+    places = list(range(len(batch)))
+    if all(slots.prompt_columns(len(r.tokens)) <= slots.chunk for r in batch):
+        outs = [slots.admit(batch, places)]
+    else:
+        firsts = []
+        for place, request in enumerate(batch):
+            prefill = slots.start_prefill(request)
+            while not prefill.done:
+                slots.prefill_chunk(prefill)
+            firsts.append(slots.insert(prefill, place))
+        outs = [jax.tree.map(lambda *xs: np.concatenate(xs), *firsts)]
+    for _ in range(NEW - 1):
+        outs.append(slots.decode([], 1, highest=len(batch) - 1))
+    slots.free(places)
+    return [(o.tokens[: len(batch)], o.logprobs[: len(batch)], o.top_logprobs[: len(batch)]) for o in outs]
+
+
+def _compiled(slots) -> dict[str, int]:
+    """How many times each slot program has been compiled."""
+    return {name: f._cache_size() for name, f in vars(slots.programs).items() if hasattr(f, "_cache_size")}
+
+
+def test_prompts_sharing_cached_pages_come_out_as_without_the_cache(lm):
+    rng = np.random.default_rng(1)
+    shared = rng.integers(1, CFG.vocab_size, 24)  # three pages
+
+    def tail(n):
+        return rng.integers(1, CFG.vocab_size, n)
+
+    batches = [
+        [_request([*shared, *tail(5)]), _request([*shared, *tail(5)], 1)],  # shared across rows of one call
+        # across calls: a prompt ending at a page boundary (its last page is run again, for the
+        # logits) and one just past it; the whole shared prefix and a token
+        [_request(shared[:16]), _request(shared[:17])],
+        [_request([*shared, *tail(1)])],
+        [_request([*shared, *tail(30)])],  # a long prompt: its first chunk (32 columns) is cached
+        [_request(tail(60), seed) for seed in range(2)],  # two rows of eight pages: the whole pool
+        [_request([*shared, *tail(3)])],  # evicted: prefilled whole
+    ]
+    batches.append([_request([*batches[4][1].tokens[:56], 5])])  # cached by the rows that evicted the rest
+    plain = lm.slots(slots=SLOTS, length=64, chunk=32, top_logprobs=3)
+    cached = lm.slots(slots=SLOTS, length=64, chunk=32, top_logprobs=3, prefix_cache=True)
+    cached.warm_up()  # the same shape: plain's programs are these
+    wanted = [_run(plain, batch) for batch in batches]
+    assert plain.counts.prefilled == plain.counts.prompt
+    compiled = _compiled(cached)
+    prefilled = []
+    for batch, want in zip(batches, wanted, strict=True):
+        got = _run(cached, batch)
+        for (tokens, logprobs, top), (tokens2, logprobs2, top2) in zip(want, got, strict=True):
+            np.testing.assert_array_equal(tokens2, tokens)
+            np.testing.assert_allclose(logprobs2, logprobs, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(top2, top, rtol=1e-5, atol=1e-6)
+        prefilled.append(cached.counts.prefilled)
+    assert _compiled(cached) == compiled  # no window or count of cached pages compiles anything new
+    # the second and third calls prefill the last 16 columns of their prompts, the long one its
+    # second chunk; the last one its second chunk too, its first seven pages found again
+    assert np.diff([0, *prefilled]).tolist() == [58, 32, 16, 32, 120, 27, 32]
+    assert cached.counts.prompt == plain.counts.prompt
+    # the last prompt took the least recently used pages: all but one of the shared prefix's,
+    # and the first evicting row's; the second row's, which it read, stay
+    assert cached.prefix.pages == 8

@@ -45,7 +45,7 @@ from gptj_flax import partitioning
 from gptj_flax.model import KVCache
 from gptj_flax.sampling.decoding import Decoder, bucket
 from gptj_flax.sampling.multihost import to_device, to_host
-from gptj_flax.sampling.prefix_cache import PrefixCache
+from gptj_flax.sampling.prefix_cache import PrefixCache, PromptCounts
 from gptj_flax.sampling.samplers import SamplingParams
 from gptj_flax.sampling.slot_programs import NewRows, SlotPrograms, SlotShape, SlotState, Tokens
 
@@ -181,6 +181,10 @@ class Slots:
       top_logprobs: how many alternatives a row that asks for them gets for each token.
       prefill: the same model on other devices, to prefill new prompts on beside the decode steps
         (:meth:`dispatch_prefill`, :meth:`place`); without one, :meth:`admit` prefills between them.
+      prefix_cache: keep the full pages of prompts in the pool, and copy them into the rows of new
+        prompts that start with them instead of prefilling those tokens again
+        (:mod:`~gptj_flax.sampling.prefix_cache`); not with a prefill decoder, whose devices do not
+        hold the pool.
     """
 
     def __init__(
@@ -193,9 +197,14 @@ class Slots:
         steps: int,
         top_logprobs: int,
         prefill: Decoder | None = None,
+        prefix_cache: bool = False,
     ):
         if prefill is not None and set(prefill.mesh.devices.flat) & set(decoder.mesh.devices.flat):
             raise ValueError("the prefill decoder's devices must be other than the decode slots'")
+        if prefill is not None and prefix_cache:
+            raise ValueError("the prefix cache lives in the decode slots' pool: it cannot serve a prefill decoder")
+        self.prefix_cache = prefix_cache
+        self.counts = PromptCounts()  # prompt tokens admitted, and those prefilled
         self.decoder, self.config, self.prefill = decoder, decoder.config, prefill
         self._prefiller = decoder if prefill is None else prefill  # where prompts are prefilled
         self.shape = SlotShape.build(
@@ -230,7 +239,8 @@ class Slots:
 
     def reset(self) -> None:
         """Empty every slot (a fresh cache and state)."""
-        self.table = PageTable(self.slots, self.shape.per_row, self.page)
+        self.prefix = PrefixCache(self.page) if self.prefix_cache else None
+        self.table = PageTable(self.slots, self.shape.per_row, self.page, self.prefix)
         with self._on(self.decoder):
             self.state: SlotState = self.programs.empty_state()
 
@@ -278,8 +288,39 @@ class Slots:
         the page table, for the call that writes them."""
         for request, slot in zip(requests, slots, strict=True):
             if slot is not None and 0 <= slot < self.slots:
-                self.table.start(slot, len(request.tokens))
+                keys = self.prefix.keys(request.tokens) if self.prefix is not None else ()
+                self.table.start(slot, len(request.tokens), keys)
         return self.table.ids.copy()  # the call may read it after the host has moved on
+
+    def _hits(self, request: Request) -> list[int]:
+        """The cached pages that hold the first full pages of ``request``'s prompt (never its last
+        token: its logits are needed)."""
+        if self.prefix is None:
+            return []
+        n = len(request.tokens)
+        return self.prefix.match(self.prefix.keys(request.tokens[: (n - 1) // self.page * self.page]))
+
+    def _sources(self, hits: list[list[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """``hits`` as program arguments: each row's cached pages [rows, per_row] (the pool's end
+        past them) and how many of its tokens they hold [rows]."""
+        sources = np.full((rows, self.shape.per_row), self.shape.pages, np.int32)
+        cached = np.zeros(rows, np.int32)
+        for i, pages in enumerate(hits):
+            sources[i, : len(pages)] = pages
+            cached[i] = len(pages) * self.page
+        return sources, cached
+
+    def _window(self, rows: NewRows, hits: list[list[int]]) -> int:
+        """The last columns of ``rows``' prompts that :meth:`dispatch_admit` prefills: every column
+        when nothing is cached, else a power of two that holds every token past the cached ones
+        (at least a quarter of the columns, to compile few programs)."""
+        columns = rows.tokens.shape[1]
+        uncached = max(int(n) - len(pages) * self.page for n, pages in zip(rows.lengths, hits, strict=False))
+        return min(columns, max(bucket(uncached), columns // 4))
+
+    def _count(self, lengths, prefilled) -> None:
+        self.counts.prompt += int(sum(lengths))
+        self.counts.prefilled += int(sum(prefilled))
 
     def free(self, slots: list[int]) -> None:
         """The sequences in ``slots`` have ended: their pages return to the pool. A row that may still
@@ -295,9 +336,19 @@ class Slots:
     def dispatch_admit(self, requests: list[Request], slots: list[int]) -> Pending:
         """:meth:`admit`, returning as soon as the call is queued on the device."""
         rows = self._prompts(requests, slots)
+        hits = [self._hits(r) for r in requests]  # before _start, which may evict idle cached pages
+        window = self._window(rows, hits)
         table = self._start(requests, slots)
+        lengths = [len(r.tokens) for r in requests]
+        self._count(lengths, [min(n, window) for n in lengths])
         with self._on(self.decoder):
-            self.state, first = self.programs.admit(self.decoder.params, self.state, rows, table)
+            if window == rows.tokens.shape[1]:
+                self.state, first = self.programs.admit(self.decoder.params, self.state, rows, table)
+            else:
+                sources, cached = self._sources(hits, len(rows.tokens))
+                self.state, first = self.programs.admit_cached(
+                    self.decoder.params, self.state, rows, table, sources, cached, window=window
+                )
         return Pending(first, len(requests))
 
     def dispatch_prefill(self, requests: list[Request]) -> Prefilled:
@@ -306,6 +357,8 @@ class Slots:
         if self.prefill is None:
             raise ValueError("these slots have no prefill decoder: admit() prefills between decode steps")
         rows = self._prompts(requests, [None] * len(requests))
+        lengths = [len(r.tokens) for r in requests]
+        self._count(lengths, lengths)
         with self._on(self.prefill):
             cache, first, seen = self.programs.prefill(self.prefill.params, rows)
         return Prefilled(requests, rows, cache, first, seen)
@@ -338,12 +391,20 @@ class Slots:
 
     def start_prefill(self, request: Request) -> Prefill:
         """A long prompt's prefill, to be advanced with :meth:`prefill_chunk` until done."""
-        columns = self.prompt_columns(len(request.tokens))
+        n = len(request.tokens)
+        columns = self.prompt_columns(n)
         tokens = np.zeros((1, columns), np.int32)
-        tokens[0, columns - len(request.tokens) :] = request.tokens
-        first = (columns - len(request.tokens)) // self.chunk * self.chunk  # chunks of padding only are skipped
+        tokens[0, columns - n :] = request.tokens
+        hits = self._hits(request)
+        # chunks of padding only, or of cached tokens only, are skipped
+        first = (columns - n + len(hits) * self.page) // self.chunk * self.chunk
+        self._count([n], [min(n, columns - first)])
         with self._on(self._prefiller):
-            cache = self.programs.new_cache(columns)
+            if hits:
+                sources, cached = self._sources([hits], 1)
+                cache = self.programs.cached_prompt(self.state.cache, sources, np.int32(n), cached[0], columns=columns)
+            else:
+                cache = self.programs.new_cache(columns)
         return Prefill(request, tokens, first, cache)
 
     def prefill_chunk(self, prefill: Prefill) -> None:
@@ -423,7 +484,9 @@ class Slots:
     def warm_up(self, stop: Callable[[], bool] = lambda: False) -> bool:
         """Compile every program a request can need: nothing compiles once requests come. ``stop`` is
         asked before each program (a compile cannot be cut short); False if it said stop."""
-        return not any(stop() for _ in self._compile_each())
+        done = not any(stop() for _ in self._compile_each())
+        self.counts = PromptCounts()  # the warm-up's prompts are no requests'
+        return done
 
     def _compile_each(self) -> Iterator[None]:
         """Runs each program once with dummy rows that change nothing; yields before each one."""
@@ -439,8 +502,14 @@ class Slots:
                         self.admit([request] * rows, nowhere[:rows])
                     else:
                         self.place(self.dispatch_prefill([request] * rows), [None] * rows)
+                    if self.prefix is not None and columns > self.page:
+                        yield from self._compile_cached([request] * rows, nowhere[:rows])
             else:
                 yield
+                if self.prefix is not None:
+                    sources, cached = self._sources([[]], 1)
+                    with self._on(self.decoder):
+                        self.programs.cached_prompt(self.state.cache, sources, np.int32(1), cached[0], columns=columns)
                 prefill = self.start_prefill(request)
                 self.prefill_chunk(prefill)
                 if self.prefill is None:
@@ -452,6 +521,20 @@ class Slots:
             for blocks in range(1, len(self.blocks) + 1):
                 yield
                 self._run([], 1, blocks, rows).result()
+
+    def _compile_cached(self, requests: list[Request], nowhere: list[int]) -> Iterator[None]:
+        """Compiles :meth:`dispatch_admit`'s programs for prompts with cached pages: one for each
+        window it may prefill of ``requests``' columns (placed ``nowhere``, they change nothing)."""
+        rows = self._prompts(requests, nowhere)
+        columns = rows.tokens.shape[1]
+        sources, cached = self._sources([], len(rows.tokens))
+        for window in sorted({w for w in (max(bucket(1), columns // 4), columns // 2) if bucket(1) <= w < columns}):
+            yield
+            with self._on(self.decoder):
+                self.state, first = self.programs.admit_cached(
+                    self.decoder.params, self.state, rows, self.table.ids.copy(), sources, cached, window=window
+                )
+            Pending(first, len(requests)).result()
 
     def compilations(self) -> int:
         """Programs compiled so far (for this decoder and shape), for checking that nothing
