@@ -5,6 +5,8 @@ log-prob for log-prob as without the cache, with no program compiled after the w
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,3 +157,27 @@ def test_prompts_sharing_cached_pages_come_out_as_without_the_cache(lm):
     # the last prompt took the least recently used pages: all but one of the shared prefix's,
     # and the first evicting row's; the second row's, which it read, stay
     assert cached.prefix.pages == 8
+
+
+def test_an_int8_cache_copies_the_cached_pages_scales_with_them(lm):
+    """An int8 pool's pages are copied with their scales: a prompt on cached pages (a short one in
+    a window, a long one past its first chunk) comes out as without the cache."""
+    int8 = LanguageModel(dataclasses.replace(CFG, kv_cache="int8"), lm.decoder.params)
+    int8.decoder.page_columns = PAGE
+    rng = np.random.default_rng(2)
+    shared = rng.integers(1, CFG.vocab_size, 24)
+    batches = [
+        [_request([*shared, *rng.integers(1, CFG.vocab_size, 5)])],
+        [_request([*shared, 7])],
+        [_request([*shared, *rng.integers(1, CFG.vocab_size, 30)])],
+    ]
+    plain = int8.slots(slots=SLOTS, length=64, chunk=32, top_logprobs=3)
+    cached = int8.slots(slots=SLOTS, length=64, chunk=32, top_logprobs=3, prefix_cache=True)
+    for batch in batches:
+        for (tokens, logprobs, top), (tokens2, logprobs2, top2) in zip(
+            _run(plain, batch), _run(cached, batch), strict=True
+        ):
+            np.testing.assert_array_equal(tokens2, tokens)
+            np.testing.assert_allclose(logprobs2, logprobs, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(top2, top, rtol=1e-5, atol=1e-6)
+    assert cached.counts.prefilled == 29 + 16 + 32 < plain.counts.prefilled
