@@ -16,6 +16,11 @@ them: the work of a step follows the tokens the running sequences hold, not the 
 Every step runs the first ``R`` rows only, ``R`` the power of two past the highest busy slot (new
 sequences take the lowest free one), so a lone request costs a few rows, not all of them.
 
+With the *prefix cache* (:mod:`gptj_flax.sampling.prefix_cache`), the full pages of prompts stay in
+the pool after their sequences end, and a new prompt that starts with cached pages copies them into
+its own and prefills only the rest: the last columns of a short prompt (:meth:`Slots._window`), or
+the chunks of a long one past the cached pages.
+
 With a *prefill decoder* (the same parameters on a mesh of other devices), new prompts are
 prefilled there, beside the decode step running here, and their first tokens chosen there
 (:meth:`Slots.dispatch_prefill`); :meth:`Slots.place` then moves the prefilled rows into free slots
