@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import flax.linen as nn
 import httpx
@@ -49,6 +50,7 @@ from gptj_flax.serving.settings import env_name
 # Prompts stay under 16 tokens: the server's warm-up compiles that prompt bucket for every batch size.
 PROMPT_WORDS = ("def", "return", "import", "class", "self", "for", "while", "print", "yield", "lambda")
 TOKENIZER_VOCAB = 4096
+OWN_TOKENS = 6  # a request's own tokens after a shared prefix
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-batch", type=int, help="--max-batch of the server it starts (not with --url; default 32)"
+    )
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="every request starts with the same N tokens (then a few of its own): the benchmark runs a server "
+        "with the prefix cache and one without, and prints both side by side (not with --url; default 0: "
+        "prompts of ~12 tokens, one server)",
     )
     parser.add_argument(
         "--prefill",
@@ -96,6 +106,15 @@ class Round:
 
 def _prompt(i: int) -> str:
     return " ".join(PROMPT_WORDS[(i + k) % len(PROMPT_WORDS)] for k in range(6))
+
+
+def _prompts(shared: int) -> Callable[[int], str | list[int]]:
+    """Request ``i``'s prompt: six words; or, with a ``shared`` prefix, the same ``shared`` token ids
+    then six of its own."""
+    if not shared:
+        return _prompt
+    prefix = random.Random(0).choices(range(TOKENIZER_VOCAB), k=shared)
+    return lambda i: prefix + random.Random(i + 1).choices(range(TOKENIZER_VOCAB), k=OWN_TOKENS)
 
 
 def _slot_steps(metrics: str) -> tuple[float, float]:
@@ -163,7 +182,13 @@ async def _stream(http: httpx.AsyncClient, body: dict) -> _Timed:
 
 
 async def _round(
-    http: httpx.AsyncClient, clients: int, warmup: float, seconds: float, lengths: tuple[int, int], seed: int
+    http: httpx.AsyncClient,
+    clients: int,
+    warmup: float,
+    seconds: float,
+    lengths: tuple[int, int],
+    seed: int,
+    prompt: Callable[[int], str | list[int]] = _prompt,
 ) -> Round:
     """Clients stream requests one after another from the start; what happens in the window of
     ``seconds`` that opens ``warmup`` seconds later is measured.
@@ -180,7 +205,7 @@ async def _round(
         draws = random.Random(seed * 7919 + c)
         for r in itertools.count():
             body = {
-                "prompt": _prompt(c + r),
+                "prompt": prompt(c + r),
                 "max_tokens": draws.randint(*lengths),
                 "temperature": 0.8,
                 "seed": (seed + 1000 * c + r) % 2**31,
@@ -222,14 +247,23 @@ def _window(results: list[_Timed], clients: int, opens: float, closes: float, oc
 
 
 async def _measure(
-    url: str, api_key: str | None, concurrency: list[int], warmup: float, seconds: float, lengths: tuple[int, int]
+    url: str,
+    api_key: str | None,
+    concurrency: list[int],
+    warmup: float,
+    seconds: float,
+    lengths: tuple[int, int],
+    prompt: Callable[[int], str | list[int]] = _prompt,
 ) -> list[Round]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # one connection per client, and one more for the /metrics reads that open and close the window:
     # sharing the clients' connections, those reads waited for a free one and could miss the window
     limits = httpx.Limits(max_connections=max(concurrency) + 1)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as http:
-        return [await _round(http, clients, warmup, seconds, lengths, seed=i) for i, clients in enumerate(concurrency)]
+        return [
+            await _round(http, clients, warmup, seconds, lengths, seed=i, prompt=prompt)
+            for i, clients in enumerate(concurrency)
+        ]
 
 
 def _write_model(directory: str) -> str:
@@ -254,7 +288,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_server(checkpoint: str, max_batch: int, prefill: str) -> tuple[subprocess.Popen, str]:
+def _start_server(
+    checkpoint: str, max_batch: int, prefill: str, prefix_cache: bool = True
+) -> tuple[subprocess.Popen, str]:
     """``serve()`` of this checkout in a child process (no GIL shared with the clients), configured by
     environment variables as a deployment would be."""
     port = _free_port()
@@ -264,6 +300,7 @@ def _start_server(checkpoint: str, max_batch: int, prefill: str) -> tuple[subpro
         "max_batch": max_batch,
         "prefill": prefill,
         "log_level": "warning",
+        "no_prefix_cache": not prefix_cache,
     }
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": python_path, **{env_name(name): str(v) for name, v in settings.items()}}
@@ -291,50 +328,123 @@ def _start_server(checkpoint: str, max_batch: int, prefill: str) -> tuple[subpro
     raise RuntimeError("the benchmark server did not become ready")
 
 
-def run(args: argparse.Namespace) -> None:
+def _check(args: argparse.Namespace) -> tuple[list[int], tuple[int, int]]:
+    """The client counts and ``max_tokens`` range; one ``error:`` line for anything out of range."""
     concurrency = _counts(args.concurrency)
     if concurrency is None or min(concurrency) < 1:
         raise SystemExit(f"error: --concurrency must be client counts >= 1, such as 1,8,32; got {args.concurrency!r}")
     lengths = _lengths(args.new_tokens)
     if not (0 < args.seconds < math.inf and 0 <= args.warmup < math.inf):
         raise SystemExit("error: --seconds must be a finite number > 0 and --warmup a finite number >= 0")
-    if args.url and (args.max_batch is not None or args.prefill is not None):
+    if args.url and (args.max_batch is not None or args.prefill is not None or args.shared_prefix):
         raise SystemExit(
-            "error: --max-batch and --prefill set up the server the benchmark starts; with --url the server is yours"
+            "error: --max-batch, --prefill and --shared-prefix set up the servers the benchmark starts; "
+            "with --url the server is yours"
         )
+    room = BENCH_MODEL.max_len - OWN_TOKENS - lengths[1]
+    if not 0 <= args.shared_prefix <= room:
+        raise SystemExit(
+            f"error: --shared-prefix must be in [0, {room}] (the model's context of {BENCH_MODEL.max_len} less "
+            f"{OWN_TOKENS} tokens of each request's own and the most new tokens), got {args.shared_prefix}"
+        )
+    return concurrency, lengths
+
+
+def _own_servers(args: argparse.Namespace, measure: Callable[[str], list[Round]]) -> tuple[str, list[list[Round]]]:
+    """Measure a server this starts on a random model: with a shared prefix, one with the prefix
+    cache and then one without. A description of the setup, and each server's rounds."""
     max_batch = 32 if args.max_batch is None else args.max_batch
     prefill = args.prefill or "between"
-    machine = machine_summary()  # before the server it starts adds its own load
-    if args.url:
-        machine = f"clients' {machine} (the server's may differ)"
-
-    def measure(url: str, api_key: str | None) -> list[Round]:
-        return asyncio.run(_measure(url, api_key, concurrency, args.warmup, args.seconds, lengths))
-
-    if args.url:
-        target = f"server {args.url}"
-        rounds = measure(args.url.rstrip("/"), args.api_key)
-    else:
-        with tempfile.TemporaryDirectory(prefix="bench-serve-") as directory:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as directory:
+        target = _write_model(directory)
+        for prefix_cache in (True, False) if args.shared_prefix else (True,):
             start = time.perf_counter()
-            target = _write_model(directory)
-            process, url = _start_server(directory, max_batch, prefill)
-            target += (
-                f"; server --max-batch {max_batch} --prefill {prefill}, ready in {time.perf_counter() - start:.0f} s"
-            )
+            process, url = _start_server(directory, max_batch, prefill, prefix_cache)
+            ready = time.perf_counter() - start
+            target += f"; server --max-batch {max_batch} --prefill {prefill}"
+            target += "" if prefix_cache else " --no-prefix-cache"
+            target += f", ready in {ready:.0f} s"
             try:
-                rounds = measure(url, None)
+                results.append(measure(url))
             finally:
                 process.terminate()  # SIGTERM: the server drains and exits
                 process.wait(120)
+    return target, results
+
+
+def run(args: argparse.Namespace) -> None:
+    concurrency, lengths = _check(args)
+    machine = machine_summary()  # before the server it starts adds its own load
+    prompt = _prompts(args.shared_prefix)
+
+    def measure(url: str, api_key: str | None = None) -> list[Round]:
+        return asyncio.run(_measure(url, api_key, concurrency, args.warmup, args.seconds, lengths, prompt))
+
+    if args.url:
+        machine = f"clients' {machine} (the server's may differ)"
+        target, results = f"server {args.url}", [measure(args.url.rstrip("/"), args.api_key)]
+    else:
+        target, results = _own_servers(args, measure)
     print(machine)
     spread = f"{lengths[0]}" if lengths[0] == lengths[1] else f"{lengths[0]} to {lengths[1]} (uniform)"
+    prompts = (
+        f"prompts of the same {args.shared_prefix} token ids and {OWN_TOKENS} of each request's own"
+        if args.shared_prefix
+        else "prompts of ~12 tokens"
+    )
     print(
-        f"{target}\n/v1/completions, streamed: prompts of ~12 tokens, max_tokens {spread}, temperature 0.8; each "
+        f"{target}\n/v1/completions, streamed: {prompts}, max_tokens {spread}, temperature 0.8; each "
         f"client sends its next request when answered; measured: a {args.seconds:g} s window that opens after "
         f"{args.warmup:g} s of the same load (requests sent, and tokens that arrived, inside it); TTFT: time to a "
         f"request's first token; ITL: time between its tokens; occupancy: the mean share of busy decode slots\n"
     )
+    if len(results) == 2:
+        _print_compared(*results)
+    else:
+        _print_rounds(results[0])
+
+
+def _print_table(header: tuple[str, ...], body: list[tuple[str, ...]]) -> None:
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(header)]
+    for line in (header, ["-" * w for w in widths], *body):
+        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
+
+
+def _print_compared(cached: list[Round], plain: list[Round]) -> None:
+    """Each concurrency's tokens/s and TTFT with the prefix cache and without, side by side."""
+    pct = Round.percentile
+    header = (
+        "clients",
+        "gen tokens/s cache",
+        "no cache",
+        "TTFT p50 s cache",
+        "no cache",
+        "TTFT p99 s cache",
+        "no cache",
+    )
+    body = [
+        (
+            str(a.clients),
+            f"{a.tokens / a.seconds:,.0f}",
+            f"{b.tokens / b.seconds:,.0f}",
+            f"{pct(a.ttft, 0.5):.3f}",
+            f"{pct(b.ttft, 0.5):.3f}",
+            f"{pct(a.ttft, 0.99):.3f}",
+            f"{pct(b.ttft, 0.99):.3f}",
+        )
+        for a, b in zip(cached, plain, strict=True)
+    ]
+    _print_table(header, body)
+    for a, b in zip(cached, plain, strict=True):
+        if a.ttft and b.ttft:
+            print(
+                f"{a.clients} clients: TTFT p50 {pct(b.ttft, 0.5) / pct(a.ttft, 0.5):.1f}x shorter with the cache, "
+                f"{(a.tokens / a.seconds) / max(b.tokens / b.seconds, 1e-9):.1f}x the generated tokens/s"
+            )
+
+
+def _print_rounds(rounds: list[Round]) -> None:
     header = (
         "clients",
         "requests",
@@ -359,9 +469,7 @@ def run(args: argparse.Namespace) -> None:
         )
         for r in rounds
     ]
-    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(header)]
-    for line in (header, ["-" * w for w in widths], *body):
-        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
+    _print_table(header, body)
     single = next((r for r in rounds if r.clients == 1), None)
     if single is not None and single.tokens:
         lone_ttft = pct(single.ttft, 0.5)

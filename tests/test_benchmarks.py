@@ -178,9 +178,27 @@ def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
     assert "2 clients: " in out
 
 
+@pytest.mark.slow  # bench.py starts two server processes and times requests against each
+def test_serve_benchmark_compares_a_shared_prefix_with_and_without_the_prefix_cache(repo_root, tmp_path):
+    out = bench(
+        repo_root,
+        tmp_path,
+        "serve",
+        *("--shared-prefix", "256", "--concurrency", "1", "--max-batch", "2"),
+        *("--warmup", "0.5", "--seconds", "2", "--new-tokens", "2"),
+    )
+    assert "prompts of the same 256 token ids" in out and "--no-prefix-cache, ready in" in out
+    rows = re.findall(rf"^\s+1\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s", out, re.MULTILINE)
+    assert len(rows) == 1, out
+    assert all(float(x.replace(",", "")) > 0 for x in rows[0]), out
+    assert "1 clients: TTFT p50 " in out
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["--shared-prefix", "9999"], "--shared-prefix must be in [0, "),
+        (["--url", "http://127.0.0.1:9", "--shared-prefix", "8"], "with --url the server is yours"),
         (["--concurrency", "1,x"], "--concurrency must be client counts >= 1"),
         (["--concurrency", "0"], "--concurrency must be client counts >= 1"),
         (["--new-tokens", "8,two"], "--new-tokens must be N or MIN,MAX"),

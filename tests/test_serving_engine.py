@@ -236,3 +236,43 @@ def test_a_client_that_disconnects_frees_its_slot_within_one_step(lm, server, he
             assert held.decode_calls == calls
     finally:
         held.step_delay_s = 0.0
+
+
+def test_prompts_sharing_a_prefix_take_its_cached_pages_and_each_equals_generate(lm, server):
+    """Between steps the prefix cache is on (the default): a prompt's rows after the first, and later
+    requests, prefill only what their cached pages do not hold; beside, every token is prefilled."""
+    page = server.service.worker.slots.page
+    rng = np.random.default_rng(7)
+    shared = [int(t) for t in rng.integers(1, lm.decoder.valid_vocab, 2 * page)]
+    tails = [[int(t) for t in rng.integers(1, lm.decoder.valid_vocab, n)] for n in (5, 7)]
+    # two rows of one request; then prompts ending at a page boundary and just past it
+    requests = [[shared + tails[0], shared + tails[1]], [shared, shared + tails[0][:1]]]
+    with httpx.Client(base_url=server.url, timeout=300) as http:
+        before = http.get("/metrics").text
+        for prompts in requests:
+            body = {"prompt": prompts, "max_tokens": 6, "temperature": 0, "logprobs": 0}
+            response = http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            for prompt, choice in zip(prompts, response.json()["choices"], strict=True):
+                reference = lm.generate(prompt, 6, temperature=0, return_tokens=True, return_logprobs=True)
+                assert choice["text"] == reference.text
+                np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], reference.logprobs, atol=1e-5)
+        after = http.get("/metrics").text
+    prompt_tokens = sum(len(p) for prompts in requests for p in prompts)
+
+    def added(name):
+        return metric(after, name) - metric(before, name)
+
+    assert added("gptj_prompt_tokens_total") == prompt_tokens
+    if server.service.worker.prefill_mesh is not None:
+        assert added("gptj_prompt_tokens_prefilled_total") == prompt_tokens
+        assert metric(after, "gptj_prefix_cache_pages") == 0
+        return
+    # prompts of 256 columns in chunks of 16: the first prefilled from its first real chunk on, the
+    # others from the chunk holding their first token past the cached pages (the one ending at a
+    # page boundary keeps its last page's tokens to run: its last token's logits are needed)
+    chunk = server.service.worker.slots.chunk
+    first = len(shared) + len(tails[0])
+    assert added("gptj_prompt_tokens_prefilled_total") == first + chunk + page + chunk
+    assert metric(after, "gptj_prefix_cache_pages") >= 2
+    assert 0 < metric(after, "gptj_prefix_cache_hit_rate") < 1

@@ -410,12 +410,14 @@ class LanguageModel:
         steps: int = 1,
         top_logprobs: int = 5,
         prefill_mesh: Mesh | None = None,
+        prefix_cache: bool = False,
     ) -> Slots:
         """Decode slots over this model's parameters, for continuous batching (see
         :class:`gptj_flax.sampling.slots.Slots`): ``slots`` sequences of up to ``length`` tokens each.
 
         ``prefill_mesh``: devices other than the model's, to prefill new prompts on beside the decode
         steps (the parameters are copied there); default: prefill between steps on the model's own.
+        ``prefix_cache``: reuse the cached full pages of earlier prompts (not with a ``prefill_mesh``).
         """
         return Slots(
             self.decoder,
@@ -425,6 +427,7 @@ class LanguageModel:
             steps=steps,
             top_logprobs=top_logprobs,
             prefill=None if prefill_mesh is None else self.decoder.on(prefill_mesh),
+            prefix_cache=prefix_cache,
         )
 
     def _start(self, method: str, prompts, *, original_order, top_logprobs, **settings) -> tuple[_Generation, bool]:

@@ -305,21 +305,92 @@ def new_cache(shape: SlotShape, columns: int) -> KVCache:
 def chunk(shape: SlotShape, params, cache: KVCache, prompt, length, start) -> tuple[KVCache, Array]:
     """Prefill the chunk of ``prompt`` [1, P] (left-padded, ``length`` real tokens) that starts at
     column ``start``: the cache, and the logits of its last column."""
+    return _prefill_window(shape, params, cache, prompt, length, start, shape.chunk)
+
+
+def _prefill_window(shape: SlotShape, params, cache: KVCache, prompt, lengths, start, width: int):
+    """Prefill columns ``start … start+width−1`` of prompts [b, P] (left-padded, ``lengths`` real
+    tokens each) into ``cache``, which holds every real column before ``start``: the cache, and
+    the logits of the last column."""
     columns = prompt.shape[1]
-    tokens = lax.dynamic_slice_in_dim(prompt, start, shape.chunk, axis=1)
-    index = start + jnp.arange(shape.chunk)[None, :]
-    padding = columns - length
+    tokens = lax.dynamic_slice_in_dim(prompt, start, width, axis=1)
+    index = start + jnp.arange(width)[None, :]
+    padding = columns - jnp.reshape(lengths, (-1, 1))
     segments, positions = (index >= padding).astype(jnp.int32), jnp.maximum(index - padding, 0)
     logits, cache = GPTJ(shape.config).apply(
         {"params": params},
         tokens,
         positions,
         segments,
-        cache.replace(index=start),
+        cache.replace(index=jnp.asarray(start, jnp.int32)),
         last_logits_only=True,
         method=GPTJ.decode,
     )
     return cache, logits[:, -1]
+
+
+def _gather_pages(pool: tuple[Array, ...], pages: Array, slots: Array, slot_axis: int) -> Array:
+    """The entries at ``slots`` of pool-wide ``pages`` (both [b, C]) of one layer's pool blocks:
+    [b, C, …] (the page's other axes, without ``slot_axis``); zero where a page is past the pool."""
+    out, start = None, 0
+    for block in pool:
+        n = block.shape[0]
+        local = pages - start
+        inside = (local >= 0) & (local < n)
+        got = block[(jnp.clip(local, 0, n - 1), *[slice(None)] * (slot_axis - 1), slots)]
+        got = jnp.where(inside.reshape(*inside.shape, *[1] * (got.ndim - 2)), got, jnp.zeros((), got.dtype))
+        out = got if out is None else out + got
+        start += n
+    assert out is not None
+    return out
+
+
+def _gather_prefix(shape: SlotShape, pool: PagedKVCache, cache: KVCache, sources, lengths, cached) -> KVCache:
+    """``cache`` [b, C] of prompts left-padded to C columns (``lengths`` real tokens) with each
+    row's first ``cached`` tokens' keys and values copied from the pool pages ``sources`` [b, n]
+    names (in order), and those columns marked as real tokens."""
+    b, columns = cache.segment_ids.shape
+    token = jnp.arange(columns)[None, :] - (columns - lengths)[:, None]  # the token each column holds
+    hit = (token >= 0) & (token < cached[:, None])
+    token = jnp.clip(token, 0, sources.shape[1] * shape.page - 1)
+    pages = jnp.where(hit, jnp.take_along_axis(sources, token // shape.page, axis=1), shape.pages)
+    slots = token % shape.page
+
+    def take(pools, dense, slot_axis):
+        def one(layer_pool, layer):
+            got = jnp.moveaxis(_gather_pages(layer_pool, pages, slots, slot_axis), 1, slot_axis)
+            where = jnp.expand_dims(hit, tuple(a for a in range(1, layer.ndim) if a != slot_axis))
+            return jnp.where(where, got.astype(layer.dtype), layer)
+
+        return tuple(one(p, d) for p, d in zip(pools, dense, strict=True))
+
+    return cache.replace(
+        k=take(pool.k, cache.k, 3),
+        v=take(pool.v, cache.v, 2),
+        k_scale=take(pool.k_scale, cache.k_scale, 2),
+        v_scale=take(pool.v_scale, cache.v_scale, 2),
+        segment_ids=jnp.where(hit, 1, cache.segment_ids),
+    )
+
+
+def cached_prompt(shape: SlotShape, pool: PagedKVCache, sources, length, cached, *, columns: int) -> KVCache:
+    """A one-row cache of ``columns`` columns for a long prompt of ``length`` tokens (left-padded),
+    its first ``cached`` tokens' keys and values copied from the pool pages ``sources`` [1, n] names:
+    :func:`chunk` then prefills the rest."""
+    cache = KVCache.empty(shape.config, 1, columns)
+    return _gather_prefix(shape, pool, cache, sources, jnp.reshape(length, (1,)), jnp.reshape(cached, (1,)))
+
+
+def admit_cached(
+    shape: SlotShape, params, state: SlotState, rows: NewRows, table, sources, cached, *, window: int
+) -> tuple[SlotState, Tokens]:
+    """:func:`admit` of prompts whose first ``cached`` [b] tokens are in the pool pages ``sources``
+    [b, n] names: those are copied, and only the last ``window`` columns (which hold every token
+    past them) are prefilled."""
+    b, columns = rows.tokens.shape
+    cache = _gather_prefix(shape, state.cache, KVCache.empty(shape.config, b, columns), sources, rows.lengths, cached)
+    cache, logits = _prefill_window(shape, params, cache, rows.tokens, rows.lengths, columns - window, window)
+    return insert(shape, state, cache, logits, rows, table)
 
 
 def insert(
@@ -445,8 +516,11 @@ class SlotPrograms:
         self.insert = _jit(insert, shape, donate=("state",))
         self.first_tokens = _jit(first_tokens, shape)
         self.place = _jit(place, shape, donate=("state",))
+        self.cached_prompt = _jit(cached_prompt, shape, static=("columns",))
+        self.admit_cached = _jit(admit_cached, shape, static=("window",), donate=("state",))
 
     def compilations(self) -> int:
         """Programs compiled so far, for checking that nothing recompiles as requests come and go."""
         programs = (self.empty_state, self.decode, self.admit, self.prefill, self.new_cache, self.chunk)
-        return sum(f._cache_size() for f in (*programs, self.insert, self.first_tokens, self.place))
+        more = (self.insert, self.first_tokens, self.place, self.cached_prompt, self.admit_cached)
+        return sum(f._cache_size() for f in (*programs, *more))

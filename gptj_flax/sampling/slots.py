@@ -16,6 +16,11 @@ them: the work of a step follows the tokens the running sequences hold, not the 
 Every step runs the first ``R`` rows only, ``R`` the power of two past the highest busy slot (new
 sequences take the lowest free one), so a lone request costs a few rows, not all of them.
 
+With the *prefix cache* (:mod:`gptj_flax.sampling.prefix_cache`), the full pages of prompts stay in
+the pool after their sequences end, and a new prompt that starts with cached pages copies them into
+its own and prefills only the rest: the last columns of a short prompt (:meth:`Slots._window`), or
+the chunks of a long one past the cached pages.
+
 With a *prefill decoder* (the same parameters on a mesh of other devices), new prompts are
 prefilled there, beside the decode step running here, and their first tokens chosen there
 (:meth:`Slots.dispatch_prefill`); :meth:`Slots.place` then moves the prefilled rows into free slots
@@ -34,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -45,6 +50,7 @@ from gptj_flax import partitioning
 from gptj_flax.model import KVCache
 from gptj_flax.sampling.decoding import Decoder, bucket
 from gptj_flax.sampling.multihost import to_device, to_host
+from gptj_flax.sampling.prefix_cache import PrefixCache, PromptCounts
 from gptj_flax.sampling.samplers import SamplingParams
 from gptj_flax.sampling.slot_programs import NewRows, SlotPrograms, SlotShape, SlotState, Tokens
 
@@ -116,28 +122,44 @@ class PageTable:
     far may have written for slot ``s``'s sequence: its pages cover at least that many.
     """
 
-    def __init__(self, rows: int, per_row: int, page: int):
+    def __init__(self, rows: int, per_row: int, page: int, prefix: PrefixCache | None = None):
         self.page, self.per_row, self.pages = page, per_row, rows * per_row
+        self.prefix = prefix
         self.ids = np.full((rows, per_row), self.pages, np.int32)
         self.held = np.zeros(rows, np.int64)
         self.reach = np.zeros(rows, np.int64)
         self._free = list(range(self.pages))  # a heap: the lowest free page first
 
-    def start(self, row: int, length: int) -> None:
-        """Row ``row`` now holds a new sequence of ``length`` slots (its old pages return to the pool)."""
+    def start(self, row: int, length: int, keys: Sequence[bytes] = ()) -> None:
+        """Row ``row`` now holds a new sequence of ``length`` slots (its old pages return to the pool).
+        ``keys``: the prefix-cache keys of its prompt's full pages, which its first pages will hold."""
         self.free(row)
         self.grow(row, length)
+        if self.prefix is not None:
+            for i, key in enumerate(keys):
+                self.prefix.add(key, int(self.ids[row, i]))
 
     def grow(self, row: int, slots: int) -> None:
         """Let row ``row``'s sequence reach ``slots`` more slots (never past its last page)."""
         self.reach[row] = min(self.reach[row] + slots, self.per_row * self.page)
         while self.held[row] * self.page < self.reach[row]:
-            self.ids[row, self.held[row]] = heapq.heappop(self._free)
+            self.ids[row, self.held[row]] = self._take()
             self.held[row] += 1
 
+    def _take(self) -> int:
+        """The lowest free page, or else the least recently used cached page that no row holds."""
+        if self._free:
+            return heapq.heappop(self._free)
+        page = None if self.prefix is None else self.prefix.evict()
+        if page is None:  # the pool holds every row's whole length: it cannot run out
+            raise RuntimeError("the page pool is exhausted")
+        return page
+
     def free(self, row: int) -> None:
+        """Row ``row``'s sequence has ended: its pages return to the pool, its cached ones stay cached."""
         for page in self.ids[row, : self.held[row]]:
-            heapq.heappush(self._free, int(page))
+            if self.prefix is None or not self.prefix.release(int(page)):
+                heapq.heappush(self._free, int(page))
         self.ids[row] = self.pages
         self.held[row] = self.reach[row] = 0
 
@@ -164,6 +186,10 @@ class Slots:
       top_logprobs: how many alternatives a row that asks for them gets for each token.
       prefill: the same model on other devices, to prefill new prompts on beside the decode steps
         (:meth:`dispatch_prefill`, :meth:`place`); without one, :meth:`admit` prefills between them.
+      prefix_cache: keep the full pages of prompts in the pool, and copy them into the rows of new
+        prompts that start with them instead of prefilling those tokens again
+        (:mod:`~gptj_flax.sampling.prefix_cache`); not with a prefill decoder, whose devices do not
+        hold the pool.
     """
 
     def __init__(
@@ -176,9 +202,14 @@ class Slots:
         steps: int,
         top_logprobs: int,
         prefill: Decoder | None = None,
+        prefix_cache: bool = False,
     ):
         if prefill is not None and set(prefill.mesh.devices.flat) & set(decoder.mesh.devices.flat):
             raise ValueError("the prefill decoder's devices must be other than the decode slots'")
+        if prefill is not None and prefix_cache:
+            raise ValueError("the prefix cache lives in the decode slots' pool: it cannot serve a prefill decoder")
+        self.prefix_cache = prefix_cache
+        self.counts = PromptCounts()  # prompt tokens admitted, and those prefilled
         self.decoder, self.config, self.prefill = decoder, decoder.config, prefill
         self._prefiller = decoder if prefill is None else prefill  # where prompts are prefilled
         self.shape = SlotShape.build(
@@ -213,7 +244,8 @@ class Slots:
 
     def reset(self) -> None:
         """Empty every slot (a fresh cache and state)."""
-        self.table = PageTable(self.slots, self.shape.per_row, self.page)
+        self.prefix = PrefixCache(self.page) if self.prefix_cache else None
+        self.table = PageTable(self.slots, self.shape.per_row, self.page, self.prefix)
         with self._on(self.decoder):
             self.state: SlotState = self.programs.empty_state()
 
@@ -261,8 +293,39 @@ class Slots:
         the page table, for the call that writes them."""
         for request, slot in zip(requests, slots, strict=True):
             if slot is not None and 0 <= slot < self.slots:
-                self.table.start(slot, len(request.tokens))
+                keys = self.prefix.keys(request.tokens) if self.prefix is not None else ()
+                self.table.start(slot, len(request.tokens), keys)
         return self.table.ids.copy()  # the call may read it after the host has moved on
+
+    def _hits(self, request: Request) -> list[int]:
+        """The cached pages that hold the first full pages of ``request``'s prompt (never its last
+        token: its logits are needed)."""
+        if self.prefix is None:
+            return []
+        n = len(request.tokens)
+        return self.prefix.match(self.prefix.keys(request.tokens[: (n - 1) // self.page * self.page]))
+
+    def _sources(self, hits: list[list[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """``hits`` as program arguments: each row's cached pages [rows, per_row] (the pool's end
+        past them) and how many of its tokens they hold [rows]."""
+        sources = np.full((rows, self.shape.per_row), self.shape.pages, np.int32)
+        cached = np.zeros(rows, np.int32)
+        for i, pages in enumerate(hits):
+            sources[i, : len(pages)] = pages
+            cached[i] = len(pages) * self.page
+        return sources, cached
+
+    def _window(self, rows: NewRows, hits: list[list[int]]) -> int:
+        """The last columns of ``rows``' prompts that :meth:`dispatch_admit` prefills: every column
+        when nothing is cached, else a power of two that holds every token past the cached ones
+        (at least a quarter of the columns, to compile few programs)."""
+        columns = rows.tokens.shape[1]
+        uncached = max(int(n) - len(pages) * self.page for n, pages in zip(rows.lengths, hits, strict=False))
+        return min(columns, max(bucket(uncached), columns // 4))
+
+    def _count(self, lengths, prefilled) -> None:
+        self.counts.prompt += int(sum(lengths))
+        self.counts.prefilled += int(sum(prefilled))
 
     def free(self, slots: list[int]) -> None:
         """The sequences in ``slots`` have ended: their pages return to the pool. A row that may still
@@ -278,9 +341,19 @@ class Slots:
     def dispatch_admit(self, requests: list[Request], slots: list[int]) -> Pending:
         """:meth:`admit`, returning as soon as the call is queued on the device."""
         rows = self._prompts(requests, slots)
+        hits = [self._hits(r) for r in requests]  # before _start, which may evict idle cached pages
+        window = self._window(rows, hits)
         table = self._start(requests, slots)
+        lengths = [len(r.tokens) for r in requests]
+        self._count(lengths, [min(n, window) for n in lengths])
         with self._on(self.decoder):
-            self.state, first = self.programs.admit(self.decoder.params, self.state, rows, table)
+            if window == rows.tokens.shape[1]:
+                self.state, first = self.programs.admit(self.decoder.params, self.state, rows, table)
+            else:
+                sources, cached = self._sources(hits, len(rows.tokens))
+                self.state, first = self.programs.admit_cached(
+                    self.decoder.params, self.state, rows, table, sources, cached, window=window
+                )
         return Pending(first, len(requests))
 
     def dispatch_prefill(self, requests: list[Request]) -> Prefilled:
@@ -289,6 +362,8 @@ class Slots:
         if self.prefill is None:
             raise ValueError("these slots have no prefill decoder: admit() prefills between decode steps")
         rows = self._prompts(requests, [None] * len(requests))
+        lengths = [len(r.tokens) for r in requests]
+        self._count(lengths, lengths)
         with self._on(self.prefill):
             cache, first, seen = self.programs.prefill(self.prefill.params, rows)
         return Prefilled(requests, rows, cache, first, seen)
@@ -321,12 +396,20 @@ class Slots:
 
     def start_prefill(self, request: Request) -> Prefill:
         """A long prompt's prefill, to be advanced with :meth:`prefill_chunk` until done."""
-        columns = self.prompt_columns(len(request.tokens))
+        n = len(request.tokens)
+        columns = self.prompt_columns(n)
         tokens = np.zeros((1, columns), np.int32)
-        tokens[0, columns - len(request.tokens) :] = request.tokens
-        first = (columns - len(request.tokens)) // self.chunk * self.chunk  # chunks of padding only are skipped
+        tokens[0, columns - n :] = request.tokens
+        hits = self._hits(request)
+        # chunks of padding only, or of cached tokens only, are skipped
+        first = (columns - n + len(hits) * self.page) // self.chunk * self.chunk
+        self._count([n], [min(n, columns - first)])
         with self._on(self._prefiller):
-            cache = self.programs.new_cache(columns)
+            if hits:
+                sources, cached = self._sources([hits], 1)
+                cache = self.programs.cached_prompt(self.state.cache, sources, np.int32(n), cached[0], columns=columns)
+            else:
+                cache = self.programs.new_cache(columns)
         return Prefill(request, tokens, first, cache)
 
     def prefill_chunk(self, prefill: Prefill) -> None:
@@ -406,7 +489,9 @@ class Slots:
     def warm_up(self, stop: Callable[[], bool] = lambda: False) -> bool:
         """Compile every program a request can need: nothing compiles once requests come. ``stop`` is
         asked before each program (a compile cannot be cut short); False if it said stop."""
-        return not any(stop() for _ in self._compile_each())
+        done = not any(stop() for _ in self._compile_each())
+        self.counts = PromptCounts()  # the warm-up's prompts are no requests'
+        return done
 
     def _compile_each(self) -> Iterator[None]:
         """Runs each program once with dummy rows that change nothing; yields before each one."""
@@ -422,8 +507,14 @@ class Slots:
                         self.admit([request] * rows, nowhere[:rows])
                     else:
                         self.place(self.dispatch_prefill([request] * rows), [None] * rows)
+                    if self.prefix is not None and columns > self.page:
+                        yield from self._compile_cached([request] * rows, nowhere[:rows])
             else:
                 yield
+                if self.prefix is not None:
+                    sources, cached = self._sources([[]], 1)
+                    with self._on(self.decoder):
+                        self.programs.cached_prompt(self.state.cache, sources, np.int32(1), cached[0], columns=columns)
                 prefill = self.start_prefill(request)
                 self.prefill_chunk(prefill)
                 if self.prefill is None:
@@ -435,6 +526,20 @@ class Slots:
             for blocks in range(1, len(self.blocks) + 1):
                 yield
                 self._run([], 1, blocks, rows).result()
+
+    def _compile_cached(self, requests: list[Request], nowhere: list[int]) -> Iterator[None]:
+        """Compiles :meth:`dispatch_admit`'s programs for prompts with cached pages: one for each
+        window it may prefill of ``requests``' columns (placed ``nowhere``, they change nothing)."""
+        rows = self._prompts(requests, nowhere)
+        columns = rows.tokens.shape[1]
+        sources, cached = self._sources([], len(rows.tokens))
+        for window in sorted({w for w in (max(bucket(1), columns // 4), columns // 2) if bucket(1) <= w < columns}):
+            yield
+            with self._on(self.decoder):
+                self.state, first = self.programs.admit_cached(
+                    self.decoder.params, self.state, rows, self.table.ids.copy(), sources, cached, window=window
+                )
+            Pending(first, len(requests)).result()
 
     def compilations(self) -> int:
         """Programs compiled so far (for this decoder and shape), for checking that nothing

@@ -39,6 +39,7 @@ from jax.sharding import Mesh
 
 from gptj_flax.sampling.api import Completion, LanguageModel, Piece
 from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING
+from gptj_flax.sampling.prefix_cache import PromptCounts
 from gptj_flax.sampling.samplers import SamplingParams
 from gptj_flax.sampling.slots import MAX_PREFILL_ROWS, Pending, Prefill, Prefilled, Request, Slots, Tokens
 from gptj_flax.sampling.stopping import TextTracker
@@ -103,6 +104,8 @@ class Engine:
       top_logprobs: the most alternatives a row may ask for at each token.
       prefill_mesh: devices to prefill new prompts on, beside the decode steps (see the module's
         docstring); default: prefill between steps, on the model's own devices.
+      prefix_cache: reuse the cached full pages of earlier prompts (:mod:`gptj_flax.sampling.prefix_cache`);
+        only where prompts are prefilled between steps, so off with a ``prefill_mesh``.
     """
 
     def __init__(
@@ -116,12 +119,22 @@ class Engine:
         metrics: Metrics,
         top_logprobs: int = 5,
         prefill_mesh: Mesh | None = None,
+        prefix_cache: bool = True,
     ):
         self.model, self.metrics, self.prefill_mesh = model, metrics, prefill_mesh
         self.max_batch, self.queue_size, self.length = slots, queue_size, length
+        if prefix_cache and prefill_mesh is not None:
+            logger.info("the prefix cache is off: it serves prompts prefilled between decode steps only")
         self._slot_args = dict(
-            slots=slots, length=length, chunk=chunk, steps=1, top_logprobs=top_logprobs, prefill_mesh=prefill_mesh
+            slots=slots,
+            length=length,
+            chunk=chunk,
+            steps=1,
+            top_logprobs=top_logprobs,
+            prefill_mesh=prefill_mesh,
+            prefix_cache=prefix_cache and prefill_mesh is None,
         )
+        self._counted = PromptCounts()  # the slots' prompt counts already added to the metrics
         self.slots: Slots | None = None
         self.state = WARMING_UP
         self.error: str | None = None
@@ -219,6 +232,10 @@ class Engine:
         self.metrics.kv_pages.set(self.slots.table.pages)
         # read on the server's thread while the engine's changes it: a count that may be a step old
         self.metrics.kv_pages_used.set_function(lambda: self.slots.table.in_use if self.slots else 0)
+        self.metrics.prefix_cache_pages.set_function(
+            lambda: self.slots.prefix.pages if self.slots and self.slots.prefix else 0
+        )
+        self.metrics.prefix_cache_hit_rate.set_function(lambda: self.slots.counts.hit_rate if self.slots else 0.0)
         self._set_state(READY)
         while self._wait_for_work():
             try:
@@ -263,6 +280,7 @@ class Engine:
         if self._prefill is not None:
             self._advance_prefill()
         self._admit()
+        self._count_prompts()
         # New rows' first tokens go out before the next step is queued: their clients wait for
         # nothing else, and the step's dispatch would only delay them.
         first, self._first = self._first, []
@@ -343,6 +361,15 @@ class Engine:
         self._first.append((rows, pending))
 
     # -- prefill thread (with a prefill mesh) ---------------------------------------------------
+    def _count_prompts(self) -> None:
+        """Add the prompt tokens admitted since the last call to the metrics."""
+        assert self.slots is not None
+        with self._cond:  # admitted on the engine thread, or on the prefill thread
+            counts, counted = self.slots.counts, self._counted
+            self.metrics.prompt_tokens.inc(counts.prompt - counted.prompt)
+            self.metrics.prefilled_tokens.inc(counts.prefilled - counted.prefilled)
+            self._counted = PromptCounts(counts.prompt, counts.prefilled)
+
     def _run_prefill(self) -> None:
         while True:
             with self._cond:
@@ -383,6 +410,7 @@ class Engine:
             else:
                 prefilled = slots.dispatch_prefill([self._request(r) for r in rows])
             first = prefilled.pending.result()
+            self._count_prompts()
         except Exception as e:
             logger.exception("prefill failed")
             self._answer_error({id(r.job): r.job for r in rows}.values(), e)

@@ -55,6 +55,20 @@ class Metrics:
             "gptj_busy_slot_steps", "Decode steps run, times the slots that generated a token in them", registry=r
         )
         self.generated_tokens = Counter("gptj_generated_tokens", "Tokens generated, streamed or not", registry=r)
+        self.prompt_tokens = Counter("gptj_prompt_tokens", "Prompt tokens admitted to decode slots", registry=r)
+        self.prefilled_tokens = Counter(
+            "gptj_prompt_tokens_prefilled",
+            "Prompt tokens run through the model to prefill them (the others came from the prefix cache)",
+            registry=r,
+        )
+        self.prefix_cache_hit_rate = Gauge(
+            "gptj_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache, as a share of the prompt tokens admitted so far",
+            registry=r,
+        )
+        self.prefix_cache_pages = Gauge(
+            "gptj_prefix_cache_pages", "KV cache pages that the prefix cache holds (in use or idle)", registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -132,6 +132,7 @@ class Service:
             metrics=self.metrics,
             top_logprobs=schemas.MAX_LOGPROBS,
             prefill_mesh=prefill_mesh(model.mesh, settings.prefill),
+            prefix_cache=not settings.no_prefix_cache,
         )
         self.scorer = PromptScorer(model, max_rows=settings.queue_size)
         # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest; a

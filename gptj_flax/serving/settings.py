@@ -143,6 +143,12 @@ class ServeSettings:
         "and docker API did): answer preflights, allow any origin, method and header",
     )
     no_ui: bool = _setting(False, boolean, "do not serve the playground page at / (it is then a 404)")
+    no_prefix_cache: bool = _setting(
+        False,
+        boolean,
+        "do not keep the full pages of prompts in the KV cache for later prompts that start with the same "
+        "tokens (the prefix cache; it serves prompts prefilled between decode steps, not --prefill beside)",
+    )
     predictions_kept: int = _setting(
         1024, int, "finished /model/predict results kept for /model/get_prediction; beyond it the oldest go"
     )
