@@ -100,6 +100,16 @@ class DecodeState:
         )
 
 
+class ScoredRun(NamedTuple):
+    """What :meth:`Decoder.score_after` says of a run of tokens after a cached past (host arrays)."""
+
+    logprobs: np.ndarray  # [n - 1]: log p(tokens[j + 1] | past, tokens[: j + 1])
+    top_ids: np.ndarray  # [n - 1, width]
+    top_logprobs: np.ndarray
+    k: tuple[np.ndarray, ...]  # per layer, the run's inputs' keys [heads, head_dim, n - 1]
+    v: tuple[np.ndarray, ...]  # and values [heads, n - 1, head_dim]
+
+
 class TokenScores(NamedTuple):
     """What one forward pass says of every target of a batch of right-padded rows (see :func:`score_tokens`)."""
 
@@ -223,6 +233,7 @@ class Decoder:
             in_shardings=(param_shardings, table, table),
             out_shardings=(table, cube, cube),
         )
+        self._score_after = jax.jit(self._score_after_fn, static_argnums=(7,))
 
     # -- device programs ---------------------------------------------------------------------
     def _emit(self, state: DecodeState, logits: Array, original_order: bool) -> DecodeState:
@@ -324,6 +335,28 @@ class Decoder:
             self.model, params, tokens[:, :-1], tokens[:, 1:], segment_ids, self.valid_vocab, top_width
         )
         return scores.log_probs, scores.top_ids, scores.top_logprobs
+
+    def _score_after_fn(self, params, k, v, tokens, targets, segments, past, top_width: int):
+        """Score ``targets`` after ``tokens`` [B, T] written at slot ``past`` of a float cache whose
+        first ``past`` slots hold ``k`` and ``v``; return the scores and the run's keys and values."""
+        slots = k[0].shape[-1]
+        cache = KVCache(
+            k=k,
+            v=v,
+            segment_ids=jnp.broadcast_to((jnp.arange(slots) < past).astype(jnp.int32), (tokens.shape[0], slots)),
+            index=past,
+        )
+        positions = jnp.broadcast_to(past + jnp.arange(tokens.shape[1]), tokens.shape)
+        logits, cache = self.model.apply({"params": params}, tokens, positions, segments, cache, method=GPTJ.decode)
+        if top_width > 0:
+            ids, lps = top_logprobs(logits, top_width, self.valid_vocab)
+        else:
+            ids = jnp.zeros((*targets.shape, 0), jnp.int32)
+            lps = jnp.zeros(ids.shape, jnp.float32)
+        run = tokens.shape[1]
+        new_k = tuple(lax.dynamic_slice_in_dim(x, past, run, axis=3) for x in cache.k)
+        new_v = tuple(lax.dynamic_slice_in_dim(x, past, run, axis=2) for x in cache.v)
+        return token_log_probs(logits, targets), ids, lps, new_k, new_v
 
     # -- host side ---------------------------------------------------------------------------
     def on(self, mesh: Mesh) -> Decoder:
@@ -453,9 +486,37 @@ class Decoder:
             for row, seq in enumerate(sequences)
         ]
 
+    def score_after(self, past_kv, tokens: Sequence[int], past: int, top_width: int) -> ScoredRun:
+        """Score ``tokens[1:]`` after the ``past`` tokens whose keys and values ``past_kv`` holds
+        (per layer, as :class:`ScoredRun` gives them; empty with ``past`` 0) and ``tokens[:-1]``.
+        ``top_width`` is a :func:`top_bucket`. Shapes are padded to powers of two."""
+        n = len(tokens) - 1
+        run = bucket(n)
+        slots = bucket(past + run)
+        batch = self.padded_batch(1)
+        cfg, dtype = self.config, jnp.dtype(self.config.compute_dtype)
+        k = [np.zeros((batch, cfg.n_heads, cfg.head_dim, slots), dtype) for _ in range(cfg.n_layers)]
+        v = [np.zeros((batch, cfg.n_heads, slots, cfg.head_dim), dtype) for _ in range(cfg.n_layers)]
+        for i, (pk, pv) in enumerate(zip(*past_kv)):
+            k[i][0, ..., :past], v[i][0, :, :past] = pk, pv
+        inputs, targets, segments = (np.zeros((batch, run), np.int32) for _ in range(3))
+        inputs[0, :n], targets[0, :n], segments[0, :n] = tokens[:-1], tokens[1:], 1
+        with partitioning.sharding_scope(self.mesh, self.rules):
+            out = to_host(
+                self._score_after(self.params, tuple(k), tuple(v), inputs, targets, segments, np.int32(past), top_width)
+            )
+        logprobs, ids, lps, new_k, new_v = out
+        return ScoredRun(
+            logprobs[0, :n],
+            ids[0, :n],
+            lps[0, :n],
+            tuple(x[0, ..., :n] for x in new_k),
+            tuple(x[0, :, :n] for x in new_v),
+        )
+
     def compilations(self) -> int:
         """Programs compiled so far (prefill + decode + score), for checking that nothing recompiles."""
-        return sum(f._cache_size() for f in (self._prefill, self._decode, self._score))
+        return sum(f._cache_size() for f in (self._prefill, self._decode, self._score, self._score_after))
 
 
 class DecodeRun:
