@@ -46,6 +46,19 @@ CHOICE_DOCS = [
     {"question": "Paris is the capital of", "choices": ["France", "fox"], "label": 0},
     {"question": "The quick brown", "choices": ["fox", "box", "cat", "log"], "label": 0},
 ]
+# Four choices after a context of several prefix-cache pages, as lm-eval's multiple-choice tasks ask.
+LONG_CHOICE_DOCS = [
+    {
+        "question": "The quick brown fox jumps over the lazy dog. The cat sat on the mat. Paris is the capital of",
+        "choices": ["France", "Italy", "fox", "mat"],
+        "label": 0,
+    },
+    {
+        "question": "The quick brown fox jumps over the lazy dog. The dog sat on the log. Rome is the capital of",
+        "choices": ["Italy", "France", "dog", "log"],
+        "label": 0,
+    },
+]
 TEXT_DOCS = [
     {"text": "The quick brown fox jumps over the lazy dog. " * 4},  # longer than the 64-token context
     {"text": "Rome is the capital of Italy."},
@@ -57,10 +70,16 @@ GENERATION_DOCS = [
 
 
 def write_tasks(directory) -> str:
-    """Three lm-eval tasks (multiple choice, rolling perplexity, generation) over jsonl files; returns the
-    directory to pass as ``include_path``."""
+    """Four lm-eval tasks (multiple choice, the same after long contexts, rolling perplexity, generation)
+    over jsonl files; returns the directory to pass as ``include_path``."""
     os.makedirs(directory, exist_ok=True)
-    for name, docs in (("choice", CHOICE_DOCS), ("text", TEXT_DOCS), ("generation", GENERATION_DOCS)):
+    files = (
+        ("choice", CHOICE_DOCS),
+        ("long_choice", LONG_CHOICE_DOCS),
+        ("text", TEXT_DOCS),
+        ("generation", GENERATION_DOCS),
+    )
+    for name, docs in files:
         with open(os.path.join(directory, f"{name}.jsonl"), "w") as f:
             f.writelines(json.dumps(doc) + "\n" for doc in docs)
     common = "dataset_path: json\ntest_split: test\n"
@@ -68,18 +87,19 @@ def write_tasks(directory) -> str:
     def data_files(name):
         return f"dataset_kwargs:\n  data_files:\n    test: {os.path.join(directory, name + '.jsonl')}\n"
 
+    choice = textwrap.dedent("""\
+        output_type: multiple_choice
+        doc_to_text: "{{question}}"
+        doc_to_choice: "{{choices}}"
+        doc_to_target: "{{label}}"
+        metric_list:
+          - metric: acc
+            aggregation: mean
+            higher_is_better: true
+        """)
     tasks = {
-        "tiny_choice": textwrap.dedent("""\
-            output_type: multiple_choice
-            doc_to_text: "{{question}}"
-            doc_to_choice: "{{choices}}"
-            doc_to_target: "{{label}}"
-            metric_list:
-              - metric: acc
-                aggregation: mean
-                higher_is_better: true
-            """)
-        + data_files("choice"),
+        "tiny_choice": choice + data_files("choice"),
+        "tiny_long_choice": choice + data_files("long_choice"),
         "tiny_text": textwrap.dedent("""\
             output_type: loglikelihood_rolling
             doc_to_text: ""

@@ -544,6 +544,58 @@ def serve_script(hf_dir, repo_root):
             process.communicate()
 
 
+def prompt_counts(url: str) -> tuple[float, float]:
+    """The server's prompt tokens and prefilled prompt tokens so far, from /metrics."""
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return tuple(  # type: ignore[return-value]
+        float(re.search(rf"^{name}_total (\S+)$", text, re.MULTILINE).group(1))
+        for name in ("gptj_prompt_tokens", "gptj_prompt_tokens_prefilled")
+    )
+
+
+def test_lm_eval_choices_after_a_shared_context_prefill_fewer_tokens_with_the_prefix_cache(
+    lm, hf_dir, server, tmp_path, monkeypatch
+):
+    """lm-eval's local-completions on a 4-choice task: the server's scoring prefix cache prefills at
+    most half the prompt tokens that --no-prefix-cache does, and the log-likelihoods are the same."""
+    for variable, value in {**OFFLINE, "HF_HOME": str(tmp_path / "hf-home")}.items():
+        monkeypatch.setenv(variable, value)
+    index = task_manager(write_tasks(tmp_path / "tasks"), include_defaults=False)
+
+    def evaluate(url):
+        before = prompt_counts(url)
+        results = simple_evaluate(
+            model="local-completions",
+            model_args=f"base_url={url}/v1/completions,model={NAME},max_length=64,batch_size={MAX_BATCH}",
+            tasks=["tiny_long_choice"],
+            task_manager=index,
+            log_samples=True,
+        )
+        after = prompt_counts(url)
+        return per_request(results, "tiny_long_choice"), after[0] - before[0], after[1] - before[1]
+
+    settings = {"checkpoint": str(hf_dir[0]), "dtype": "float32", "model_name": NAME, "max_batch": MAX_BATCH}
+    with RunningServer(lm, **settings, queue_size=64, no_prefix_cache=True) as uncached:
+        plain, prompt, prefilled = evaluate(uncached.url)
+        plain_scored = uncached.service.scorer.counts
+    scored_before = server.service.scorer.counts
+    cached, cached_prompt, cached_prefilled = evaluate(server.url)
+    scored = server.service.scorer.counts
+    scored_prompt, scored_prefilled = scored.prompt - scored_before.prompt, scored.prefilled - scored_before.prefilled
+    assert [len(choices) for choices in plain] == [4, 4]
+    np.testing.assert_allclose(cached, plain, rtol=0, atol=1e-5)
+    assert prompt == cached_prompt == prefilled > 0  # every input counted; without the cache all run
+    # lm-eval asks for one generated token beside each score (max_tokens=1): those prompts go through the
+    # decode slots, whose cache pages (64 tokens on the CPU) these short prompts never fill, so they are
+    # prefilled whole either way; the scores are what the scoring cache saves.
+    assert plain_scored.prompt == plain_scored.prefilled == scored_prompt
+    print(
+        f"scored inputs {scored_prompt}: {scored_prefilled} prefilled with the cache; /metrics: {prefilled:.0f} -> {cached_prefilled:.0f}"
+    )
+    assert 2 * scored_prefilled <= scored_prompt
+    assert prefilled - cached_prefilled == scored_prompt - scored_prefilled
+
+
 def test_lm_eval_local_completions_scores_as_lm_evals_hf_model(serve_script, hf_dir, tmp_path, monkeypatch):
     for variable, value in {**OFFLINE, "HF_HOME": str(tmp_path / "hf-home")}.items():
         monkeypatch.setenv(variable, value)

@@ -32,6 +32,7 @@ from gptj_flax.config import ModelConfig, dtype_name
 from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING, Decoder, DecodeRun
 from gptj_flax.sampling.multihost import check_same_call
 from gptj_flax.sampling.samplers import Sampling, SamplingError, SamplingParams, per_example, sampling_rows
+from gptj_flax.sampling.score_cache import DEFAULT_BYTES, ScoreCache, sized
 from gptj_flax.sampling.slots import Slots
 from gptj_flax.sampling.stopping import TextTracker, decode
 
@@ -580,11 +581,20 @@ class LanguageModel:
         )
         return TextStream(job, single, bool(return_logprobs))
 
-    def score(self, texts_or_token_ids, *, top_logprobs: int = 0) -> Scored | list[Scored]:
+    def score_cache(self, max_bytes: int = DEFAULT_BYTES) -> ScoreCache:
+        """A prefix cache for :meth:`score` whose cached keys and values take at most ``max_bytes`` of
+        host memory (:mod:`gptj_flax.sampling.score_cache`)."""
+        return sized(self.decoder, max_bytes)
+
+    def score(
+        self, texts_or_token_ids, *, top_logprobs: int = 0, cache: ScoreCache | None = None
+    ) -> Scored | list[Scored]:
         """Per-token log-probabilities of the given texts or token-id lists under the model.
 
         A single text (or id list) gives a :class:`Scored`, a list gives a list. ``top_logprobs`` > 0
         also gives each position's most likely ids (``Scored.top_logprobs``), from the same pass.
+        With a ``cache`` (:meth:`score_cache`), texts that start with the same full pages as earlier
+        ones score only the rest, one text at a time, with the same result.
         """
         check_same_call("score", (texts_or_token_ids, top_logprobs))
         vocab = self.decoder.valid_vocab
@@ -593,8 +603,9 @@ class LanguageModel:
         )
         batch, single = _as_batch(texts_or_token_ids)
         sequences = [self.encode(x) for x in batch]
+        scorer = self.decoder.score_with_alternatives if cache is None else cache.score
         out = [
             Scored(tokens=seq, logprobs=lp, top_logprobs=_alternatives(ids, lps) if k > 0 else None)
-            for seq, (lp, ids, lps) in zip(sequences, self.decoder.score_with_alternatives(sequences, int(k)))
+            for seq, (lp, ids, lps) in zip(sequences, scorer(sequences, int(k)))
         ]
         return out[0] if single else out

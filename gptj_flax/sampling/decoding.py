@@ -453,12 +453,9 @@ class Decoder:
         """
         return [logprobs for logprobs, _, _ in self.score_with_alternatives(sequences, 0)]
 
-    def score_with_alternatives(
-        self, sequences: Sequence[Sequence[int]], top_logprobs: int
-    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """:meth:`score` in the same forward pass, with each position's ``top_logprobs`` most likely
-        ids and their log-probabilities: per sequence ``(logprobs [L-1], top_ids [L-1, k],
-        top_logprobs [L-1, k])``, where row j is the distribution that predicts ``seq[j+1]``."""
+    def check_scorable(self, sequences: Sequence[Sequence[int]]) -> None:
+        """Raise a :class:`SamplingError` unless there are sequences, each of at least two tokens,
+        each within the context."""
         if not sequences:
             raise SamplingError("no sequences given to score: pass at least one")
         for i, seq in enumerate(sequences):
@@ -468,6 +465,14 @@ class Decoder:
                     "(the first token is the context of the second)"
                 )
         self._check_lengths(sequences, [0] * len(sequences))
+
+    def score_with_alternatives(
+        self, sequences: Sequence[Sequence[int]], top_logprobs: int
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """:meth:`score` in the same forward pass, with each position's ``top_logprobs`` most likely
+        ids and their log-probabilities: per sequence ``(logprobs [L-1], top_ids [L-1, k],
+        top_logprobs [L-1, k])``, where row j is the distribution that predicts ``seq[j+1]``."""
+        self.check_scorable(sequences)
         batch = self.padded_batch(len(sequences))
         # a power of two of inputs (every token but the last), as the lm-eval scorer pads them
         inputs = min(bucket(max(len(s) for s in sequences) - 1), self.config.max_len)

@@ -28,6 +28,7 @@ from gptj_flax.sampling.prefix_cache import PromptCounts, page_keys
 from gptj_flax.sampling.samplers import top_bucket
 
 SCORE_PAGE = 64  # tokens per cached page: lm-eval's shared contexts are often a few hundred tokens
+DEFAULT_BYTES = 2**30  # host memory for the cached keys and values
 
 
 class CachedPage(NamedTuple):
@@ -39,6 +40,19 @@ class CachedPage(NamedTuple):
     logprobs: np.ndarray
     top_ids: np.ndarray  # [page, width]
     top_logprobs: np.ndarray
+
+
+def page_bytes(decoder: Decoder, page: int) -> int:
+    """Host bytes of one cached page's keys and values."""
+    cfg = decoder.config
+    return page * cfg.n_layers * 2 * cfg.n_heads * cfg.head_dim * np.dtype(cfg.compute_dtype).itemsize
+
+
+def sized(decoder: Decoder, max_bytes: int = DEFAULT_BYTES) -> ScoreCache:
+    """A cache of pages of :data:`SCORE_PAGE` tokens (fewer in a short context, so that a context
+    holds at least 8) whose keys and values take at most ``max_bytes`` (but at least one page)."""
+    page = max(1, min(SCORE_PAGE, decoder.config.max_len // 8))
+    return ScoreCache(decoder, max_pages=max(1, max_bytes // page_bytes(decoder, page)), page=page)
 
 
 @dataclasses.dataclass
@@ -61,6 +75,7 @@ class ScoreCache:
     def score(self, sequences: Sequence[Sequence[int]], top_logprobs: int) -> list[tuple[np.ndarray, ...]]:
         """Per sequence ``(logprobs [L-1], top_ids [L-1, k], top_logprobs [L-1, k])``; each sequence
         has at least two tokens and fits the model's context."""
+        self.decoder.check_scorable(sequences)
         return [self._score_one(list(seq), top_logprobs) for seq in sequences]
 
     def _match(self, keys: Sequence[bytes], width: int) -> list[CachedPage]:

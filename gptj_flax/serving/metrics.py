@@ -55,7 +55,11 @@ class Metrics:
             "gptj_busy_slot_steps", "Decode steps run, times the slots that generated a token in them", registry=r
         )
         self.generated_tokens = Counter("gptj_generated_tokens", "Tokens generated, streamed or not", registry=r)
-        self.prompt_tokens = Counter("gptj_prompt_tokens", "Prompt tokens admitted to decode slots", registry=r)
+        self.prompt_tokens = Counter(
+            "gptj_prompt_tokens",
+            "Prompt tokens admitted to decode slots, and the inputs of scored prompts (all tokens but the last)",
+            registry=r,
+        )
         self.prefilled_tokens = Counter(
             "gptj_prompt_tokens_prefilled",
             "Prompt tokens run through the model to prefill them (the others came from the prefix cache)",

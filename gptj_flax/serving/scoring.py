@@ -1,26 +1,35 @@
 """Scoring of echoed prompts: each prompt token's log-probability (and its most likely alternatives)
 for ``/v1/completions`` with ``echo`` and ``logprobs``, as lm-eval's log-likelihood requests need.
 
-Scoring is one forward pass of the whole prompt (``LanguageModel.score``), with no cache and no
-decode loop, so it does not go through the generation worker: it runs on a thread of its own, one
-batch at a time, beside it. The parameters are only read, and linen's axis rules and JAX's mesh
-are per thread, so the two threads do not disturb each other.
+Scoring is a forward pass of the prompt (``LanguageModel.score``) with no decode loop, so it does not
+go through the generation worker: it runs on a thread of its own, one batch at a time, beside it.
+The parameters are only read, and linen's axis rules and JAX's mesh are per thread, so the two
+threads do not disturb each other. With the prefix cache (:mod:`gptj_flax.sampling.score_cache`),
+a prompt that starts with the same full pages as an earlier one (lm-eval's choices after one
+context) runs only the rest. Its inputs (every token but the last) count in the prompt-token
+metrics, and those run through the model in the prefilled ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 from collections.abc import Sequence
 
+from gptj_flax.sampling.prefix_cache import PromptCounts
+from gptj_flax.serving.metrics import Metrics
 from gptj_flax.serving.worker import QueueFull
 
 
 class PromptScorer:
-    """Scores prompts on its own thread; at most ``max_rows`` prompts wait or run at once."""
+    """Scores prompts on its own thread; at most ``max_rows`` prompts wait or run at once. With
+    ``prefix_cache``, a cache of :meth:`LanguageModel.score_cache` serves their shared full pages."""
 
-    def __init__(self, model, max_rows: int):
-        self.model, self.max_rows = model, max_rows
+    def __init__(self, model, max_rows: int, metrics: Metrics, prefix_cache: bool = True):
+        self.model, self.max_rows, self.metrics = model, max_rows, metrics
+        self.cache = model.score_cache() if prefix_cache else None
+        self.counts = PromptCounts()  # scored prompts' inputs, and those run through the model
         self._pending = 0  # touched on the event loop only
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gptj-scorer")
 
@@ -36,12 +45,27 @@ class PromptScorer:
         try:
             scored = iter(
                 await asyncio.get_running_loop().run_in_executor(
-                    self._executor, lambda: self.model.score(scorable, top_logprobs=top_logprobs)
+                    self._executor, lambda: self._score(scorable, top_logprobs)
                 )
             )
         finally:
             self._pending -= len(prompts)
         return [next(scored) if len(p) >= 2 else None for p in prompts]
+
+    def _score(self, prompts: list[list[int]], top_logprobs: int) -> list:
+        """Score on the scorer's thread, and count the prompt tokens."""
+        before = self._cache_counts()
+        scored = self.model.score(prompts, top_logprobs=top_logprobs, cache=self.cache)
+        after = self._cache_counts()
+        inputs = sum(len(p) - 1 for p in prompts)
+        prefilled = inputs if self.cache is None else after.prefilled - before.prefilled
+        self.counts = PromptCounts(self.counts.prompt + inputs, self.counts.prefilled + prefilled)
+        self.metrics.prompt_tokens.inc(inputs)
+        self.metrics.prefilled_tokens.inc(prefilled)
+        return scored
+
+    def _cache_counts(self) -> PromptCounts:
+        return PromptCounts() if self.cache is None else dataclasses.replace(self.cache.counts)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

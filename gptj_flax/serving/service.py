@@ -134,7 +134,9 @@ class Service:
             prefill_mesh=prefill_mesh(model.mesh, settings.prefill),
             prefix_cache=not settings.no_prefix_cache,
         )
-        self.scorer = PromptScorer(model, max_rows=settings.queue_size)
+        self.scorer = PromptScorer(
+            model, max_rows=settings.queue_size, metrics=self.metrics, prefix_cache=not settings.no_prefix_cache
+        )
         # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest; a
         # chat request carries a whole conversation, so at least CHAT_BODY_TEXTS full texts, whatever the batch.
         texts = max(2 * settings.max_batch, CHAT_BODY_TEXTS)
