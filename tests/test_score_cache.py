@@ -12,7 +12,8 @@ import pytest
 
 from gptj_flax.model import GPTJ
 from gptj_flax.sampling import LanguageModel
-from gptj_flax.sampling.score_cache import ScoreCache
+from gptj_flax.sampling.samplers import SamplingError
+from gptj_flax.sampling.score_cache import ScoreCache, page_bytes
 from tests.helpers import tiny_config
 
 CFG = tiny_config(n_layers=2, d_model=64, n_heads=4, rotary_dim=8, vocab_size=96, max_len=128, scan_layers=False)
@@ -69,3 +70,18 @@ def test_the_least_recently_used_pages_go_beyond_the_bound(lm):
     before = cache.counts.prefilled
     _same(cache.score([a], 0)[0], lm.score(a), 0)
     assert cache.counts.prefilled - before == 24  # a's pages were evicted: it ran whole again
+
+
+def test_language_model_score_with_its_cache_sizes_pages_to_the_context_and_checks_prompts(lm):
+    cache = lm.score_cache(max_bytes=10 * page_bytes(lm.decoder, 16))
+    assert (cache.page, cache.max_pages) == (16, 10)  # a 128-token context holds 8 pages of 16
+    rng = np.random.default_rng(3)
+    context = rng.integers(1, 96, 40).tolist()
+    prompts = [context + [5], context + [6, 7]]
+    for got, expected in zip(lm.score(prompts, top_logprobs=2, cache=cache), lm.score(prompts, top_logprobs=2)):
+        assert got.tokens == expected.tokens
+        np.testing.assert_allclose(got.logprobs, expected.logprobs, rtol=0, atol=1e-5)
+        assert [list(d) for d in got.top_logprobs] == [list(d) for d in expected.top_logprobs]
+    assert cache.counts.prefilled == 40 + (41 - 31)
+    with pytest.raises(SamplingError, match="sequence 1 has 1 token"):
+        lm.score([[1, 2], [3]], cache=cache)
