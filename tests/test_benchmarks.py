@@ -14,6 +14,8 @@ from benchmarks.data import benchmark_pipeline
 from tests import commands
 
 NUMBER = r"[\d,]+(?:\.\d+)?"
+SHARE = r"(?:\d+%|failed)"  # of a bound: a figure over its bound is a failed measurement, never a share
+LIMIT = r"(?:cache|memory|compute)"
 
 
 def bench(repo_root, cwd, *args: str) -> str:
@@ -112,8 +114,8 @@ def test_sample_benchmark(sample_benchmark):
     out = sample_benchmark
     assert "27.3M parameters, float32" in out
     rows = re.findall(
-        rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \((?:memory|compute)\)\s+-?{NUMBER}%"
-        rf"\s+-?{NUMBER}%\s+({NUMBER})\s+({NUMBER})\s+{NUMBER}x$",
+        rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \({LIMIT}\)\s+-?{SHARE}"
+        rf"\s+-?{SHARE}\s+({NUMBER})\s+({NUMBER})\s+{NUMBER}x$",
         out,
         re.MULTILINE,
     )
@@ -122,7 +124,19 @@ def test_sample_benchmark(sample_benchmark):
     # the bound and the prefill times are measured directly.
     assert all(float(value.replace(",", "")) > 0 for row in rows for value in row[3:])
     assert figure(rf"to first token \(restore \+ compile \+ prefill\): ({NUMBER}) s", out) > 0
-    assert figure(rf"streaming: ({NUMBER}) GB/s \(float32 matvec over 109 MB\)", out) > 0
+    read = re.search(
+        rf"weights read at ({NUMBER}) GB/s from (cache|memory): float32 matvecs over the decode step's 92 MB of "
+        r"weight matrices, again and again, warmed \(they (fit|do not fit) the (\d+) MiB last-level cache\): "
+        r"a (cache|memory) bound",
+        out,
+    )
+    assert read and float(read.group(1)) > 0, out
+    fits = 92e6 <= int(read.group(4)) * 2**20
+    assert (read.group(2), read.group(3), read.group(5)) == (
+        ("cache", "fit", "cache") if fits else ("memory", "do not fit", "memory")
+    )
+    table_rows = re.findall(rf"^\s+\d+\s+-?{NUMBER}\s.*$", out, re.MULTILINE)
+    assert any("failed" in row.split() for row in table_rows) == ("failed: a figure over its bound" in out), out
     assert figure(rf"matmul ceiling, float32: ({NUMBER}) GFLOP/s", out) > 0
     profiled = out.split("where a decode step's time goes")[1]
     assert "batch 1:" in profiled and "batch 2:" in profiled
@@ -142,15 +156,15 @@ def test_sample_benchmark_prints_int8_weights_and_cache_beside_float32(sample_be
     # a rounding error beside the weights: a bound no lower than float32's.
     for section, above in ((int8, float.__gt__), (kv_cache, float.__ge__)):
         rows = re.findall(
-            rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \((?:memory|compute)\)\s+-?{NUMBER}%$",
+            rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \({LIMIT}\)\s+-?{SHARE}$",
             section,
             re.MULTILINE,
         )
         assert [row[0] for row in rows] == ["1", "2"], out
         assert [row[1] for row in rows] == [row[1] for row in float_rows[:2]]  # float32's figures, repeated beside
         assert above(float(rows[0][3].replace(",", "")), float_bound), out
-    assert "(ratio: how many times faster int8 is than float32)" in out
-    assert "(ratio: how many times faster int8 cache is than float32)" in out
+    assert "(ratio: how many times faster int8 is than float32; its bound" in out
+    assert "(ratio: how many times faster int8 cache is than float32; its bound" in out
 
 
 @pytest.mark.slow  # bench.py starts a server process and times requests against it
