@@ -183,12 +183,20 @@ def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
         "2,4",
         "--max-batch",
         "2",
+        "--decode-steps",
+        "2",
+        "--max-len",
+        "32",  # few prompt buckets and pool blocks: a warm-up of few programs
     )
-    assert "random GPT-J, 27.3M parameters" in out and "server --max-batch 2 --prefill between" in out
-    rows = re.findall(rf"^\s+(\d+)\s+(\d+)\s+({NUMBER})\s+({NUMBER})\s", out, re.MULTILINE)
+    assert "random GPT-J, 27.3M parameters" in out
+    assert "server --max-batch 2 --prefill between --decode-steps 2 --max-len 32" in out
+    rows = re.findall(rf"^\s+(\d+)\s+(\d+)\s+({NUMBER})\s+({NUMBER})\s+({SHARE})\s+({NUMBER})\s", out, re.MULTILINE)
     assert [row[0] for row in rows] == ["1", "2"], out
     assert all(int(row[1]) >= 1 and float(row[2].replace(",", "")) > 0 for row in rows), out
-    assert all(float(row[3]) > 0 for row in rows), out  # a real first-token time
+    assert all(float(row[3].replace(",", "")) > 0 for row in rows), out  # a bound for each occupancy
+    assert all(float(row[5]) > 0 for row in rows), out  # a real first-token time
+    steps = re.search(rf"best of 2\): 1 busy ({NUMBER}) ms", out)  # the step alone, of one busy slot at least
+    assert steps and float(steps.group(1)) > 0, out
     assert "2 clients: " in out
 
 
@@ -202,6 +210,10 @@ def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
         (["--seconds", "nan"], "--seconds must be a finite number > 0"),
         (["--warmup", "-1"], "--warmup a finite number >= 0"),
         (["--url", "http://127.0.0.1:9", "--prefill", "beside"], "with --url the server is yours"),
+        (["--url", "http://127.0.0.1:9", "--decode-steps", "2"], "with --url the server is yours"),
+        (["--decode-steps", "0"], "--decode-steps must be in 1..64"),
+        (["--max-len", "8"], "--max-len must be in 16..512"),
+        (["--max-len", "64", "--new-tokens", "60"], "--max-len must hold a prompt"),
     ],
 )
 def test_serve_benchmark_refuses_bad_arguments_in_one_line(tmp_path, args, message, run_command):
