@@ -178,7 +178,7 @@ def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
         "--warmup",
         "0.5",
         "--seconds",
-        "1",
+        "2",
         "--new-tokens",
         "2,4",
         "--max-batch",

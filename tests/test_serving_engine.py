@@ -361,7 +361,10 @@ def test_a_prompt_that_arrives_during_a_multi_step_call_is_admitted_after_it(lm,
             async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
                 body = {"prompt": first, "max_tokens": 120, "temperature": 0}
                 long = asyncio.ensure_future(http.post("/v1/completions", json=body))
-                await asyncio.sleep(0.5)
+                deadline = time.monotonic() + 120
+                while ("dispatch_decode", DEFAULT_DECODE_STEPS) not in calls:  # the first prompt decodes
+                    assert time.monotonic() < deadline and not long.done(), calls
+                    await asyncio.sleep(0.01)
                 short = await http.post("/v1/completions", json={"prompt": second, "max_tokens": 4, "temperature": 0})
                 return await long, short
 
