@@ -2,7 +2,7 @@
 and the APIs of mesh-transformer-jax's device_serve.py (on /complete) and docker/ server (/model/...).
 
     python scripts/serve.py --checkpoint runs/demo [--host 127.0.0.1] [--port 8080] [--mesh 1,1,8]
-                            [--api-keys-file keys.txt] [--queue-size 1024] [--max-batch 16] [--decode-steps 4]
+                            [--api-keys-file keys.txt] [--queue-size 1024] [--max-batch 16] [--decode-steps 1]
                             [--log-file requests.jsonl]
 
 Every flag can also be set in the environment as GPTJ_FLAX_<SETTING> (GPTJ_FLAX_PORT=9000,

@@ -29,9 +29,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "GPTJ_FLAX_"
 # The GPT-4chan server's own settings, which its deployments set without a prefix.
 LEGACY_ENV = ("queue_size", "log_file", "api_keys_file", "pre_prompt_length")
-# Chosen by `bench.py serve` on a 2-core CPU (see docs/performance.md); MAX keeps a call's token
-# buffers, and the time a waiting prompt may wait for the call in flight, small.
-DEFAULT_DECODE_STEPS = 4
+# One step a call: on a 2-core CPU `bench.py serve` reached a smaller share of its bound, and later
+# first tokens, with 4 (see docs/performance.md). MAX keeps a call's token buffers, and the time a
+# waiting prompt may wait for the call in flight, small.
+DEFAULT_DECODE_STEPS = 1
 MAX_DECODE_STEPS = 64
 PATH_SETTINGS = ("checkpoint", "adapter", "api_keys_file", "log_file")
 
