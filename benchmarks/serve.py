@@ -11,9 +11,19 @@ occupancy is read from the server's ``/metrics`` as the window opens and closes.
 
 With ``--url`` it measures that server. Without it, it builds a ~25M-parameter random GPT-J and a
 byte-level BPE trained on the standard library's sources in a temporary directory, starts
-``serve()`` on it in a child process (``--max-batch`` decode slots), measures, and stops it with
-SIGTERM. With a model this size one decode step costs far more than the HTTP around it, and a
-step of 32 slots far less than 32 single steps: continuous batching is what the table shows.
+``serve()`` on it in a child process (``--max-batch`` decode slots, ``--decode-steps`` steps a call),
+measures, and stops it with SIGTERM. With ``--shared-prefix N`` every request starts with the same
+N token ids (then a few of its own), and it measures a server with the prefix cache and then one
+without, side by side. With a model this size one decode step costs far more than the
+HTTP around it, and a step of 32 slots far less than 32 single steps: continuous batching is what
+the table shows.
+
+Beside each row it prints the bound for that occupancy (for the server it starts; with ``--url`` it
+has no copy of the model): the mean busy slots (occupancy × slots) ÷ the time of one decode step of
+that many busy slots *alone*, timed in this process once the server has stopped: the same model and
+slots, rows filled as the round's requests fill them, ``ALONE_STEPS`` steps a call so that no host
+work sits between steps. A server that lost no time between steps (dispatch, admissions, reading
+tokens, HTTP) would generate that many tokens/s; the share reached is what the host leaves of it.
 """
 
 from __future__ import annotations
@@ -39,18 +49,26 @@ import httpx
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import BENCH_MODEL, REPO, machine_summary
+from benchmarks.common import BENCH_MODEL, REPO, load_average, machine_summary
 from gptj_flax.checkpoint import Checkpointer
 from gptj_flax.config import Config
 from gptj_flax.data import train_bpe_tokenizer
 from gptj_flax.data.corpus import stdlib_sources
 from gptj_flax.model import GPTJ
-from gptj_flax.serving.settings import env_name
+from gptj_flax.sampling import load
+from gptj_flax.sampling.samplers import SamplingParams
+from gptj_flax.sampling.slots import MAX_PREFILL_ROWS, Request
+from gptj_flax.serving.schemas import MAX_LOGPROBS
+from gptj_flax.serving.settings import DEFAULT_DECODE_STEPS, MAX_DECODE_STEPS, env_name
 
 # Prompts stay under 16 tokens: the server's warm-up compiles that prompt bucket for every batch size.
 PROMPT_WORDS = ("def", "return", "import", "class", "self", "for", "while", "print", "yield", "lambda")
 TOKENIZER_VOCAB = 4096
+# Decode steps a call when the step is timed alone: the host's share of a call, spread over this
+# many steps, is a rounding error beside them.
+ALONE_STEPS = 16
 OWN_TOKENS = 6  # a request's own tokens after a shared prefix
+TEMPERATURE = 0.8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +97,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every request starts with the same N tokens (then a few of its own): the benchmark runs a server "
         "with the prefix cache and one without, and prints both side by side (not with --url; default 0: "
         "prompts of ~12 tokens, one server)",
+    )
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        help=f"--decode-steps of the server it starts (not with --url; default {DEFAULT_DECODE_STEPS}, the server's)",
+    )
+    parser.add_argument(
+        "--max-len",
+        type=int,
+        help="--max-len of the server it starts: each slot's tokens (not with --url; default the model's context, "
+        f"{BENCH_MODEL.max_len}); a shorter one compiles fewer programs",
     )
     parser.add_argument(
         "--prefill",
@@ -207,7 +236,7 @@ async def _round(
             body = {
                 "prompt": prompt(c + r),
                 "max_tokens": draws.randint(*lengths),
-                "temperature": 0.8,
+                "temperature": TEMPERATURE,
                 "seed": (seed + 1000 * c + r) % 2**31,
             }
             results.append(await _stream(http, body))
@@ -288,20 +317,55 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_server(
-    checkpoint: str, max_batch: int, prefill: str, prefix_cache: bool = True
-) -> tuple[subprocess.Popen, str]:
+def _steady_new_tokens(lengths: tuple[int, int]) -> int:
+    """Tokens to generate in each row so that the rows' mean context over the run is the steady
+    state's: a busy slot-step belongs to a request of ``m`` tokens in proportion to ``m``, at a
+    uniform point of it, so its mean position is E[m²] / 2E[m]; a row run for E[m²] / E[m] tokens has
+    the same mean."""
+    values = range(lengths[0], lengths[1] + 1)
+    return max(2, round(sum(m * m for m in values) / sum(values)))
+
+
+def _time_steps(slots, rows: int, prompt: list[int], new_tokens: int, repeats: int = 2) -> float:
+    """Seconds per decode step of ``rows`` busy slots (the first ones), each generating
+    ``new_tokens`` tokens, nothing else running: best of ``repeats`` after an untimed run (it compiles)."""
+    best = math.inf
+    for attempt in range(repeats + 1):
+        sampling = SamplingParams.build(1, temperature=TEMPERATURE)
+        requests = [Request(list(prompt), new_tokens, -1, seed, sampling) for seed in range(rows)]
+        for first in range(0, rows, MAX_PREFILL_ROWS):
+            batch = requests[first : first + MAX_PREFILL_ROWS]
+            slots.admit(batch, list(range(first, first + len(batch))))
+        slots.wait()
+        start, generated = time.perf_counter(), 1  # the first token came with the prompt's prefill
+        while generated < new_tokens:
+            generated = int(slots.decode([], ALONE_STEPS, rows - 1).num_generated.max())
+        seconds = (time.perf_counter() - start) / (new_tokens - 1)
+        slots.free(list(range(rows)))
+        if attempt:
+            best = min(best, seconds)
+    return best
+
+
+def _alone_step_seconds(
+    checkpoint: str, slots: int, length: int, busy: list[int], lengths: tuple[int, int]
+) -> tuple[dict[int, float], int, int]:
+    """The decode step time alone of each count of busy slots in ``busy``, on the server's model
+    and slots; with the prompt's tokens and the tokens each row generated."""
+    model = load(checkpoint)
+    decode_slots = model.slots(slots=slots, length=length, steps=ALONE_STEPS, top_logprobs=MAX_LOGPROBS)
+    prompt = model.encode(_prompt(0))
+    new_tokens = min(_steady_new_tokens(lengths), length - len(prompt))
+    times = {n: _time_steps(decode_slots, n, prompt, new_tokens) for n in sorted(set(busy))}
+    return times, len(prompt), new_tokens
+
+
+def _start_server(checkpoint: str, settings: dict) -> tuple[subprocess.Popen, str]:
     """``serve()`` of this checkout in a child process (no GIL shared with the clients), configured by
     environment variables as a deployment would be."""
     port = _free_port()
-    settings = {
-        "checkpoint": checkpoint,
-        "port": port,
-        "max_batch": max_batch,
-        "prefill": prefill,
-        "log_level": "warning",
-        "no_prefix_cache": not prefix_cache,
-    }
+    prefill = settings["prefill"]
+    settings = {"checkpoint": checkpoint, "port": port, **settings, "log_level": "warning"}
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": python_path, **{env_name(name): str(v) for name, v in settings.items()}}
     if prefill == "beside":  # on the CPU, a spare device to prefill on; the decode slots keep the first
@@ -328,53 +392,100 @@ def _start_server(
     raise RuntimeError("the benchmark server did not become ready")
 
 
-def _check(args: argparse.Namespace) -> tuple[list[int], tuple[int, int]]:
-    """The client counts and ``max_tokens`` range; one ``error:`` line for anything out of range."""
+@dataclasses.dataclass
+class _Bounds:
+    """Each round's bound (tokens/s; nan where none was measured) and how it was measured."""
+
+    tokens_per_s: list[float]
+    how: str
+
+
+def _bounds(rounds: list[Round], checkpoint: str, slots: int, length: int, lengths: tuple[int, int]) -> _Bounds:
+    """Each round's mean busy slots ÷ the step time alone of that many busy slots."""
+    busy = {r.clients: r.occupancy * slots for r in rounds if r.occupancy == r.occupancy}
+    counts = {clients: max(1, round(b)) for clients, b in busy.items()}
+    times, prompt, new_tokens = _alone_step_seconds(checkpoint, slots, length, list(counts.values()), lengths)
+    steps = ", ".join(f"{n} busy {1000 * t:.1f} ms" for n, t in times.items())
+    how = (
+        f"bound: mean busy slots (occupancy x {slots}) / the decode step time of that many busy slots alone, timed "
+        f"in this process after the server stopped ({ALONE_STEPS} steps a call, rows of {prompt} prompt tokens "
+        f"generating {new_tokens}, the steady state's mean context; best of 2): {steps}"
+    )
+    return _Bounds([busy[r.clients] / times[counts[r.clients]] if r.clients in busy else math.nan for r in rounds], how)
+
+
+def _server_settings(args: argparse.Namespace) -> dict:
+    """The settings of the server the benchmark starts, checked; {} with --url."""
+    if args.url:
+        if args.shared_prefix or any(
+            v is not None for v in (args.max_batch, args.prefill, args.decode_steps, args.max_len)
+        ):
+            raise SystemExit(
+                "error: --max-batch, --prefill, --decode-steps, --max-len and --shared-prefix set up the servers the "
+                "benchmark starts; with --url the server is yours"
+            )
+        return {}
+    own = {
+        "max_batch": 32 if args.max_batch is None else args.max_batch,
+        "prefill": args.prefill or "between",
+        "decode_steps": DEFAULT_DECODE_STEPS if args.decode_steps is None else args.decode_steps,
+        "max_len": BENCH_MODEL.max_len if args.max_len is None else args.max_len,
+    }
+    if not 1 <= own["decode_steps"] <= MAX_DECODE_STEPS:
+        raise SystemExit(f"error: --decode-steps must be in 1..{MAX_DECODE_STEPS}, got {own['decode_steps']}")
+    if not 16 <= own["max_len"] <= BENCH_MODEL.max_len:
+        raise SystemExit(f"error: --max-len must be in 16..{BENCH_MODEL.max_len}, got {own['max_len']}")
+    return own
+
+
+def _check(args: argparse.Namespace) -> tuple[list[int], tuple[int, int], dict]:
+    """The client counts, the ``max_tokens`` range and the server's settings; one ``error:`` line for
+    anything out of range."""
     concurrency = _counts(args.concurrency)
     if concurrency is None or min(concurrency) < 1:
         raise SystemExit(f"error: --concurrency must be client counts >= 1, such as 1,8,32; got {args.concurrency!r}")
     lengths = _lengths(args.new_tokens)
     if not (0 < args.seconds < math.inf and 0 <= args.warmup < math.inf):
         raise SystemExit("error: --seconds must be a finite number > 0 and --warmup a finite number >= 0")
-    if args.url and (args.max_batch is not None or args.prefill is not None or args.shared_prefix):
-        raise SystemExit(
-            "error: --max-batch, --prefill and --shared-prefix set up the servers the benchmark starts; "
-            "with --url the server is yours"
-        )
-    room = BENCH_MODEL.max_len - OWN_TOKENS - lengths[1]
+    settings = _server_settings(args)
+    if settings and lengths[1] + 16 > settings["max_len"]:
+        raise SystemExit(f"error: --max-len must hold a prompt (up to 16 tokens) and --new-tokens' {lengths[1]}")
+    context = settings.get("max_len", BENCH_MODEL.max_len)
+    room = context - OWN_TOKENS - lengths[1]
     if not 0 <= args.shared_prefix <= room:
         raise SystemExit(
-            f"error: --shared-prefix must be in [0, {room}] (the model's context of {BENCH_MODEL.max_len} less "
+            f"error: --shared-prefix must be in [0, {room}] (the server's context of {context} less "
             f"{OWN_TOKENS} tokens of each request's own and the most new tokens), got {args.shared_prefix}"
         )
-    return concurrency, lengths
+    return concurrency, lengths, settings
 
 
-def _own_servers(args: argparse.Namespace, measure: Callable[[str], list[Round]]) -> tuple[str, list[list[Round]]]:
-    """Measure a server this starts on a random model: with a shared prefix, one with the prefix
-    cache and then one without. A description of the setup, and each server's rounds."""
-    max_batch = 32 if args.max_batch is None else args.max_batch
-    prefill = args.prefill or "between"
-    results = []
+def _own_servers(
+    args: argparse.Namespace, settings: dict, lengths: tuple[int, int], measure: Callable[[str], list[Round]]
+) -> tuple[str, list[list[Round]], _Bounds | None]:
+    """Measure servers this starts on a random model: with a shared prefix, one with the prefix cache
+    and then one without (no bounds then). A description of the setup, each server's rounds, the bounds."""
+    results, bounds = [], None
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as directory:
         target = _write_model(directory)
         for prefix_cache in (True, False) if args.shared_prefix else (True,):
             start = time.perf_counter()
-            process, url = _start_server(directory, max_batch, prefill, prefix_cache)
-            ready = time.perf_counter() - start
-            target += f"; server --max-batch {max_batch} --prefill {prefill}"
+            process, url = _start_server(directory, {**settings, "no_prefix_cache": not prefix_cache})
+            target += "; server " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
             target += "" if prefix_cache else " --no-prefix-cache"
-            target += f", ready in {ready:.0f} s"
+            target += f", ready in {time.perf_counter() - start:.0f} s"
             try:
                 results.append(measure(url))
             finally:
                 process.terminate()  # SIGTERM: the server drains and exits
                 process.wait(120)
-    return target, results
+        if not args.shared_prefix:
+            bounds = _bounds(results[0], directory, settings["max_batch"], settings["max_len"], lengths)
+    return target, results, bounds
 
 
 def run(args: argparse.Namespace) -> None:
-    concurrency, lengths = _check(args)
+    concurrency, lengths, settings = _check(args)
     machine = machine_summary()  # before the server it starts adds its own load
     prompt = _prompts(args.shared_prefix)
 
@@ -384,8 +495,9 @@ def run(args: argparse.Namespace) -> None:
     if args.url:
         machine = f"clients' {machine} (the server's may differ)"
         target, results = f"server {args.url}", [measure(args.url.rstrip("/"), args.api_key)]
+        bounds = _Bounds([math.nan] * len(results[0]), "bound: not measured (with --url the benchmark has no model)")
     else:
-        target, results = _own_servers(args, measure)
+        target, results, bounds = _own_servers(args, settings, lengths, measure)
     print(machine)
     spread = f"{lengths[0]}" if lengths[0] == lengths[1] else f"{lengths[0]} to {lengths[1]} (uniform)"
     prompts = (
@@ -394,21 +506,77 @@ def run(args: argparse.Namespace) -> None:
         else "prompts of ~12 tokens"
     )
     print(
-        f"{target}\n/v1/completions, streamed: {prompts}, max_tokens {spread}, temperature 0.8; each "
+        f"{target}\n/v1/completions, streamed: {prompts}, max_tokens {spread}, temperature {TEMPERATURE}; each "
         f"client sends its next request when answered; measured: a {args.seconds:g} s window that opens after "
         f"{args.warmup:g} s of the same load (requests sent, and tokens that arrived, inside it); TTFT: time to a "
         f"request's first token; ITL: time between its tokens; occupancy: the mean share of busy decode slots\n"
     )
-    if len(results) == 2:
+    if bounds is None:
         _print_compared(*results)
     else:
-        _print_rounds(results[0])
+        _print_table(results[0], bounds)
+    print(f"load average after: {load_average():.2f}")
 
 
-def _print_table(header: tuple[str, ...], body: list[tuple[str, ...]]) -> None:
+def _print_cells(header: tuple[str, ...], body: list[tuple[str, ...]]) -> None:
     widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(header)]
     for line in (header, ["-" * w for w in widths], *body):
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
+
+
+def _share(tokens_per_s: float, bound: float) -> str:
+    """The share of the bound reached; over 100% the bound did not bound: a failed measurement."""
+    if bound != bound:
+        return "n/a"
+    share = tokens_per_s / bound
+    return f"{share:.0%}" if share <= 1 else "failed"
+
+
+def _print_table(rounds: list[Round], bounds: _Bounds) -> None:
+    header = (
+        "clients",
+        "requests",
+        "gen tokens/s",
+        "bound tokens/s",
+        "of bound",
+        "TTFT p50 s",
+        "TTFT p99 s",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "occupancy",
+    )
+    pct = Round.percentile
+    body = [
+        (
+            str(r.clients),
+            str(r.requests),
+            f"{r.tokens / r.seconds:,.0f}",
+            "n/a" if bound != bound else f"{bound:,.0f}",
+            _share(r.tokens / r.seconds, bound),
+            f"{pct(r.ttft, 0.5):.3f}",
+            f"{pct(r.ttft, 0.99):.3f}",
+            f"{1000 * pct(r.itl, 0.5):.1f}",
+            f"{1000 * pct(r.itl, 0.99):.1f}",
+            f"{r.occupancy:.0%}",
+        )
+        for r, bound in zip(rounds, bounds.tokens_per_s, strict=True)
+    ]
+    _print_cells(header, body)
+    print(bounds.how)
+    if any(row[4] == "failed" for row in body):
+        print(
+            "failed: generated tokens/s above the bound means the bound was not one: the step alone was timed "
+            "at a busier moment than the server ran (a shared machine), or the occupancy read from /metrics is off"
+        )
+    single = next((r for r in rounds if r.clients == 1), None)
+    if single is not None and single.tokens:
+        lone_ttft = pct(single.ttft, 0.5)
+        for r in rounds:
+            if r.clients > 1:
+                print(
+                    f"{r.clients} clients: {r.tokens / single.tokens:.1f}x the generated tokens/s of 1 client; "
+                    f"TTFT p99 {pct(r.ttft, 0.99) / lone_ttft:.1f}x a lone request's (p50 of 1 client)"
+                )
 
 
 def _print_compared(cached: list[Round], plain: list[Round]) -> None:
@@ -435,47 +603,10 @@ def _print_compared(cached: list[Round], plain: list[Round]) -> None:
         )
         for a, b in zip(cached, plain, strict=True)
     ]
-    _print_table(header, body)
+    _print_cells(header, body)
     for a, b in zip(cached, plain, strict=True):
         if a.ttft and b.ttft:
             print(
                 f"{a.clients} clients: TTFT p50 {pct(b.ttft, 0.5) / pct(a.ttft, 0.5):.1f}x shorter with the cache, "
                 f"{(a.tokens / a.seconds) / max(b.tokens / b.seconds, 1e-9):.1f}x the generated tokens/s"
             )
-
-
-def _print_rounds(rounds: list[Round]) -> None:
-    header = (
-        "clients",
-        "requests",
-        "gen tokens/s",
-        "TTFT p50 s",
-        "TTFT p99 s",
-        "ITL p50 ms",
-        "ITL p99 ms",
-        "occupancy",
-    )
-    pct = Round.percentile
-    body = [
-        (
-            str(r.clients),
-            str(r.requests),
-            f"{r.tokens / r.seconds:,.0f}",
-            f"{pct(r.ttft, 0.5):.3f}",
-            f"{pct(r.ttft, 0.99):.3f}",
-            f"{1000 * pct(r.itl, 0.5):.1f}",
-            f"{1000 * pct(r.itl, 0.99):.1f}",
-            f"{r.occupancy:.0%}",
-        )
-        for r in rounds
-    ]
-    _print_table(header, body)
-    single = next((r for r in rounds if r.clients == 1), None)
-    if single is not None and single.tokens:
-        lone_ttft = pct(single.ttft, 0.5)
-        for r in rounds:
-            if r.clients > 1:
-                print(
-                    f"{r.clients} clients: {r.tokens / single.tokens:.1f}x the generated tokens/s of 1 client; "
-                    f"TTFT p99 {pct(r.ttft, 0.99) / lone_ttft:.1f}x a lone request's (p50 of 1 client)"
-                )

@@ -14,6 +14,8 @@ from benchmarks.data import benchmark_pipeline
 from tests import commands
 
 NUMBER = r"[\d,]+(?:\.\d+)?"
+SHARE = r"(?:\d+%|failed)"  # of a bound: a figure over its bound is a failed measurement, never a share
+LIMIT = r"(?:cache|memory|compute)"
 
 
 def bench(repo_root, cwd, *args: str) -> str:
@@ -112,8 +114,8 @@ def test_sample_benchmark(sample_benchmark):
     out = sample_benchmark
     assert "27.3M parameters, float32" in out
     rows = re.findall(
-        rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \((?:memory|compute)\)\s+-?{NUMBER}%"
-        rf"\s+-?{NUMBER}%\s+({NUMBER})\s+({NUMBER})\s+{NUMBER}x$",
+        rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \({LIMIT}\)\s+-?{SHARE}"
+        rf"\s+-?{SHARE}\s+({NUMBER})\s+({NUMBER})\s+{NUMBER}x$",
         out,
         re.MULTILINE,
     )
@@ -122,7 +124,19 @@ def test_sample_benchmark(sample_benchmark):
     # the bound and the prefill times are measured directly.
     assert all(float(value.replace(",", "")) > 0 for row in rows for value in row[3:])
     assert figure(rf"to first token \(restore \+ compile \+ prefill\): ({NUMBER}) s", out) > 0
-    assert figure(rf"streaming: ({NUMBER}) GB/s \(float32 matvec over 109 MB\)", out) > 0
+    read = re.search(
+        rf"weights read at ({NUMBER}) GB/s from (cache|memory): float32 matvecs over the decode step's 92 MB of "
+        r"weight matrices, again and again, warmed \(they (fit|do not fit) the (\d+) MiB last-level cache\): "
+        r"a (cache|memory) bound",
+        out,
+    )
+    assert read and float(read.group(1)) > 0, out
+    fits = 92e6 <= int(read.group(4)) * 2**20
+    assert (read.group(2), read.group(3), read.group(5)) == (
+        ("cache", "fit", "cache") if fits else ("memory", "do not fit", "memory")
+    )
+    table_rows = re.findall(rf"^\s+\d+\s+-?{NUMBER}\s.*$", out, re.MULTILINE)
+    assert any("failed" in row.split() for row in table_rows) == ("failed: a figure over its bound" in out), out
     assert figure(rf"matmul ceiling, float32: ({NUMBER}) GFLOP/s", out) > 0
     profiled = out.split("where a decode step's time goes")[1]
     assert "batch 1:" in profiled and "batch 2:" in profiled
@@ -142,15 +156,15 @@ def test_sample_benchmark_prints_int8_weights_and_cache_beside_float32(sample_be
     # a rounding error beside the weights: a bound no lower than float32's.
     for section, above in ((int8, float.__gt__), (kv_cache, float.__ge__)):
         rows = re.findall(
-            rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \((?:memory|compute)\)\s+-?{NUMBER}%$",
+            rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \({LIMIT}\)\s+-?{SHARE}$",
             section,
             re.MULTILINE,
         )
         assert [row[0] for row in rows] == ["1", "2"], out
         assert [row[1] for row in rows] == [row[1] for row in float_rows[:2]]  # float32's figures, repeated beside
         assert above(float(rows[0][3].replace(",", "")), float_bound), out
-    assert "(ratio: how many times faster int8 is than float32)" in out
-    assert "(ratio: how many times faster int8 cache is than float32)" in out
+    assert "(ratio: how many times faster int8 is than float32; its bound" in out
+    assert "(ratio: how many times faster int8 cache is than float32; its bound" in out
 
 
 @pytest.mark.slow  # bench.py starts a server process and times requests against it
@@ -164,17 +178,25 @@ def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
         "--warmup",
         "0.5",
         "--seconds",
-        "1",
+        "2",
         "--new-tokens",
         "2,4",
         "--max-batch",
         "2",
+        "--decode-steps",
+        "2",
+        "--max-len",
+        "32",  # few prompt buckets and pool blocks: a warm-up of few programs
     )
-    assert "random GPT-J, 27.3M parameters" in out and "server --max-batch 2 --prefill between" in out
-    rows = re.findall(rf"^\s+(\d+)\s+(\d+)\s+({NUMBER})\s+({NUMBER})\s", out, re.MULTILINE)
+    assert "random GPT-J, 27.3M parameters" in out
+    assert "server --max-batch 2 --prefill between --decode-steps 2 --max-len 32" in out
+    rows = re.findall(rf"^\s+(\d+)\s+(\d+)\s+({NUMBER})\s+({NUMBER})\s+({SHARE})\s+({NUMBER})\s", out, re.MULTILINE)
     assert [row[0] for row in rows] == ["1", "2"], out
     assert all(int(row[1]) >= 1 and float(row[2].replace(",", "")) > 0 for row in rows), out
-    assert all(float(row[3]) > 0 for row in rows), out  # a real first-token time
+    assert all(float(row[3].replace(",", "")) > 0 for row in rows), out  # a bound for each occupancy
+    assert all(float(row[5]) > 0 for row in rows), out  # a real first-token time
+    steps = re.search(rf"best of 2\): 1 busy ({NUMBER}) ms", out)  # the step alone, of one busy slot at least
+    assert steps and float(steps.group(1)) > 0, out
     assert "2 clients: " in out
 
 
@@ -206,6 +228,10 @@ def test_serve_benchmark_compares_a_shared_prefix_with_and_without_the_prefix_ca
         (["--seconds", "nan"], "--seconds must be a finite number > 0"),
         (["--warmup", "-1"], "--warmup a finite number >= 0"),
         (["--url", "http://127.0.0.1:9", "--prefill", "beside"], "with --url the server is yours"),
+        (["--url", "http://127.0.0.1:9", "--decode-steps", "2"], "with --url the server is yours"),
+        (["--decode-steps", "0"], "--decode-steps must be in 1..64"),
+        (["--max-len", "8"], "--max-len must be in 16..512"),
+        (["--max-len", "64", "--new-tokens", "60"], "--max-len must hold a prompt"),
     ],
 )
 def test_serve_benchmark_refuses_bad_arguments_in_one_line(tmp_path, args, message, run_command):

@@ -3,7 +3,8 @@
 and the APIs of mesh-transformer-jax's device_serve.py (on /complete) and docker/ server (/model/...).
 
     python scripts/serve.py --checkpoint runs/demo [--host 127.0.0.1] [--port 8080] [--mesh 1,1,8]
-                            [--api-keys-file keys.txt] [--queue-size 1024] [--max-batch 16] [--log-file requests.jsonl]
+                            [--api-keys-file keys.txt] [--queue-size 1024] [--max-batch 16] [--decode-steps 1]
+                            [--log-file requests.jsonl]
 
 Every flag can also be set in the environment as GPTJ_FLAX_<SETTING> (GPTJ_FLAX_PORT=9000,
 GPTJ_FLAX_API_KEYS_FILE=keys.txt, …); a flag wins. The GPT-4chan server's own variables

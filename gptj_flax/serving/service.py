@@ -133,6 +133,7 @@ class Service:
             top_logprobs=schemas.MAX_LOGPROBS,
             prefill_mesh=prefill_mesh(model.mesh, settings.prefill),
             prefix_cache=not settings.no_prefix_cache,
+            decode_steps=settings.decode_steps,
         )
         self.scorer = PromptScorer(model, max_rows=settings.queue_size)
         # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest; a

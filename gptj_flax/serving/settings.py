@@ -29,6 +29,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "GPTJ_FLAX_"
 # The GPT-4chan server's own settings, which its deployments set without a prefix.
 LEGACY_ENV = ("queue_size", "log_file", "api_keys_file", "pre_prompt_length")
+# One step a call: on a 2-core CPU `bench.py serve` reached a smaller share of its bound, and later
+# first tokens, with 4 (see docs/performance.md). MAX keeps a call's token buffers, and the time a
+# waiting prompt may wait for the call in flight, small.
+DEFAULT_DECODE_STEPS = 1
+MAX_DECODE_STEPS = 64
 PATH_SETTINGS = ("checkpoint", "adapter", "api_keys_file", "log_file", "chat_template")
 
 
@@ -119,6 +124,13 @@ class ServeSettings:
         "decode step runs, so a first token does not wait for the step",
         PREFILL_PLACES,
     )
+    decode_steps: int = _setting(
+        DEFAULT_DECODE_STEPS,
+        int,
+        "the most decode steps one device call runs while no prompt waits to be admitted (1 to "
+        f"{MAX_DECODE_STEPS}): fewer host round trips between steps; a prompt that arrives waits for at most "
+        "the call in flight, and stop strings, max_tokens and cancelled requests end their rows as with 1",
+    )
     pre_prompt_length: int = _setting(512, int, "tokens of /complete's pre_prompt that are kept (its first ones)")
     chat_template: str | None = _setting(
         None,
@@ -184,6 +196,7 @@ class ServeSettings:
             "prefill_chunk",
             "a power of two >= 16",
         )
+        check(1 <= self.decode_steps <= MAX_DECODE_STEPS, "decode_steps", f"in 1..{MAX_DECODE_STEPS}")
         check(self.pre_prompt_length >= 0, "pre_prompt_length", ">= 0")
         if self.dtype is not None:
             try:
