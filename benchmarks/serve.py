@@ -11,8 +11,9 @@ occupancy is read from the server's ``/metrics`` as the window opens and closes.
 
 With ``--url`` it measures that server. Without it, it builds a ~25M-parameter random GPT-J and a
 byte-level BPE trained on the standard library's sources in a temporary directory, starts
-``serve()`` on it in a child process (``--max-batch`` decode slots), measures, and stops it with
-SIGTERM. With a model this size one decode step costs far more than the HTTP around it, and a
+``serve()`` on it in a child process (``--max-batch`` decode slots, and the compilation cache on in
+an empty directory, as a first ``gptj-serve`` starts: the "ready in" time is a cold start),
+measures, and stops it with SIGTERM. With a model this size one decode step costs far more than the HTTP around it, and a
 step of 32 slots far less than 32 single steps: continuous batching is what the table shows.
 """
 
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 
 from benchmarks.common import BENCH_MODEL, REPO, machine_summary
 from gptj_flax.checkpoint import Checkpointer
-from gptj_flax.config import Config
+from gptj_flax.config import Config, ModelConfig
 from gptj_flax.data import train_bpe_tokenizer
 from gptj_flax.data.corpus import stdlib_sources
 from gptj_flax.model import GPTJ
@@ -232,14 +233,14 @@ async def _measure(
         return [await _round(http, clients, warmup, seconds, lengths, seed=i) for i, clients in enumerate(concurrency)]
 
 
-def _write_model(directory: str) -> str:
-    """A random ~25M-parameter GPT-J checkpoint and a BPE tokenizer; returns a description."""
-    config = BENCH_MODEL
+def _write_model(directory: str, config: ModelConfig = BENCH_MODEL) -> str:
+    """A random GPT-J checkpoint of ``config`` (default: the ~25M-parameter benchmark model) and a BPE
+    tokenizer; returns a description."""
     params = nn.meta.unbox(GPTJ(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
     checkpointer = Checkpointer(directory)
     checkpointer.save(0, params=params, config=Config(model=config))
     checkpointer.close()
-    train_bpe_tokenizer(stdlib_sources()[:300], vocab_size=TOKENIZER_VOCAB).save_pretrained(
+    train_bpe_tokenizer(stdlib_sources()[:300], vocab_size=min(TOKENIZER_VOCAB, config.vocab_size)).save_pretrained(
         os.path.join(directory, "tokenizer")
     )
     return (
@@ -254,9 +255,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_server(checkpoint: str, max_batch: int, prefill: str) -> tuple[subprocess.Popen, str]:
+def _start_server(checkpoint: str, max_batch: int, prefill: str, cache: str) -> tuple[subprocess.Popen, str]:
     """``serve()`` of this checkout in a child process (no GIL shared with the clients), configured by
-    environment variables as a deployment would be."""
+    environment variables as a deployment would be, with the compilation cache as gptj-serve has it,
+    in ``cache`` (an empty directory: a cold start)."""
     port = _free_port()
     settings = {
         "checkpoint": checkpoint,
@@ -267,6 +269,10 @@ def _start_server(checkpoint: str, max_batch: int, prefill: str) -> tuple[subpro
     }
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": python_path, **{env_name(name): str(v) for name, v in settings.items()}}
+    env = {
+        k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR" and not k.startswith("JAX_PERSISTENT_CACHE")
+    }
+    env["GPTJ_FLAX_CACHE"] = cache
     if prefill == "beside":  # on the CPU, a spare device to prefill on; the decode slots keep the first
         flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2".strip()
@@ -274,7 +280,8 @@ def _start_server(checkpoint: str, max_batch: int, prefill: str) -> tuple[subpro
         [
             sys.executable,
             "-c",
-            "import sys; from gptj_flax.serving import serve, settings_from; sys.exit(serve(settings_from()))",
+            "import sys; from gptj_flax.cli.compile_cache import use_compile_cache; "
+            "from gptj_flax.serving import serve, settings_from; use_compile_cache([]); sys.exit(serve(settings_from()))",
         ],
         env=env,
     )
@@ -315,10 +322,13 @@ def run(args: argparse.Namespace) -> None:
         target = f"server {args.url}"
         rounds = measure(args.url.rstrip("/"), args.api_key)
     else:
-        with tempfile.TemporaryDirectory(prefix="bench-serve-") as directory:
+        with (
+            tempfile.TemporaryDirectory(prefix="bench-serve-") as directory,
+            tempfile.TemporaryDirectory(prefix="bench-serve-cache-") as cache,
+        ):
             start = time.perf_counter()
             target = _write_model(directory)
-            process, url = _start_server(directory, max_batch, prefill)
+            process, url = _start_server(directory, max_batch, prefill, cache)
             target += (
                 f"; server --max-batch {max_batch} --prefill {prefill}, ready in {time.perf_counter() - start:.0f} s"
             )
