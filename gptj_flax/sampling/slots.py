@@ -31,12 +31,9 @@ so a sequence comes out the same in a slot as in a batch of its own.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import heapq
-import os
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,9 +51,6 @@ from gptj_flax.sampling.slot_programs import NewRows, SlotPrograms, SlotShape, S
 Array = jax.Array
 
 MAX_PREFILL_ROWS = 8  # prompts prefilled together; more would stall decoding for longer
-# XLA's compiler recurses deeper the larger the program: the warm-up's compiling threads get a
-# generous stack (address space until it is touched) rather than the process default.
-COMPILE_STACK_BYTES = 256 * 2**20
 
 
 @dataclasses.dataclass
@@ -211,7 +205,6 @@ class Slots:
         self.page, self.blocks = shape.page, shape.blocks
         self._block_ends = np.cumsum(self.blocks)  # pages held by the first 1, 2 … blocks
         self._rows = partitioning.named_sharding(decoder.mesh, ("batch",), decoder.rules)
-        self.compiled_together = (0, 1)  # programs the warm-up compiled together, and on how many threads
         self.reset()
 
     def _on(self, decoder: Decoder) -> contextlib.AbstractContextManager:
@@ -410,85 +403,10 @@ class Slots:
         return Pending(out, rows)
 
     # -- warm-up -----------------------------------------------------------------------------
-    def warm_up(self, stop: Callable[[], bool] = lambda: False, workers: int | None = None) -> bool:
+    def warm_up(self, stop: Callable[[], bool] = lambda: False) -> bool:
         """Compile every program a request can need: nothing compiles once requests come. ``stop`` is
-        asked before each program (a compile cannot be cut short); False if it said stop.
-
-        With JAX's persistent compilation cache on (as the commands have it), the programs that take
-        no other program's output are first lowered and compiled together on ``workers`` threads
-        (default: one per core; XLA's compiler releases the GIL), which writes them to the cache.
-        Then each program runs once, as without the cache: those find their program compiled, in JAX's
-        in-memory caches or, where those do not match a program compiled ahead of time to its call
-        (it depends on the arguments' shardings), in the persistent cache; the few left compile.
-        :attr:`compiled_together` says how many were compiled together, and on how many threads.
-        """
-        together = jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
-        workers = workers or os.cpu_count() or 1
-        if together and not self._compile_together(stop, workers):
-            return False
-        self.compiled_together = (self.compiled_together[0], workers) if together else (0, 1)
+        asked before each program (a compile cannot be cut short); False if it said stop."""
         return not any(stop() for _ in self._compile_each())
-
-    def _compile_together(self, stop: Callable[[], bool], workers: int) -> bool:
-        """Compile :meth:`_lowerings` on a pool of ``workers`` threads; False if ``stop`` said stop."""
-        previous = threading.stack_size(COMPILE_STACK_BYTES)  # the pool's threads, made as work is submitted
-        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="gptj-compile")
-        try:
-            compiling = []
-            for lowered in self._lowerings():
-                if stop():
-                    return False
-                compiling.append(pool.submit(lowered.compile))
-            self.compiled_together = (len(compiling), workers)
-            for done in concurrent.futures.as_completed(compiling):
-                done.result()  # the compiled program stays in JAX's caches, where the calls find it
-                if stop():
-                    return False
-            return True
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-            threading.stack_size(previous)
-
-    def _lowerings(self) -> Iterator[Any]:
-        """The programs of :meth:`_compile_each` that take no other program's output, each lowered
-        (``jax.stages.Lowered``) for the arguments :meth:`_compile_each` calls it with."""
-        dummy = Request([0], 1, -1, 0, SamplingParams.build(1, temperature=0.0))
-        nowhere = [self.slots] * MAX_PREFILL_ROWS
-        longest = self.prompt_columns(self.length)
-        for columns in (1 << i for i in range(4, longest.bit_length())):
-            request = dataclasses.replace(dummy, tokens=[0] * min(columns, self.length))
-            if columns > self.chunk:
-                with self._on(self._prefiller):
-                    lowered = self.programs.new_cache.lower(columns)
-                yield lowered
-                continue
-            for rows in sorted(
-                {min(1 << i, MAX_PREFILL_ROWS, self.slots) for i in range(MAX_PREFILL_ROWS.bit_length())}
-            ):
-                if self.prefill is None:
-                    new = self._prompts([request] * rows, nowhere[:rows])
-                    with self._on(self.decoder):
-                        lowered = self.programs.admit.lower(self.decoder.params, self.state, new, self.table.ids.copy())
-                else:
-                    with self._on(self.prefill):
-                        lowered = self.programs.prefill.lower(
-                            self.prefill.params, self._prompts([request] * rows, [None] * rows)
-                        )
-                yield lowered
-        go_on = to_device(np.zeros(self.slots, bool), self._rows)
-        for rows in sorted({self.busy_rows(s) for s in range(self.slots)}):
-            for blocks in range(1, len(self.blocks) + 1):
-                with self._on(self.decoder):
-                    lowered = self.programs.decode.lower(
-                        self.decoder.params,
-                        self.state,
-                        go_on,
-                        np.int32(1),
-                        self.table.ids.copy(),
-                        blocks=blocks,
-                        rows=rows,
-                    )
-                yield lowered
 
     def _compile_each(self) -> Iterator[None]:
         """Runs each program once with dummy rows that change nothing; yields before each one."""

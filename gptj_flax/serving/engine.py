@@ -204,13 +204,11 @@ class Engine:
                 self._set_state(STOPPED)
                 return
             logger.info(
-                "warm-up: %d decode slots of %d tokens, %d programs compiled or loaded from the compilation "
-                "cache in %.1f s (%d of them compiled together on %d threads)",
+                "warm-up: %d decode slots of %d tokens, %d programs compiled in %.1f s",
                 self.slots.slots,
                 self.length,
                 self.slots.compilations(),
                 time.monotonic() - start,
-                *self.slots.compiled_together,
             )
         except Exception as e:  # a model that cannot generate cannot serve: report it on /health
             logger.exception("warm-up failed")
