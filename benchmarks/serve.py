@@ -11,8 +11,9 @@ occupancy is read from the server's ``/metrics`` as the window opens and closes.
 
 With ``--url`` it measures that server. Without it, it builds a ~25M-parameter random GPT-J and a
 byte-level BPE trained on the standard library's sources in a temporary directory, starts
-``serve()`` on it in a child process (``--max-batch`` decode slots, ``--decode-steps`` steps a call),
-measures, and stops it with SIGTERM. With ``--shared-prefix N`` every request starts with the same
+``serve()`` on it in a child process (``--max-batch`` decode slots, ``--decode-steps`` steps a call, and
+the compilation cache on in an empty directory, as a first ``gptj-serve`` starts: the "ready in" time
+is a cold start), measures, and stops it with SIGTERM. With ``--shared-prefix N`` every request starts with the same
 N token ids (then a few of its own), and it measures a server with the prefix cache and then one
 without, side by side. With a model this size one decode step costs far more than the
 HTTP around it, and a step of 32 slots far less than 32 single steps: continuous batching is what
@@ -51,7 +52,7 @@ import jax.numpy as jnp
 
 from benchmarks.common import BENCH_MODEL, REPO, load_average, machine_summary
 from gptj_flax.checkpoint import Checkpointer
-from gptj_flax.config import Config
+from gptj_flax.config import Config, ModelConfig
 from gptj_flax.data import train_bpe_tokenizer
 from gptj_flax.data.corpus import stdlib_sources
 from gptj_flax.model import GPTJ
@@ -295,14 +296,14 @@ async def _measure(
         ]
 
 
-def _write_model(directory: str) -> str:
-    """A random ~25M-parameter GPT-J checkpoint and a BPE tokenizer; returns a description."""
-    config = BENCH_MODEL
+def _write_model(directory: str, config: ModelConfig = BENCH_MODEL) -> str:
+    """A random GPT-J checkpoint of ``config`` (default: the ~25M-parameter benchmark model) and a BPE
+    tokenizer; returns a description."""
     params = nn.meta.unbox(GPTJ(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
     checkpointer = Checkpointer(directory)
     checkpointer.save(0, params=params, config=Config(model=config))
     checkpointer.close()
-    train_bpe_tokenizer(stdlib_sources()[:300], vocab_size=TOKENIZER_VOCAB).save_pretrained(
+    train_bpe_tokenizer(stdlib_sources()[:300], vocab_size=min(TOKENIZER_VOCAB, config.vocab_size)).save_pretrained(
         os.path.join(directory, "tokenizer")
     )
     return (
@@ -360,14 +361,19 @@ def _alone_step_seconds(
     return times, len(prompt), new_tokens
 
 
-def _start_server(checkpoint: str, settings: dict) -> tuple[subprocess.Popen, str]:
+def _start_server(checkpoint: str, settings: dict, cache: str) -> tuple[subprocess.Popen, str]:
     """``serve()`` of this checkout in a child process (no GIL shared with the clients), configured by
-    environment variables as a deployment would be."""
+    environment variables as a deployment would be, with the compilation cache as gptj-serve has it,
+    in ``cache`` (an empty directory: a cold start)."""
     port = _free_port()
     prefill = settings["prefill"]
     settings = {"checkpoint": checkpoint, "port": port, **settings, "log_level": "warning"}
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": python_path, **{env_name(name): str(v) for name, v in settings.items()}}
+    env = {
+        k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR" and not k.startswith("JAX_PERSISTENT_CACHE")
+    }
+    env["GPTJ_FLAX_CACHE"] = cache
     if prefill == "beside":  # on the CPU, a spare device to prefill on; the decode slots keep the first
         flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2".strip()
@@ -375,7 +381,8 @@ def _start_server(checkpoint: str, settings: dict) -> tuple[subprocess.Popen, st
         [
             sys.executable,
             "-c",
-            "import sys; from gptj_flax.serving import serve, settings_from; sys.exit(serve(settings_from()))",
+            "import sys; from gptj_flax.cli.compile_cache import use_compile_cache; "
+            "from gptj_flax.serving import serve, settings_from; use_compile_cache([]); sys.exit(serve(settings_from()))",
         ],
         env=env,
     )
@@ -469,16 +476,17 @@ def _own_servers(
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as directory:
         target = _write_model(directory)
         for prefix_cache in (True, False) if args.shared_prefix else (True,):
-            start = time.perf_counter()
-            process, url = _start_server(directory, {**settings, "no_prefix_cache": not prefix_cache})
-            target += "; server " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
-            target += "" if prefix_cache else " --no-prefix-cache"
-            target += f", ready in {time.perf_counter() - start:.0f} s"
-            try:
-                results.append(measure(url))
-            finally:
-                process.terminate()  # SIGTERM: the server drains and exits
-                process.wait(120)
+            with tempfile.TemporaryDirectory(prefix="bench-serve-cache-") as cache:  # a cold start each time
+                start = time.perf_counter()
+                process, url = _start_server(directory, {**settings, "no_prefix_cache": not prefix_cache}, cache)
+                target += "; server " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
+                target += "" if prefix_cache else " --no-prefix-cache"
+                target += f", ready in {time.perf_counter() - start:.0f} s"
+                try:
+                    results.append(measure(url))
+                finally:
+                    process.terminate()  # SIGTERM: the server drains and exits
+                    process.wait(120)
         if not args.shared_prefix:
             bounds = _bounds(results[0], directory, settings["max_batch"], settings["max_len"], lengths)
     return target, results, bounds

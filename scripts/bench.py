@@ -6,6 +6,7 @@
     python scripts/bench.py serve  [--url URL] [--concurrency 1,8,32] [--seconds 20]
     python scripts/bench.py device [--backends xla,splash] [--batch-per-device 4] [--steps 3]
     python scripts/bench.py launch [--repeats 3]
+    python scripts/bench.py startup [--size tiny|demo|bench] [--max-batch 32]
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run(args)``; only the chosen one is
 imported, so one benchmark's dependencies never slow down another.
@@ -39,6 +40,10 @@ BENCHMARKS = {
     "sample": ("benchmarks.sample", "KV-cache generation vs HuggingFace PyTorch generate"),
     "device": ("benchmarks.device", "train tokens/s and MFU per attention backend, decode tokens/s, on a GPU/TPU"),
     "launch": ("benchmarks.launch", "start to first training step: gptj-launch on a local Ray cluster vs by hand"),
+    "startup": (
+        "benchmarks.startup",
+        "gptj-serve to a healthy /health and gptj-sample to its first token, cold and warm",
+    ),
 }
 
 

@@ -288,3 +288,17 @@ def test_launch_benchmark_times_gptj_launch_and_the_start_by_hand_on_a_cluster_o
     launched = figure(rf"gptj-launch --hosts 2\s+({NUMBER}) s\s+\(({NUMBER})x", out)
     assert hand > 0 and launched > 0 and figure(rf"starting the Ray cluster\s+({NUMBER}) s", out) > 0
     assert "start to first training step, 2 processes x 4 CPU devices, configs/tiny.json, median of 1:" in out
+
+
+@pytest.mark.slow  # gptj-serve and gptj-sample started twice each, in processes of their own as a user runs them
+def test_startup_benchmark_times_serve_and_sample_cold_then_warm(repo_root, tmp_path):
+    out = bench(repo_root, tmp_path, "startup", "--size", "tiny", "--max-batch", "1", "--new-tokens", "2")
+    for command in ("gptj-serve", "gptj-sample"):
+        cold, warm = (float(x) for x in re.search(rf"^{command}\s+({NUMBER})\s+({NUMBER})\s+\d+%$", out, re.M).groups())
+        assert 0 < warm and 0 < cold, out
+    lines = re.findall(r"^server warm-up, (cold|warm): 1 decode slots of 64 tokens, (\d+) programs", out, re.M)
+    assert [kind for kind, _ in lines] == ["cold", "warm"] and lines[0][1] == lines[1][1], out
+    # the warm server found every program in the cache: it wrote none
+    cached = re.search(r"compilation cache: (\d+) programs after the cold start, (\d+) after the warm one", out)
+    assert cached and 0 < int(cached[1]) == int(cached[2]), out
+    assert re.search(r"^warm start <= 25% of the cold one: (yes|no)$", out, re.M), out

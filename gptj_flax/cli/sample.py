@@ -22,9 +22,10 @@ import jax
 import gptj_flax
 from gptj_flax.cli import no_tokenizer
 from gptj_flax.cli.args import cli_dtype, cli_path, cli_tokenizer, join_negative_values
+from gptj_flax.cli.compile_cache import add_compile_cache_flag, run_command
 from gptj_flax.cli.distributed import start_processes
 from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS
-from gptj_flax.errors import add_debug_flag, run_cli
+from gptj_flax.errors import add_debug_flag
 from gptj_flax.sampling import MissingTokenizer, Sampling, SamplingError, check_settings, check_text
 from gptj_flax.sampling.multihost import read_on_process_0
 
@@ -88,6 +89,7 @@ def parse_args() -> argparse.Namespace:
         "--original-order", action="store_true", help="apply temperature after top-k/top-p, as mesh-transformer-jax did"
     )
     add_debug_flag(parser)
+    add_compile_cache_flag(parser)
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
     if args.num_samples < 1:
         parser.error(f"--num-samples must be >= 1, got {args.num_samples}")
@@ -204,4 +206,4 @@ def _main() -> None:
 
 def main() -> int:
     """The ``gptj-sample`` command; ``scripts/sample.py`` runs it too."""
-    return run_cli(_main)
+    return run_command(_main)
