@@ -73,7 +73,7 @@ def alone(lm, prompt: str, n: int, **settings):
     return lm.generate(lm.encode(prompt), n, return_tokens=True, **settings)
 
 
-def test_short_requests_finish_before_a_long_one_and_every_output_equals_generate_alone(lm, server):
+def test_short_requests_finish_before_a_long_one_and_every_output_equals_generate_alone(lm, held, server):
     # a prompt that greedy decoding does not end early, so the long request really is 200 tokens
     long_prompt = next(
         p
@@ -89,14 +89,34 @@ def test_short_requests_finish_before_a_long_one_and_every_output_equals_generat
         finished[name] = time.monotonic()
         return response.json()
 
+    async def until(condition) -> None:
+        for _ in range(3000):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
     async def everyone():
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
-            long = asyncio.ensure_future(one(http, "long", long_prompt, 200))
-            await asyncio.sleep(0.05)  # the long request is in a slot before the short ones arrive
-            return await asyncio.gather(long, *(one(http, f"short {i}", p, 8) for i, p in enumerate(shorts)))
+        # The long prompt's prefill waits at the gate until every short one is queued: it takes a
+        # slot first, and the short ones arrive while it has all its tokens still to make (a
+        # multi-step engine makes this tiny model's 200 tokens in less time than an HTTP round trip).
+        held.gate.clear()
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+                long = asyncio.ensure_future(one(http, "long", long_prompt, 200))
+                await until(lambda: held.waiting)
+                queued = [asyncio.ensure_future(one(http, f"short {i}", p, 8)) for i, p in enumerate(shorts)]
+                await until(lambda: server.service.worker.queued_rows == len(shorts))
+                held.gate.set()
+                return await asyncio.gather(long, *queued)
+        finally:
+            held.gate.set()
 
     long_answer, *short_answers = asyncio.run(everyone())
-    assert all(finished[f"short {i}"] < finished["long"] for i in range(len(shorts)))
+    start = min(finished.values())
+    assert all(finished[f"short {i}"] < finished["long"] for i in range(len(shorts))), {
+        name: round(at - start, 3) for name, at in finished.items()
+    }
     for prompt, n, answer in [(long_prompt, 200, long_answer)] + [(p, 8, a) for p, a in zip(shorts, short_answers)]:
         reference = alone(lm, prompt, n, temperature=0)
         assert answer["choices"][0]["text"] == reference.text
