@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig, dtype_name
+from gptj_flax.sampling.adapter_bank import AdapterBank
 from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING, Decoder, DecodeRun
 from gptj_flax.sampling.multihost import check_same_call
 from gptj_flax.sampling.samplers import Sampling, SamplingError, SamplingParams, per_example, sampling_rows
@@ -411,6 +412,7 @@ class LanguageModel:
         top_logprobs: int = 5,
         prefill_mesh: Mesh | None = None,
         prefix_cache: bool = False,
+        adapters: AdapterBank | None = None,
     ) -> Slots:
         """Decode slots over this model's parameters, for continuous batching (see
         :class:`gptj_flax.sampling.slots.Slots`): ``slots`` sequences of up to ``length`` tokens each.
@@ -418,6 +420,8 @@ class LanguageModel:
         ``prefill_mesh``: devices other than the model's, to prefill new prompts on beside the decode
         steps (the parameters are copied there); default: prefill between steps on the model's own.
         ``prefix_cache``: reuse the cached full pages of earlier prompts (not with a ``prefill_mesh``).
+        ``adapters``: a bank of LoRA adapters over these parameters, one chosen per request
+        (:class:`~gptj_flax.sampling.adapter_bank.AdapterBank`; not with a ``prefill_mesh``).
         """
         return Slots(
             self.decoder,
@@ -428,6 +432,7 @@ class LanguageModel:
             top_logprobs=top_logprobs,
             prefill=None if prefill_mesh is None else self.decoder.on(prefill_mesh),
             prefix_cache=prefix_cache,
+            adapters=adapters,
         )
 
     def _start(self, method: str, prompts, *, original_order, top_logprobs, **settings) -> tuple[_Generation, bool]:

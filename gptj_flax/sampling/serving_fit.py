@@ -226,6 +226,7 @@ def _new_rows(rows: int, columns: int) -> NewRows:
         seeds=np.zeros(rows, np.uint32),
         sampling=SamplingParams.build(rows),
         want_top=np.zeros(rows, bool),
+        adapter=np.zeros(rows, np.int32),
     )
     return jax.tree.map(lambda x: _host(x.shape, x.dtype), host)
 
@@ -250,10 +251,10 @@ def lowered_programs(compiled: SlotPrograms, mesh: Mesh) -> dict[str, jax.stages
         if _chunked(shape):
             columns, cache = bucket(shape.length), _prompt_cache(shape, mesh)
             prompt = _host((1, columns), np.int32)
-            lowered["chunk"] = compiled.chunk.lower(params, cache, prompt, scalar, scalar)
+            lowered["chunk"] = compiled.chunk.lower(params, cache, prompt, scalar, scalar, scalar)
             # the chunk's last logits stay on the devices, replicated as its cache is
             logits = programs.abstract(
-                jax.eval_shape(compiled.chunk, params, cache, prompt, scalar, scalar)[1], cache.index.sharding
+                jax.eval_shape(compiled.chunk, params, cache, prompt, scalar, scalar, scalar)[1], cache.index.sharding
             )
             lowered["insert"] = compiled.insert.lower(state, cache, logits, _new_rows(1, columns), table)
     return lowered
