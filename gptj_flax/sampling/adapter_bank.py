@@ -179,13 +179,13 @@ class AdapterBank:
         base: str | os.PathLike | None = None,
         rules: partitioning.Rules = partitioning.DEFAULT_RULES,
     ) -> AdapterBank:
-        """A bank holding ``adapters`` (name → path), shaped for the largest rank and every
-        projection among them, or more where ``rank`` and ``projections`` ask; ``max_adapters``
-        defaults to their number."""
+        """A bank holding ``adapters`` (name → path), of rank ``rank`` on ``projections``, by default
+        the largest rank and every projection among them (an adapter beyond a rank or projections
+        given is refused); ``max_adapters`` defaults to their number."""
         checksum = _base_checksum(base) if base is not None else None
         found = {check_name(name): read(path, config, base, checksum) for name, path in adapters.items()}
-        rank = max([rank or 1, *(r.rank for r in found.values())])
-        covered = set(projections).union(*(r.projections for r in found.values()))
+        rank = rank or max([1, *(r.rank for r in found.values())])
+        covered = set(projections or set().union(*(r.projections for r in found.values())))
         bank = cls(
             config,
             mesh,
