@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import gptj_flax
+from gptj_flax.cli import sample as sample_cli
 from gptj_flax.config import LoraConfig
 from gptj_flax.sampling.adapter_bank import AdapterBank, AdapterConflict, AdapterError, UnknownAdapter
-from gptj_flax.sampling.samplers import SamplingParams
+from gptj_flax.sampling.samplers import SamplingError, SamplingParams
 from gptj_flax.sampling.slots import Request, Slots
 from tests import adapter_helpers
 from tests.test_serving_engine import counting_compilations
@@ -183,3 +184,35 @@ def test_an_adapter_the_bank_cannot_serve_is_refused_with_the_reason_and_changes
     assert list(bank.adapters) == ["mlp2"]
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, bank.arrays), before)
     assert bank.add("mlp2-again", adapters["mlp2"]).index == 2  # the bank still takes a good one
+
+
+def test_load_keeps_several_adapters_and_each_prompt_names_its_own(adapters, merged, run_command):
+    lm = gptj_flax.load(checkpoint_dir(), adapters=adapters)
+    assert list(lm.adapters.adapters) == ["qv4", "mlp2", "peft"]
+    reference = Reference(merged)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 300, n).tolist() for n in (4, 11, 7, 20)]
+    names = [None, "qv4", "mlp2", "peft"]
+    outs = lm.generate(
+        prompts, NEW, temperature=0, ignore_eos=True, return_tokens=True, return_logprobs=True, adapter=names
+    )
+    reference.check([(np.asarray(o.tokens), np.asarray(o.logprobs)) for o in outs], names, prompts)
+    text = "def add(x):"
+    streamed = "".join(lm.stream(text, NEW, temperature=0, adapter="peft"))
+    assert streamed == merged["peft"].generate(text, NEW, temperature=0).text
+    with pytest.raises(UnknownAdapter, match="'nope'"):
+        lm.generate(text, 2, adapter="nope")
+    with pytest.raises(SamplingError, match="has no adapters"):
+        tiny_model().generate(text, 2, adapter="qv4")
+    # gptj-sample: NAME=DIR adapters beside the base, each --model completing the prompt in one batch
+    argv = [checkpoint_dir(), "--prompt", text, "--temperature", "0", "--max-new-tokens", str(NEW)]
+    for name in ("qv4", "peft"):
+        argv += ["--adapter", f"{name}={adapters[name]}"]
+    ran = run_command(sample_cli.main, *argv, "--model", "peft", "--model", "base", "--model", "qv4")
+    assert ran.status == 0, ran.err
+    blocks = re.findall(r"^===== (\w+), sample 0 \(\w+, \d+ tokens\) =====\n(.*?)\n(?====== |\Z)", ran.out, re.M | re.S)
+    assert [name for name, _ in blocks] == ["peft", "base", "qv4"]
+    for name, got in blocks:
+        assert got == merged[None if name == "base" else name].generate(text, NEW, temperature=0).text
+    refused = run_command(sample_cli.main, *argv, "--model", "mlp2")
+    assert refused.status == 2 and "--model mlp2: no --adapter mlp2=DIR given" in refused.err

@@ -157,7 +157,9 @@ def _engine_lowered(slots, params) -> dict:
         return {
             "decode": programs.decode.lower(*step, blocks=len(slots.blocks), rows=slots.slots),
             "admit": programs.admit.lower(params, slots.state, slots._prompts(short, [0, 1, 2, 3]), table),
-            "chunk": programs.chunk.lower(params, new_cache, prefill.tokens, np.int32(slots.length), np.int32(0)),
+            "chunk": programs.chunk.lower(
+                params, new_cache, prefill.tokens, np.int32(slots.length), np.int32(0), np.int32(0)
+            ),
             "insert": programs.insert.lower(
                 slots.state, prefill.cache, prefill.logits, slots._long_prompt(prefill, 0), table
             ),

@@ -571,6 +571,8 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(lm, tmp_path
             "POST /detokenize",
             "GET /tokenizer_info",
             "GET /v1/models",
+            "POST /v1/adapters",
+            "DELETE /v1/adapters/{name}",
             "GET /health",
             "GET /metrics",
         }

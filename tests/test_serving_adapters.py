@@ -155,12 +155,14 @@ def test_adapters_are_added_and_removed_while_the_server_runs(server, adapters, 
         held.gate.clear()
         answer: dict = {}
         request = threading.Thread(target=lambda: answer.update(text=_completion(client, "peft")))
-        request.start()
-        wait_until(lambda: held.waiting, what="the request to reach the prefill")
-        busy = http.delete("/v1/adapters/peft")
+        try:
+            request.start()
+            wait_until(lambda: held.waiting, what="the request to reach the prefill")
+            busy = http.delete("/v1/adapters/peft")
+        finally:
+            held.gate.set()  # whatever happened, the request goes on (and the server can stop)
+            request.join()
         assert busy.status_code == 409 and "in flight" in busy.text
-        held.gate.set()
-        request.join()
         assert answer["text"] == expected["peft"]
         removed = http.delete("/v1/adapters/peft")
         assert removed.status_code == 200 and removed.json()["id"] == "peft"

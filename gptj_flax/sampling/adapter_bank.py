@@ -78,6 +78,15 @@ class _Read:
     layers: list[dict[str, tuple[np.ndarray, np.ndarray]]]
 
 
+def split_adapter(value: str) -> tuple[str | None, str]:
+    """An ``--adapter`` value: ``NAME=DIR`` → ``(NAME, DIR)``; a bare ``DIR`` (a ``/`` before any
+    ``=``, or no ``=``) → ``(None, DIR)``, the one adapter merged into the base."""
+    name, equals, path = value.partition("=")
+    if not equals or "/" in name or not name:
+        return None, value
+    return name, path
+
+
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not NAME.match(name):
         raise AdapterError(

@@ -14,10 +14,11 @@ from gptj_flax import partitioning
 from gptj_flax.convert.hf import HF_PREFIX
 from gptj_flax.errors import configure_logging
 from gptj_flax.sampling import load
+from gptj_flax.sampling.adapter_bank import split_adapter
 from gptj_flax.serving.app import create_app
 from gptj_flax.serving.chat import read_chat_template
 from gptj_flax.serving.service import Service, open_keys, open_request_log, prefill_mesh
-from gptj_flax.serving.settings import ServeSettings, ServingError, split_adapter
+from gptj_flax.serving.settings import ServeSettings, ServingError
 from gptj_flax.serving.worker import FAILED
 
 logger = logging.getLogger(__name__)

@@ -20,6 +20,7 @@ from typing import Any
 from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError, dtype_name
 from gptj_flax.convert.hf import HF_PREFIX
 from gptj_flax.errors import GptjFlaxError
+from gptj_flax.sampling.adapter_bank import split_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +65,6 @@ def _setting(default: Any, parse: Callable[[str], Any], help: str, choices: tupl
 def adapter_list(text: str) -> tuple[str, ...]:
     """``--adapter`` values from one string: the environment variable's, separated by commas."""
     return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def split_adapter(value: str) -> tuple[str | None, str]:
-    """``NAME=DIR`` → ``(NAME, DIR)``; a bare ``DIR`` (a ``/`` before any ``=``) → ``(None, DIR)``."""
-    name, equals, path = value.partition("=")
-    if not equals or "/" in name or not name:
-        return None, value
-    return name, path
 
 
 @dataclasses.dataclass(frozen=True)
