@@ -540,6 +540,7 @@ BODY_FIELDS = {
     "/v1/chat/completions": sorted(schemas.chat_request_model(1).model_fields),
     "/tokenize": sorted(schemas.TokenizeRequest.model_fields),
     "/detokenize": sorted(schemas.detokenize_request_model(300).model_fields),
+    "/v1/adapters": sorted(schemas.AdapterRequest.model_fields),
 }
 
 

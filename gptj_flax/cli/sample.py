@@ -105,6 +105,12 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
     if args.num_samples < 1:
         parser.error(f"--num-samples must be >= 1, got {args.num_samples}")
+    _adapter_args(parser, args)
+    return args
+
+
+def _adapter_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.merged`` (a bare --adapter DIR) and ``args.adapters`` (NAME=DIR ones), checked with --model."""
     split = [split_adapter(value) for value in args.adapter]
     if any(name is None for name, _ in split) and len(split) > 1:
         parser.error("a bare --adapter DIR is merged into the base, alone: name each one (--adapter NAME=DIR)")
@@ -115,7 +121,6 @@ def parse_args() -> argparse.Namespace:
     unknown = [m for m in args.model if m != BASE and m not in (args.adapters or {})]
     if unknown:
         parser.error(f"--model {unknown[0]}: no --adapter {unknown[0]}=DIR given (the base is {BASE!r})")
-    return args
 
 
 def show(*values, **kwargs) -> None:
