@@ -15,7 +15,10 @@ byte-level BPE trained on the standard library's sources in a temporary director
 the compilation cache on in an empty directory, as a first ``gptj-serve`` starts: the "ready in" time
 is a cold start), measures, and stops it with SIGTERM. With ``--shared-prefix N`` every request starts with the same
 N token ids (then a few of its own), and it measures a server with the prefix cache and then one
-without, side by side. With a model this size one decode step costs far more than the
+without, side by side. With ``--adapters 0,1,8,32`` it measures a server per count, holding that
+many random rank-``ADAPTER_RANK`` LoRA adapters (``--adapter NAME=DIR``), each request naming one
+of them at random (0: the base alone), and prints each one's tokens/s and decode step time side by
+side, with the bytes on the device that an adapter takes. With a model this size one decode step costs far more than the
 HTTP around it, and a step of 32 slots far less than 32 single steps: continuous batching is what
 the table shows.
 
@@ -51,11 +54,13 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import BENCH_MODEL, REPO, load_average, machine_summary
+from gptj_flax import checkpoint
 from gptj_flax.checkpoint import Checkpointer
-from gptj_flax.config import Config, ModelConfig
+from gptj_flax.config import Config, LoraConfig, ModelConfig, TrainConfig
+from gptj_flax.convert import lora as lora_lib
 from gptj_flax.data import train_bpe_tokenizer
 from gptj_flax.data.corpus import stdlib_sources
-from gptj_flax.model import GPTJ
+from gptj_flax.model import GPTJ, AdapterSlots, abstract_adapter_slots, abstract_adapters
 from gptj_flax.sampling import load
 from gptj_flax.sampling.samplers import SamplingParams
 from gptj_flax.sampling.slots import MAX_PREFILL_ROWS, Request
@@ -70,6 +75,7 @@ TOKENIZER_VOCAB = 4096
 ALONE_STEPS = 16
 OWN_TOKENS = 6  # a request's own tokens after a shared prefix
 TEMPERATURE = 0.8
+ADAPTER_RANK, ADAPTER_TARGETS = 16, ("q_proj", "v_proj")  # --adapters: the issue's example, a q/v adapter
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prompts of ~12 tokens, one server)",
     )
     parser.add_argument(
+        "--adapters",
+        help=f"comma-separated adapter counts such as 0,1,8,32: a server per count holding that many random rank-"
+        f"{ADAPTER_RANK} {'/'.join(ADAPTER_TARGETS)} LoRA adapters, each request naming one at random (0: the "
+        "base); prints tokens/s and the decode step time side by side (not with --url or --shared-prefix)",
+    )
+    parser.add_argument(
         "--decode-steps",
         type=int,
         help=f"--decode-steps of the server it starts (not with --url; default {DEFAULT_DECODE_STEPS}, the server's)",
@@ -127,6 +139,7 @@ class Round:
     ttft: list[float]  # per request sent inside the window: time to its first token
     itl: list[float]  # per token that arrived inside the window after its request's first: time since the previous one
     occupancy: float  # mean busy fraction of the server's decode slots in the window (nan: no such metrics)
+    slot_steps: float = math.nan  # decode steps run in the window, times the server's slots
 
     @staticmethod
     def percentile(values: list[float], q: float) -> float:
@@ -219,6 +232,7 @@ async def _round(
     lengths: tuple[int, int],
     seed: int,
     prompt: Callable[[int], str | list[int]] = _prompt,
+    models: list[str] | None = None,
 ) -> Round:
     """Clients stream requests one after another from the start; what happens in the window of
     ``seconds`` that opens ``warmup`` seconds later is measured.
@@ -240,6 +254,8 @@ async def _round(
                 "temperature": TEMPERATURE,
                 "seed": (seed + 1000 * c + r) % 2**31,
             }
+            if models:
+                body["model"] = draws.choice(models)
             results.append(await _stream(http, body))
             if time.perf_counter() >= closes:
                 return
@@ -259,7 +275,7 @@ async def _round(
     before, after = at_open.result(), at_close.result()
     slot_steps = after[1] - before[1]
     occupancy = (after[0] - before[0]) / slot_steps if slot_steps else float("nan")
-    return _window(results, clients, opens, closes, occupancy)
+    return dataclasses.replace(_window(results, clients, opens, closes, occupancy), slot_steps=slot_steps)
 
 
 def _window(results: list[_Timed], clients: int, opens: float, closes: float, occupancy: float) -> Round:
@@ -284,6 +300,7 @@ async def _measure(
     seconds: float,
     lengths: tuple[int, int],
     prompt: Callable[[int], str | list[int]] = _prompt,
+    models: list[str] | None = None,
 ) -> list[Round]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # one connection per client, and one more for the /metrics reads that open and close the window:
@@ -291,7 +308,7 @@ async def _measure(
     limits = httpx.Limits(max_connections=max(concurrency) + 1)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as http:
         return [
-            await _round(http, clients, warmup, seconds, lengths, seed=i, prompt=prompt)
+            await _round(http, clients, warmup, seconds, lengths, seed=i, prompt=prompt, models=models)
             for i, clients in enumerate(concurrency)
         ]
 
@@ -425,11 +442,11 @@ def _server_settings(args: argparse.Namespace) -> dict:
     """The settings of the server the benchmark starts, checked; {} with --url."""
     if args.url:
         if args.shared_prefix or any(
-            v is not None for v in (args.max_batch, args.prefill, args.decode_steps, args.max_len)
+            v is not None for v in (args.max_batch, args.prefill, args.decode_steps, args.max_len, args.adapters)
         ):
             raise SystemExit(
-                "error: --max-batch, --prefill, --decode-steps, --max-len and --shared-prefix set up the servers the "
-                "benchmark starts; with --url the server is yours"
+                "error: --max-batch, --prefill, --decode-steps, --max-len, --shared-prefix and --adapters set up the "
+                "servers the benchmark starts; with --url the server is yours"
             )
         return {}
     own = {
@@ -455,6 +472,13 @@ def _check(args: argparse.Namespace) -> tuple[list[int], tuple[int, int], dict]:
     if not (0 < args.seconds < math.inf and 0 <= args.warmup < math.inf):
         raise SystemExit("error: --seconds must be a finite number > 0 and --warmup a finite number >= 0")
     settings = _server_settings(args)
+    if args.adapters is not None:
+        counts = _counts(args.adapters)
+        if counts is None or min(counts) < 0 or args.shared_prefix or settings.get("prefill") == "beside":
+            raise SystemExit(
+                f"error: --adapters must be adapter counts >= 0 such as 0,1,8,32, without --shared-prefix or "
+                f"--prefill beside; got {args.adapters!r}"
+            )
     if settings and lengths[1] + 16 > settings["max_len"]:
         raise SystemExit(f"error: --max-len must hold a prompt (up to 16 tokens) and --new-tokens' {lengths[1]}")
     context = settings.get("max_len", BENCH_MODEL.max_len)
@@ -492,14 +516,95 @@ def _own_servers(
     return target, results, bounds
 
 
+def _write_adapters(base: str, directory: str, n: int) -> dict[str, str]:
+    """``n`` LoRA runs of random rank-``ADAPTER_RANK`` adapters for the base at ``base``, as training
+    leaves them (the base's identity recorded); name → directory."""
+    lora = LoraConfig(rank=ADAPTER_RANK, alpha=2.0 * ADAPTER_RANK, targets=ADAPTER_TARGETS)
+    shapes = nn.meta.unbox(abstract_adapters(BENCH_MODEL, lora))
+    meta = {checkpoint.LORA_BASE_KEY: lora_lib.identify_base(base).to_json()}
+    run = Config(model=BENCH_MODEL, train=TrainConfig(batch_size=1, lora=lora))
+    paths = {}
+    for i in range(n):
+        key = jax.random.key(i)
+        adapters = jax.tree.map(lambda s, k=key: 0.02 * jax.random.normal(k, s.shape, s.dtype), shapes)
+        paths[f"adapter-{i}"] = path = os.path.join(directory, f"adapter-{i}")
+        saver = Checkpointer(path)
+        saver.save(0, params=adapters, config=run, meta=meta)
+        saver.close()
+    return paths
+
+
+def adapter_bytes(config: ModelConfig = BENCH_MODEL) -> int:
+    """Bytes on the device one adapter of ``--adapters`` takes in a server's adapter bank."""
+    shapes = jax.tree.leaves(abstract_adapter_slots(config, AdapterSlots(2, ADAPTER_RANK, ADAPTER_TARGETS)))
+    return sum(s.size * s.dtype.itemsize for s in shapes) // 2
+
+
+def _adapter_servers(
+    settings: dict, counts: list[int], measure: Callable[..., list[Round]]
+) -> tuple[str, list[tuple[int, list[Round]]]]:
+    """A server per count of adapters on a random model, each request naming one of them at random."""
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as base, tempfile.TemporaryDirectory() as adapters:
+        target = _write_model(base)
+        paths = _write_adapters(base, adapters, max(counts))
+        target += "; server " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
+        for n in counts:
+            names = list(paths)[:n]
+            served = dict(settings)
+            if n:
+                served.update(adapter=",".join(f"{name}={paths[name]}" for name in names), max_adapters=n)
+            with tempfile.TemporaryDirectory(prefix="bench-serve-cache-") as cache:  # a cold start each time
+                start = time.perf_counter()
+                process, url = _start_server(base, served, cache)
+                target += f"; {n} adapters: ready in {time.perf_counter() - start:.0f} s"
+                try:
+                    results.append((n, measure(url, None, names or None)))
+                finally:
+                    process.terminate()
+                    process.wait(120)
+    return target, results
+
+
+def _print_adapters(results: list[tuple[int, list[Round]]], slots: int) -> None:
+    """Each count of adapters' tokens/s and decode step time, by concurrency, beside the base alone's."""
+    base = {r.clients: r.tokens / r.seconds for n, rounds in results if n == 0 for r in rounds}
+    pct = Round.percentile
+    body = [
+        (
+            str(n),
+            str(r.clients),
+            f"{r.tokens / r.seconds:,.0f}",
+            f"{r.tokens / r.seconds / base[r.clients]:.0%}" if base.get(r.clients) else "n/a",
+            f"{1000 * r.seconds * slots / r.slot_steps:.1f}" if r.slot_steps else "n/a",
+            f"{r.occupancy:.0%}",
+            f"{pct(r.ttft, 0.5):.3f}",
+        )
+        for n, rounds in results
+        for r in rounds
+    ]
+    header = ("adapters", "clients", "gen tokens/s", "of base", "step ms", "occupancy", "TTFT p50 s")
+    _print_cells(header, body)
+    print(
+        f"step ms: the window's length / the decode steps run in it; each adapter (rank {ADAPTER_RANK} on "
+        f"{', '.join(ADAPTER_TARGETS)}) takes {adapter_bytes():,} bytes on the device"
+    )
+
+
 def run(args: argparse.Namespace) -> None:
     concurrency, lengths, settings = _check(args)
     machine = machine_summary()  # before the server it starts adds its own load
     prompt = _prompts(args.shared_prefix)
 
-    def measure(url: str, api_key: str | None = None) -> list[Round]:
-        return asyncio.run(_measure(url, api_key, concurrency, args.warmup, args.seconds, lengths, prompt))
+    def measure(url: str, api_key: str | None = None, models: list[str] | None = None) -> list[Round]:
+        return asyncio.run(_measure(url, api_key, concurrency, args.warmup, args.seconds, lengths, prompt, models))
 
+    if args.adapters is not None:
+        target, by_count = _adapter_servers(settings, _counts(args.adapters) or [], measure)
+        print(f"{machine}\n{target}\n/v1/completions, streamed, each request naming one adapter at random\n")
+        _print_adapters(by_count, settings["max_batch"])
+        print(f"load average after: {load_average():.2f}")
+        return
     if args.url:
         machine = f"clients' {machine} (the server's may differ)"
         target, results = f"server {args.url}", [measure(args.url.rstrip("/"), args.api_key)]

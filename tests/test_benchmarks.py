@@ -217,6 +217,22 @@ def test_serve_benchmark_compares_a_shared_prefix_with_and_without_the_prefix_ca
     assert "1 clients: TTFT p50 " in out
 
 
+@pytest.mark.slow  # bench.py starts two server processes, the second with adapters, and times requests
+def test_serve_benchmark_compares_servers_holding_adapters_with_the_base_alone(repo_root, tmp_path):
+    out = bench(
+        repo_root,
+        tmp_path,
+        "serve",
+        *("--adapters", "0,2", "--concurrency", "2", "--max-batch", "2", "--max-len", "32"),
+        *("--warmup", "0.5", "--seconds", "2", "--new-tokens", "2,4"),
+    )
+    assert "each request naming one adapter at random" in out and "2 adapters: ready in" in out
+    rows = re.findall(rf"^\s+(\d+)\s+2\s+({NUMBER})\s+(\S+)\s+({NUMBER})\s", out, re.MULTILINE)
+    assert [row[0] for row in rows] == ["0", "2"], out
+    assert rows[0][2] == "100%" and all(float(row[1].replace(",", "")) > 0 < float(row[3]) for row in rows), out
+    assert re.search(r"takes ([\d,]+) bytes on the device", out), out
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -233,6 +249,9 @@ def test_serve_benchmark_compares_a_shared_prefix_with_and_without_the_prefix_ca
         (["--decode-steps", "0"], "--decode-steps must be in 1..64"),
         (["--max-len", "8"], "--max-len must be in 16..512"),
         (["--max-len", "64", "--new-tokens", "60"], "--max-len must hold a prompt"),
+        (["--adapters", "0,x"], "--adapters must be adapter counts >= 0"),
+        (["--adapters", "1", "--shared-prefix", "8"], "--adapters must be adapter counts >= 0"),
+        (["--url", "http://127.0.0.1:9", "--adapters", "1"], "with --url the server is yours"),
     ],
 )
 def test_serve_benchmark_refuses_bad_arguments_in_one_line(tmp_path, args, message, run_command):

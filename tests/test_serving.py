@@ -540,6 +540,7 @@ BODY_FIELDS = {
     "/v1/chat/completions": sorted(schemas.chat_request_model(1).model_fields),
     "/tokenize": sorted(schemas.TokenizeRequest.model_fields),
     "/detokenize": sorted(schemas.detokenize_request_model(300).model_fields),
+    "/v1/adapters": sorted(schemas.AdapterRequest.model_fields),
 }
 
 
@@ -571,6 +572,8 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(lm, tmp_path
             "POST /detokenize",
             "GET /tokenizer_info",
             "GET /v1/models",
+            "POST /v1/adapters",
+            "DELETE /v1/adapters/{name}",
             "GET /health",
             "GET /metrics",
         }

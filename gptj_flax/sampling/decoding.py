@@ -27,6 +27,7 @@ from gptj_flax import convert, partitioning
 from gptj_flax.config import ModelConfig
 from gptj_flax.losses import greedy_matches, token_log_probs
 from gptj_flax.model import GPTJ, KVCache, unstack_layers
+from gptj_flax.sampling.adapter_bank import AdapterBank
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, next_tokens, top_bucket, top_logprobs
 
@@ -84,6 +85,7 @@ class DecodeState:
     seeds: Array  # uint32 [B]: row i's draw at step s uses fold_in(key(seeds[i]), s)
     seen: Array  # bool [B, V]: prompt and generated ids, for the repetition penalty
     sampling: SamplingParams
+    adapter: Array  # int32 [B]: the row of the decoder's adapter bank each row applies (0: none)
 
     @classmethod
     def logical_axes(cls, config: ModelConfig) -> DecodeState:
@@ -96,6 +98,7 @@ class DecodeState:
             top_logprobs=cube,
             step=PartitionSpec(),
             prompt_lengths=PartitionSpec("batch"),
+            adapter=PartitionSpec("batch"),
             **per_row_axes(),
         )
 
@@ -195,19 +198,43 @@ class Decoder:
         self.page_columns = PAGE_COLUMNS.get(mesh.devices.flat[0].platform, DEFAULT_PAGE_COLUMNS)
         self.slot_programs: dict = {}  # the decode slots' programs, by SlotShape (sampling.slot_programs)
         self._copies: dict[Mesh, Decoder] = {}
+        self.adapters: AdapterBank | None = None
+        self._param_shardings = param_shardings
+        self._compile_programs()
+
+    def use_adapters(self, bank: AdapterBank) -> None:
+        """Generate with ``bank``'s adapters from now on, each prompt applying the one
+        :meth:`start`'s ``adapters`` names (its programs compile again, with the bank)."""
+        self.adapters, self.model = bank, GPTJ(self.config, slots=bank.slots)
+        self._compile_programs()
+
+    def _weights(self) -> Any:
+        """What the generation programs take as parameters: with an adapter bank, its arrays too."""
+        return self.params if self.adapters is None else (self.params, self.adapters.arrays)
+
+    def _apply(self, weights, *args, **kwargs):
+        if self.adapters is None:
+            return self.model.apply({"params": weights}, *args, **kwargs)
+        params, bank = weights
+        return self.model.apply({"params": params, "adapters": bank}, *args, **kwargs)
+
+    def _compile_programs(self) -> None:
+        mesh, rules, param_shardings = self.mesh, self.rules, self._param_shardings
+        if self.adapters is not None:
+            param_shardings = (param_shardings, self.adapters.shardings)
 
         def sharding(*axes):
             return partitioning.named_sharding(mesh, axes, rules)
 
-        state = partitioning.logical_to_sharding(DecodeState.logical_axes(config), mesh, rules)
+        state = partitioning.logical_to_sharding(DecodeState.logical_axes(self.config), mesh, rules)
         rows, table = sharding("batch"), sharding("batch", "length")
         sampling = partitioning.logical_to_sharding(SamplingParams.logical_axes(), mesh, rules)
         self._rows, self._table, self._sampling, self._scalar = rows, table, sampling, sharding()
         cube = sharding("batch", "length", None)
         self._prefill = jax.jit(
             self._prefill_fn,
-            static_argnums=(7, 8, 9),
-            in_shardings=(param_shardings, table, rows, rows, rows, rows, sampling),
+            static_argnums=(8, 9, 10),
+            in_shardings=(param_shardings, table, rows, rows, rows, rows, sampling, rows),
             out_shardings=state,
         )
         self._decode = jax.jit(
@@ -220,7 +247,7 @@ class Decoder:
         self._score = jax.jit(
             self._score_fn,
             static_argnums=(3,),
-            in_shardings=(param_shardings, table, table),
+            in_shardings=(self._param_shardings, table, table),
             out_shardings=(table, cube, cube),
         )
 
@@ -263,6 +290,7 @@ class Decoder:
         eos_id,
         seeds,
         sampling,
+        adapter,
         new_tokens: int,
         original_order: bool,
         top_width: int,
@@ -273,8 +301,15 @@ class Decoder:
         segment_ids = (slots >= padding).astype(jnp.int32)
         positions = jnp.maximum(slots - padding, 0)
         cache = KVCache.empty(self.config, batch, prompt_len + new_tokens)
-        logits, cache = self.model.apply(
-            {"params": params}, prompt_tokens, positions, segment_ids, cache, last_logits_only=True, method=GPTJ.decode
+        logits, cache = self._apply(
+            params,
+            prompt_tokens,
+            positions,
+            segment_ids,
+            cache,
+            last_logits_only=True,
+            adapter=adapter,
+            method=GPTJ.decode,
         )
         rows = jnp.arange(batch)[:, None]
         seen = jnp.zeros((batch, self.config.vocab_size), bool).at[rows, prompt_tokens].max(segment_ids > 0)
@@ -293,6 +328,7 @@ class Decoder:
             seeds=seeds,
             seen=seen,
             sampling=sampling,
+            adapter=adapter,
         )
         return self._emit(state, logits[:, -1], original_order)
 
@@ -306,13 +342,14 @@ class Decoder:
         def step(s):
             fed = lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
             positions = (s.prompt_lengths + s.step - 1)[:, None]
-            logits, cache = self.model.apply(
-                {"params": params},
+            logits, cache = self._apply(
+                params,
                 fed,
                 positions,
                 jnp.ones_like(fed),
                 s.cache,
                 last_logits_only=True,
+                adapter=s.adapter,
                 method=GPTJ.decode,
             )
             return self._emit(s.replace(cache=cache), logits[:, -1], original_order)
@@ -367,6 +404,7 @@ class Decoder:
         eos_id: np.ndarray,
         original_order: bool = False,
         top_logprobs: int = 0,
+        adapters: np.ndarray | None = None,
     ) -> DecodeRun:
         """Prefill ``prompts`` (token ids) and choose each row's first token.
 
@@ -379,8 +417,9 @@ class Decoder:
         ``max_new_tokens``, ``seeds``, ``eos_id`` and ``sampling`` hold one value per prompt
         (``eos_id`` -1: never stop at EOS). ``top_logprobs`` > 0 also records, at every step, at
         least that many most likely ids and their log-probabilities (``Progress.top_ids``; the width
-        is rounded up to a power of two so that nearby counts share a program). Returns the run, to
-        be advanced with ``DecodeRun.advance``.
+        is rounded up to a power of two so that nearby counts share a program). ``adapters``: each
+        prompt's row of the adapter bank (:meth:`use_adapters`; 0 or None: the base). Returns the
+        run, to be advanced with ``DecodeRun.advance``.
         """
         self._check_lengths(prompts, [int(m) for m in max_new_tokens])
         n = len(prompts)
@@ -400,13 +439,14 @@ class Decoder:
 
         with partitioning.sharding_scope(self.mesh, self.rules):
             state = self._prefill(
-                self.params,
+                self._weights(),
                 to_device(tokens, self._table),
                 to_device(lengths, self._rows),
                 to_device(pad(max_new_tokens, np.int32), self._rows),
                 to_device(pad(eos_id, np.int32), self._rows),
                 to_device(pad(seeds, np.uint32), self._rows),
                 jax.tree.map(to_device, sampling.pad_to(batch), self._sampling),
+                to_device(pad(np.zeros(n) if adapters is None else adapters, np.int32), self._rows),
                 new_tokens,
                 original_order,
                 top_bucket(top_logprobs),
@@ -495,7 +535,7 @@ class DecodeRun:
         with partitioning.sharding_scope(self._decoder.mesh, self._decoder.rules):
             decoder = self._decoder
             self._state = decoder._decode(
-                decoder.params,
+                decoder._weights(),
                 self._state,
                 to_device(np.int32(stop_at), decoder._scalar),
                 to_device(stopped, decoder._rows),

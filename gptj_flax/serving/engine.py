@@ -47,6 +47,7 @@ import time
 
 from jax.sharding import Mesh
 
+from gptj_flax.sampling.adapter_bank import AdapterBank
 from gptj_flax.sampling.api import Completion, LanguageModel, Piece
 from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING
 from gptj_flax.sampling.prefix_cache import PromptCounts
@@ -118,6 +119,8 @@ class Engine:
         only where prompts are prefilled between steps, so off with a ``prefill_mesh``.
       decode_steps: the most decode steps one device call runs, while no prompt waits (see the
         module's docstring); 1: a call per step.
+      adapters: the LoRA adapters served beside the base, each prompt applying the one it names
+        (:class:`~gptj_flax.sampling.adapter_bank.AdapterBank`; not with a ``prefill_mesh``).
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class Engine:
         prefill_mesh: Mesh | None = None,
         prefix_cache: bool = True,
         decode_steps: int = 1,
+        adapters: AdapterBank | None = None,
     ):
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
@@ -149,6 +153,7 @@ class Engine:
             top_logprobs=top_logprobs,
             prefill_mesh=prefill_mesh,
             prefix_cache=prefix_cache and prefill_mesh is None,
+            adapters=adapters,
         )
         self._counted = PromptCounts()  # the slots' prompt counts already added to the metrics
         self.slots: Slots | None = None
@@ -344,6 +349,7 @@ class Engine:
             seed=p.seed,
             sampling=SamplingParams.of([p.sampling]),
             want_top=row.wants_top,
+            adapter=p.adapter,
         )
 
     def _admit(self) -> None:

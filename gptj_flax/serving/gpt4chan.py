@@ -31,7 +31,8 @@ def prompt_tokens(service: Service, body: schemas.CompleteRequest) -> list[int]:
 async def complete_text(service: Service, body: schemas.CompleteRequest, request: Request) -> dict:
     started = time.monotonic()
     key = caller(request)
-    row = Prompt(prompt_tokens(service, body), body.length, body.sampling, draw_seed(body.seed))
+    adapter = service.adapter_of(body.model)
+    row = Prompt(prompt_tokens(service, body), body.length, body.sampling, draw_seed(body.seed), adapter=adapter)
     (completion,) = await service.run(request, Job([row]))
     service.log(
         key=key,

@@ -13,6 +13,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 from gptj_flax import partitioning
+from gptj_flax.sampling.adapter_bank import AdapterBank
 from gptj_flax.serving import chat, schemas
 from gptj_flax.serving.auth import KEY_ID, PUBLIC_PATHS, KeyStore
 from gptj_flax.serving.engine import Engine
@@ -21,7 +22,7 @@ from gptj_flax.serving.offsets import TextOffsets
 from gptj_flax.serving.predictions import PredictionStore
 from gptj_flax.serving.request_log import RequestLog
 from gptj_flax.serving.scoring import PromptScorer
-from gptj_flax.serving.settings import ServeSettings, ServingError
+from gptj_flax.serving.settings import DEFAULT_ADAPTER_RANK, DEFAULT_ADAPTER_TARGETS, ServeSettings, ServingError
 from gptj_flax.serving.worker import READY, WARMING_UP, Job, NotAccepting, QueueFull
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ KNOWN_PATHS = (
     *TOKENIZER_PATHS,
     *DOCKER_API_PATHS,
     "/v1/models",
+    "/v1/adapters",
     *PUBLIC_PATHS,
     "/openapi.json",
     "/docs",
@@ -98,6 +100,25 @@ def open_request_log(settings: ServeSettings) -> RequestLog | None:
     )
 
 
+def adapter_bank(model, settings: ServeSettings) -> AdapterBank | None:
+    """The bank of adapters served beside the base (None when the server holds none): the named
+    ``--adapter`` flags' loaded, room for ``--max-adapters``, shaped by ``--max-adapter-rank`` and
+    ``--adapter-targets`` or else by those adapters."""
+    if settings.adapter_slots == 0:
+        return None
+    named = settings.served_adapters
+    targets = tuple(t.strip() for t in (settings.adapter_targets or "").split(",") if t.strip())
+    return AdapterBank.build(
+        model.config,
+        model.mesh,
+        named,
+        max_adapters=settings.adapter_slots,
+        rank=settings.max_adapter_rank or (None if named else DEFAULT_ADAPTER_RANK),
+        projections=targets or (() if named else DEFAULT_ADAPTER_TARGETS),
+        base=settings.checkpoint,
+    )
+
+
 class Service:
     """What one app serves with: the model, its worker, keys, metrics, request log, and drain state."""
 
@@ -121,6 +142,8 @@ class Service:
         self._token_bytes: dict[int, list[int]] = {}
         self.chat_template = chat.chat_template(settings.chat_template, model.tokenizer)
         self.metrics = Metrics()
+        self.adapters = adapter_bank(model, settings)
+        self._adapter_jobs: dict[int, set[Job]] = {}  # bank row → the jobs submitted with it
         self.keys = keys if keys is not None else open_keys(settings)
         self.request_log = request_log if request_log is not None else open_request_log(settings)
         self.worker = Engine(
@@ -134,6 +157,7 @@ class Service:
             prefill_mesh=prefill_mesh(model.mesh, settings.prefill),
             prefix_cache=not settings.no_prefix_cache,
             decode_steps=settings.decode_steps,
+            adapters=self.adapters,
         )
         self.scorer = PromptScorer(model, max_rows=settings.queue_size)
         # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest; a
@@ -165,9 +189,29 @@ class Service:
         return self.draining and self.in_flight == 0 and self.predictions.settled(self.settings.predictions_grace)
 
     # -- request handling ------------------------------------------------------------------------
+    @property
+    def model_names(self) -> list[str]:
+        """The base's name, then every adapter's."""
+        return [self.name, *([] if self.adapters is None else self.adapters.adapters)]
+
+    def adapter_of(self, name: str | None) -> int:
+        """The adapter-bank row a request's ``model`` picks: 0 for the base (or none given); a 404
+        naming it if nothing here has that name."""
+        if name is None or name == self.name:
+            return 0
+        if self.adapters is not None and name in self.adapters.adapters:
+            return self.adapters.adapters[name].index
+        names = ", ".join(repr(n) for n in self.model_names)
+        raise HTTPException(404, f"model {name!r} is not served here; this server has {names}")
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.name:
-            raise HTTPException(404, f"model {name!r} is not served here; this server has {self.name!r}")
+        self.adapter_of(name)
+
+    def adapter_busy(self, index: int) -> int:
+        """Requests submitted with adapter row ``index`` that have not ended yet."""
+        jobs = self._adapter_jobs.get(index, set())
+        jobs -= {job for job in jobs if job.answered or job.cancelled or job.result.done()}
+        return len(jobs)
 
     def encode(self, text: str) -> list[int]:
         return self.model.encode(text) if text else []
@@ -218,6 +262,8 @@ class Service:
     def submit(self, job: Job) -> None:
         try:
             self.worker.submit(job)
+            for index in {row.adapter for row in job.rows if row.adapter}:  # a removal waits for it
+                self._adapter_jobs.setdefault(index, set()).add(job)
         except QueueFull as e:
             raise HTTPException(429, str(e), headers={"Retry-After": str(e.retry_after)}) from None
         except NotAccepting as e:
