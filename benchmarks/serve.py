@@ -412,8 +412,12 @@ def _start_server(checkpoint: str, settings: dict, cache: str) -> tuple[subproce
         except httpx.TransportError:
             pass
         time.sleep(0.5)
+    if process.poll() is not None:
+        raise RuntimeError(
+            f"the benchmark server exited with status {process.returncode} before it was ready (its error is above)"
+        )
     process.kill()
-    raise RuntimeError("the benchmark server did not become ready")
+    raise RuntimeError("the benchmark server did not become ready in 30 minutes")
 
 
 @dataclasses.dataclass

@@ -50,6 +50,7 @@ from gptj_flax import partitioning
 from gptj_flax.model import KVCache
 from gptj_flax.sampling.adapter_bank import AdapterBank
 from gptj_flax.sampling.decoding import Decoder, bucket
+from gptj_flax.sampling.memory_maps import MapBudget
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.prefix_cache import PrefixCache, PromptCounts
 from gptj_flax.sampling.samplers import SamplingParams
@@ -509,8 +510,16 @@ class Slots:
     # -- warm-up -----------------------------------------------------------------------------
     def warm_up(self, stop: Callable[[], bool] = lambda: False) -> bool:
         """Compile every program a request can need: nothing compiles once requests come. ``stop`` is
-        asked before each program (a compile cannot be cut short); False if it said stop."""
-        done = not any(stop() for _ in self._compile_each())
+        asked before each program (a compile cannot be cut short); False if it said stop. Raises
+        :class:`~gptj_flax.sampling.memory_maps.MemoryMapLimit` before a program that could take
+        the process past the kernel's limit on memory maps."""
+        budget = MapBudget.of_this_process()
+        done = True
+        for _ in self._compile_each():
+            budget.check("the warm-up stopped")
+            if stop():
+                done = False
+                break
         self.counts = PromptCounts()  # the warm-up's prompts are no requests'
         return done
 
