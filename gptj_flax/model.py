@@ -907,8 +907,8 @@ class GPTJ(nn.Module):
 
     With ``lora``, the projections it names also apply adapters, read from the ``lora`` collection
     (``model.apply({"params": base, "lora": adapters}, …)``; see :class:`LoRA`). With ``slots``,
-    the cached entry points (``decode``, ``decode_slots``) take ``adapter`` [B], each row's adapter
-    in the ``adapters`` collection (a bank of served adapters; see :class:`StackedLoRA`).
+    every entry point but the scanned layers' takes ``adapter`` [B], each row's adapter in the
+    ``adapters`` collection (a bank of served adapters; see :class:`StackedLoRA`).
     """
 
     config: ModelConfig
@@ -941,12 +941,29 @@ class GPTJ(nn.Module):
         self.ln_f = layer_norm(cfg)
         self.lm_head = LMHead(cfg)
 
-    def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
+    def __call__(
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        adapter: Array | None = None,
+    ) -> Array:
         """float32 logits [B, T, vocab]."""
-        return self.lm_head(self.hidden_states(tokens, positions, segment_ids))
+        return self.lm_head(self.hidden_states(tokens, positions, segment_ids, adapter))
 
-    def hidden_states(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
-        """The final LayerNorm's output [B, T, d_model], before the LM head."""
+    def hidden_states(
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        adapter: Array | None = None,
+    ) -> Array:
+        """The final LayerNorm's output [B, T, d_model], before the LM head. ``adapter`` [B]: each
+        row's served adapter (with ``slots``; the unrolled layers only)."""
+        if adapter is not None and self.config.scan_layers:
+            raise ValueError(
+                "served adapters run the unrolled layers: use scan_layers=False and unstack_layers(params)"
+            )
         positions, segment_ids = self._defaults(tokens, positions, segment_ids)
         sin, cos = rotary_tables(positions, self.config.rotary_dim)
         backend = attention.choose(self.config, tokens.shape[1])
@@ -959,7 +976,7 @@ class GPTJ(nn.Module):
             h, _ = self.layers(h, sin, cos, mask)
         else:
             for i in range(self.config.n_layers):
-                h, _ = getattr(self, f"layer_{i}")(h, sin, cos, mask)
+                h, _ = getattr(self, f"layer_{i}")(h, sin, cos, mask, None, adapter)
         return self.ln_f(h)
 
     def decode(

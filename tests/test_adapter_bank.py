@@ -216,3 +216,44 @@ def test_load_keeps_several_adapters_and_each_prompt_names_its_own(adapters, mer
         assert got == merged[None if name == "base" else name].generate(text, NEW, temperature=0).text
     refused = run_command(sample_cli.main, *argv, "--model", "mlp2")
     assert refused.status == 2 and "--model mlp2: no --adapter mlp2=DIR given" in refused.err
+
+
+def _scores(scored) -> tuple[np.ndarray, list[dict[int, float]]]:
+    return np.asarray(scored.logprobs), scored.top_logprobs
+
+
+def test_scoring_a_mixed_batch_gives_each_text_its_merged_adapters_log_probs_and_nothing_recompiles(adapters, merged):
+    lm = gptj_flax.load(checkpoint_dir(), adapters=adapters, max_adapters=4)
+    rng = np.random.default_rng(2)
+    texts = [rng.integers(1, 300, n).tolist() for n in (6, 13, 9, 20, 4, 17, 11, 2)]
+    names = [None, "qv4", "mlp2", "peft", "qv4", None, "peft", "mlp2"]
+    want = {(n, tuple(t)): _scores(merged[n].score(t, top_logprobs=3)) for n in set(names) for t in texts}
+
+    def check(got, names):
+        for scored, name, text in zip(got, names, texts, strict=True):
+            logprobs, top = want[({"again": "qv4"}.get(name, name), tuple(text))]
+            np.testing.assert_allclose(scored.logprobs, logprobs, atol=1e-5, rtol=0, err_msg=f"adapter {name}")
+            assert list(scored.top_logprobs[-1]) == list(top[-1]), name  # the same alternatives, in order
+            np.testing.assert_allclose(list(scored.top_logprobs[-1].values()), list(top[-1].values()), atol=1e-5)
+
+    check(lm.score(texts, top_logprobs=3, adapter=names), names)
+    for name in ("qv4", "mlp2", "peft"):  # each adapter changes the scores: the check above can fail
+        assert np.max(np.abs(want[(name, tuple(texts[3]))][0] - want[(None, tuple(texts[3]))][0])) > 1e-2
+    compiled = lm.decoder.compilations()
+    with counting_compilations() as lowered:
+        check(lm.score(texts, top_logprobs=3, adapter=names[::-1]), names[::-1])
+        check(lm.score(texts, top_logprobs=3, adapter=None), [None] * len(texts))  # the base: the same program
+        lm.adapters.remove("qv4")
+        with pytest.raises(UnknownAdapter, match="'qv4'"):
+            lm.score(texts[0], adapter="qv4")
+        assert lm.adapters.add("again", adapters["qv4"]).index == 1
+        lm.adapters.add("fourth", adapters["mlp2"])
+        mix = ["again", "fourth", "again", None, "peft", "again", "fourth", None]
+        check(lm.score(texts, top_logprobs=3, adapter=mix), [{"fourth": "mlp2"}.get(n, n) for n in mix])
+    assert lm.decoder.compilations() == compiled and lowered == []
+    single = lm.score(texts[1], adapter="peft")  # one text and one name
+    np.testing.assert_allclose(single.logprobs, want[("peft", tuple(texts[1]))][0], atol=1e-5, rtol=0)
+    with pytest.raises(SamplingError, match="2 values for 8 prompts"):
+        lm.score(texts, adapter=["peft", None])
+    with pytest.raises(SamplingError, match="has no adapters"):
+        tiny_model().score(texts[0], adapter="peft")

@@ -43,10 +43,15 @@ def adapters(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def expected(adapters) -> dict[str, str]:
+def merged(adapters) -> dict:
+    """The base, and each adapter merged into its own model: the references."""
+    return {"base": tiny_model(), **{n: gptj_flax.load(checkpoint_dir(), adapter=p) for n, p in adapters.items()}}
+
+
+@pytest.fixture(scope="module")
+def expected(merged) -> dict[str, str]:
     """Each model's greedy completion of PROMPT: the base, and each adapter merged into its own model."""
-    models = {"base": tiny_model(), **{n: gptj_flax.load(checkpoint_dir(), adapter=p) for n, p in adapters.items()}}
-    texts = {name: lm.generate(PROMPT, NEW, temperature=0).text for name, lm in models.items()}
+    texts = {name: lm.generate(PROMPT, NEW, temperature=0).text for name, lm in merged.items()}
     assert len(set(texts.values())) == len(texts)  # the adapters change the tokens: the checks below can fail
     return texts
 
@@ -117,12 +122,60 @@ def test_each_request_gets_the_adapter_it_names_on_every_route_and_nothing_recom
             answer = http.post(path, json=body)
             assert answer.status_code == 404 and "'nope'" in answer.text, (path, answer.text)
             assert "'qv4'" in answer.text  # and says what there is
-        echo = http.post(
-            "/v1/completions", json={"model": "qv4", "prompt": "a", "echo": True, "logprobs": 1, "max_tokens": 1}
-        )
-        assert echo.status_code == 422 and "base model only" in echo.text  # as any other field it refuses
     # nothing lowered or compiled (a persistent-cache hit is lowered first), the bank's one write included
     assert lowered == [] and server.service.adapters.compilations() == 1
+
+
+def _echoed(client: openai.OpenAI, model: str, max_tokens: int):
+    out = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0, echo=True, logprobs=2
+    )
+    assert out.model == model
+    return out.choices[0]
+
+
+def test_echo_with_logprobs_scores_the_prompt_with_the_adapter_the_request_names(server, merged, expected):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[0], max_retries=0, timeout=120)
+    http = httpx.Client(base_url=server.url, headers=AUTH, timeout=120)
+    prompt_tokens = len(merged["base"].encode(PROMPT))
+    scores = {name: merged[name].score(PROMPT).logprobs for name in ("base", "qv4", "peft")}
+    base = _echoed(client, "base", 0)  # the scoring program's first call compiles it
+    assert base.logprobs.token_logprobs[1:] == pytest.approx(scores["base"], abs=1e-5)
+    with counting_compilations() as lowered:
+        for name in ("qv4", "peft", "qv4"):
+            scored = _echoed(client, name, 0)
+            assert scored.text == PROMPT and scored.logprobs.token_logprobs[0] is None
+            assert scored.logprobs.token_logprobs[1:] == pytest.approx(scores[name], abs=1e-5), name
+            assert max(abs(scores[name] - scores["base"])) > 1e-2  # the adapter changes them: this can fail
+            # and with a completion: the echoed prompt's scores, then the generated tokens'
+            both = _echoed(client, name, NEW)
+            assert both.text == PROMPT + expected[name]
+            assert both.logprobs.token_logprobs[1:prompt_tokens] == pytest.approx(scores[name], abs=1e-5)
+            generated = merged[name].generate(PROMPT, NEW, temperature=0, return_logprobs=True).logprobs
+            assert both.logprobs.token_logprobs[prompt_tokens:] == pytest.approx(generated, abs=1e-5)
+    assert lowered == []  # an adapter's scores take the base's program
+    # a prompt being scored with an adapter holds it, as a request generating with it does
+    held, release, started = server.service.model, threading.Event(), threading.Event()
+    score = held.score
+
+    def gated(*args, **kwargs):
+        started.set()
+        release.wait()
+        return score(*args, **kwargs)
+
+    held.score = gated
+    answer: dict = {}
+    request = threading.Thread(target=lambda: answer.update(choice=_echoed(client, "qv4", 0)))
+    try:
+        request.start()
+        assert started.wait(30)
+        busy = http.delete("/v1/adapters/qv4")
+    finally:
+        release.set()
+        request.join()
+        del held.score
+    assert busy.status_code == 409 and "in flight" in busy.text
+    assert answer["choice"].logprobs.token_logprobs[1:] == pytest.approx(scores["qv4"], abs=1e-5)
 
 
 def test_adapters_are_added_and_removed_while_the_server_runs(server, adapters, expected, tmp_path):

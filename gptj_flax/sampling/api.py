@@ -440,19 +440,21 @@ class LanguageModel:
         """The LoRA adapters served beside the base, which ``generate``'s ``adapter`` names (None: none)."""
         return self.decoder.adapters
 
-    def _adapter_rows(self, adapter, n: int) -> np.ndarray | None:
-        """Each prompt's row of the adapter bank, from ``adapter`` (a name, None, or one per prompt)."""
+    def _adapter_rows(self, adapter, n: int, bank: AdapterBank | None = None) -> np.ndarray | None:
+        """Each prompt's row of ``bank`` (default: :attr:`adapters`), from ``adapter`` (a name, None,
+        or one per prompt)."""
+        bank = self.adapters if bank is None else bank
         names = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * n
         if len(names) != n:
             raise SamplingError(f"adapter: {len(names)} values for {n} prompts; give one, or one per prompt")
         if all(name is None for name in names):
             return None
-        if self.adapters is None:
+        if bank is None:
             raise SamplingError(
                 f"adapter={next(a for a in names if a is not None)!r}: this model has no adapters; load it with "
                 "gptj_flax.load(BASE, adapters={NAME: DIR, ...})"
             )
-        return np.array([self.adapters.index(name) for name in names], np.int32)
+        return np.array([bank.index(name) for name in names], np.int32)
 
     def _start(
         self, method: str, prompts, *, original_order, top_logprobs, adapter=None, **settings
@@ -615,21 +617,28 @@ class LanguageModel:
         )
         return TextStream(job, single, bool(return_logprobs))
 
-    def score(self, texts_or_token_ids, *, top_logprobs: int = 0) -> Scored | list[Scored]:
+    def score(
+        self, texts_or_token_ids, *, top_logprobs: int = 0, adapter=None, adapters: AdapterBank | None = None
+    ) -> Scored | list[Scored]:
         """Per-token log-probabilities of the given texts or token-id lists under the model.
 
         A single text (or id list) gives a :class:`Scored`, a list gives a list. ``top_logprobs`` > 0
         also gives each position's most likely ids (``Scored.top_logprobs``), from the same pass.
+        ``adapter``: the LoRA adapter to score with, by name (``None``: the base), or one per text,
+        as :meth:`generate` takes it; ``adapters``: the bank those names are in, when it is not the
+        model's own (:attr:`adapters`), as :meth:`slots` takes one.
         """
-        check_same_call("score", (texts_or_token_ids, top_logprobs))
+        check_same_call("score", (texts_or_token_ids, top_logprobs, adapter))
         vocab = self.decoder.valid_vocab
         (k,) = per_example(
             "top_logprobs", top_logprobs, 1, int, lambda x: 0 <= x <= vocab, f"an integer in [0, {vocab}]"
         )
         batch, single = _as_batch(texts_or_token_ids)
+        rows = self._adapter_rows(adapter, len(batch), adapters)
         sequences = [self.encode(x) for x in batch]
+        scored = self.decoder.score_with_alternatives(sequences, int(k), rows, adapters)
         out = [
             Scored(tokens=seq, logprobs=lp, top_logprobs=_alternatives(ids, lps) if k > 0 else None)
-            for seq, (lp, ids, lps) in zip(sequences, self.decoder.score_with_alternatives(sequences, int(k)))
+            for seq, (lp, ids, lps) in zip(sequences, scored)
         ]
         return out[0] if single else out

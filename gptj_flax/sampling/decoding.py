@@ -13,6 +13,7 @@ placed as global arrays, and what the host reads back is gathered whole on every
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -26,7 +27,7 @@ from jax.sharding import Mesh, PartitionSpec
 from gptj_flax import convert, partitioning
 from gptj_flax.config import ModelConfig
 from gptj_flax.losses import greedy_matches, token_log_probs
-from gptj_flax.model import GPTJ, KVCache, unstack_layers
+from gptj_flax.model import GPTJ, AdapterSlots, KVCache, unstack_layers
 from gptj_flax.sampling.adapter_bank import AdapterBank
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, next_tokens, top_bucket, top_logprobs
@@ -113,18 +114,29 @@ class TokenScores(NamedTuple):
 
 
 def score_tokens(
-    model: GPTJ, params: Any, inputs: Array, targets: Array, segment_ids: Array, valid_vocab: int, top_width: int = 0
+    model: GPTJ,
+    params: Any,
+    inputs: Array,
+    targets: Array,
+    segment_ids: Array,
+    valid_vocab: int,
+    top_width: int = 0,
+    *,
+    bank: Any = None,
+    adapter: Array | None = None,
 ) -> TokenScores:
     """Score ``targets`` [B, L] after ``inputs`` [B, L] (a sequence's tokens and the same shifted by
     one) in one forward pass; ``segment_ids`` [B, L] is 1 on real inputs and 0 on the right padding,
-    which causal attention never lets a real position see.
+    which causal attention never lets a real position see. With ``bank`` (the ``adapters``
+    collection of a ``model`` with slots), row i applies the served adapter ``adapter[i]`` (0: none).
 
     The one scoring program behind :meth:`Decoder.score_with_alternatives` and the lm-eval scorer
     (:class:`gptj_flax.evaluation.scoring.TokenScorer`): each jits it and keeps what it reports, and
     XLA computes nothing for the rest. Ids at or above ``valid_vocab`` are never greedy choices nor
     among the ``top_width`` (static) alternatives.
     """
-    logits = model.apply({"params": params}, inputs, segment_ids=segment_ids)
+    variables = {"params": params} if bank is None else {"params": params, "adapters": bank}
+    logits = model.apply(variables, inputs, segment_ids=segment_ids, adapter=adapter)
     if top_width > 0:
         ids, lps = top_logprobs(logits, top_width, valid_vocab)
     else:
@@ -199,12 +211,14 @@ class Decoder:
         self.slot_programs: dict = {}  # the decode slots' programs, by SlotShape (sampling.slot_programs)
         self._copies: dict[Mesh, Decoder] = {}
         self.adapters: AdapterBank | None = None
+        self._scorers: dict[AdapterSlots | None, Any] = {}  # the scoring programs, by the bank's shape
         self._param_shardings = param_shardings
         self._compile_programs()
 
     def use_adapters(self, bank: AdapterBank) -> None:
-        """Generate with ``bank``'s adapters from now on, each prompt applying the one
-        :meth:`start`'s ``adapters`` names (its programs compile again, with the bank)."""
+        """Generate and score with ``bank``'s adapters from now on, each prompt applying the one
+        :meth:`start`'s (or :meth:`score_with_alternatives`') ``adapters`` names (its programs
+        compile again, with the bank)."""
         self.adapters, self.model = bank, GPTJ(self.config, slots=bank.slots)
         self._compile_programs()
 
@@ -244,12 +258,21 @@ class Decoder:
             in_shardings=(param_shardings, state, sharding(), rows),
             out_shardings=state,
         )
-        self._score = jax.jit(
-            self._score_fn,
-            static_argnums=(3,),
-            in_shardings=(self._param_shardings, table, table),
-            out_shardings=(table, cube, cube),
-        )
+        self._cube = cube
+
+    def _scorer(self, bank: AdapterBank | None):
+        """The scoring program for ``bank``'s shape (None: no bank), compiled once per shape bucket:
+        a bank's contents and each row's adapter are arguments, so neither recompiles it."""
+        slots = None if bank is None else bank.slots
+        if slots not in self._scorers:
+            weights = self._param_shardings if bank is None else (self._param_shardings, bank.shardings)
+            self._scorers[slots] = jax.jit(
+                functools.partial(self._score_fn, GPTJ(self.config, slots=slots)),
+                static_argnums=(4,),
+                in_shardings=(weights, self._table, self._table, self._rows),
+                out_shardings=(self._table, self._cube, self._cube),
+            )
+        return self._scorers[slots]
 
     # -- device programs ---------------------------------------------------------------------
     def _emit(self, state: DecodeState, logits: Array, original_order: bool) -> DecodeState:
@@ -356,9 +379,18 @@ class Decoder:
 
         return lax.while_loop(unfinished, step, state)
 
-    def _score_fn(self, params, tokens, segment_ids, top_width: int) -> tuple[Array, Array, Array]:
+    def _score_fn(self, model: GPTJ, weights, tokens, segment_ids, adapter, top_width: int):
+        params, bank = (weights, None) if model.slots is None else weights
         scores = score_tokens(
-            self.model, params, tokens[:, :-1], tokens[:, 1:], segment_ids, self.valid_vocab, top_width
+            model,
+            params,
+            tokens[:, :-1],
+            tokens[:, 1:],
+            segment_ids,
+            self.valid_vocab,
+            top_width,
+            bank=bank,
+            adapter=None if bank is None else adapter,
         )
         return scores.log_probs, scores.top_ids, scores.top_logprobs
 
@@ -461,11 +493,22 @@ class Decoder:
         return [logprobs for logprobs, _, _ in self.score_with_alternatives(sequences, 0)]
 
     def score_with_alternatives(
-        self, sequences: Sequence[Sequence[int]], top_logprobs: int
+        self,
+        sequences: Sequence[Sequence[int]],
+        top_logprobs: int,
+        adapters: np.ndarray | None = None,
+        bank: AdapterBank | None = None,
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """:meth:`score` in the same forward pass, with each position's ``top_logprobs`` most likely
         ids and their log-probabilities: per sequence ``(logprobs [L-1], top_ids [L-1, k],
-        top_logprobs [L-1, k])``, where row j is the distribution that predicts ``seq[j+1]``."""
+        top_logprobs [L-1, k])``, where row j is the distribution that predicts ``seq[j+1]``.
+
+        ``adapters``: each sequence's row of ``bank`` (default: :meth:`use_adapters`' bank; 0 or
+        None: the base), applied as generation applies it. With a bank, every mix of rows runs one
+        program, the base's rows included."""
+        bank = self.adapters if bank is None else bank
+        if bank is None and adapters is not None and np.any(adapters):
+            raise SamplingError("adapters named for scoring, and this decoder has no adapter bank")
         if not sequences:
             raise SamplingError("no sequences given to score: pass at least one")
         for i, seq in enumerate(sequences):
@@ -483,10 +526,18 @@ class Decoder:
         for row, seq in enumerate(sequences):  # right-padded: causal attention never sees the padding
             tokens[row, : len(seq)] = seq
             segments[row, : len(seq) - 1] = 1
-        width = top_bucket(top_logprobs)
+        rows = np.zeros(batch, np.int32)
+        rows[: len(sequences)] = 0 if adapters is None else adapters
+        weights = self.params if bank is None else (self.params, bank.arrays)
         with partitioning.sharding_scope(self.mesh, self.rules):
             out, ids, lps = to_host(
-                self._score(self.params, to_device(tokens, self._table), to_device(segments, self._table), width)
+                self._scorer(bank)(
+                    weights,
+                    to_device(tokens, self._table),
+                    to_device(segments, self._table),
+                    to_device(rows, self._rows),
+                    top_bucket(top_logprobs),
+                )
             )
         return [
             (out[row, : len(seq) - 1], ids[row, : len(seq) - 1, :top_logprobs], lps[row, : len(seq) - 1, :top_logprobs])
@@ -495,7 +546,7 @@ class Decoder:
 
     def compilations(self) -> int:
         """Programs compiled so far (prefill + decode + score), for checking that nothing recompiles."""
-        return sum(f._cache_size() for f in (self._prefill, self._decode, self._score))
+        return sum(f._cache_size() for f in (self._prefill, self._decode, *self._scorers.values()))
 
 
 class DecodeRun:

@@ -100,12 +100,6 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> schemas.Usage:
 
 def checked_prompts(service: Service, body: Body) -> Prompts:
     """The request's prompts, once the request as a whole is one this server can answer."""
-    if service.adapter_of(body.model) and body.echo and body.logprobs is not None:
-        raise _invalid(
-            "echo",
-            f"echo with logprobs scores the prompt with the base model only, and {body.model!r} is an adapter: "
-            "ask the base for the prompt's scores",
-        )
     if body.echo and body.stream:
         raise _invalid("echo", "echo is not available with stream")
     if body.max_tokens == 0 and not body.echo:
@@ -154,7 +148,7 @@ async def _results(service: Service, body: Body, request: Request, prompts: Prom
     """Each choice's prompt score (with ``echo`` and ``logprobs``) and completion (unless
     ``max_tokens`` is 0), ``None`` where not asked for."""
     scored = (
-        await service.score([tokens for _, tokens in prompts], body.logprobs)
+        await service.score([tokens for _, tokens in prompts], body.logprobs, body.model)
         if body.echo and body.logprobs is not None
         else [None] * len(prompts)
     )

@@ -4,6 +4,7 @@ request log and drain state), the middleware that drains and counts requests, th
 """
 
 import asyncio
+import collections
 import logging
 import secrets
 import time
@@ -144,6 +145,7 @@ class Service:
         self.metrics = Metrics()
         self.adapters = adapter_bank(model, settings)
         self._adapter_jobs: dict[int, set[Job]] = {}  # bank row → the jobs submitted with it
+        self._adapter_scoring: collections.Counter[int] = collections.Counter()  # bank row → requests being scored
         self.keys = keys if keys is not None else open_keys(settings)
         self.request_log = request_log if request_log is not None else open_request_log(settings)
         self.worker = Engine(
@@ -159,7 +161,7 @@ class Service:
             decode_steps=settings.decode_steps,
             adapters=self.adapters,
         )
-        self.scorer = PromptScorer(model, max_rows=settings.queue_size)
+        self.scorer = PromptScorer(model, max_rows=settings.queue_size, adapters=self.adapters)
         # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest; a
         # chat request carries a whole conversation, so at least CHAT_BODY_TEXTS full texts, whatever the batch.
         texts = max(2 * settings.max_batch, CHAT_BODY_TEXTS)
@@ -208,10 +210,10 @@ class Service:
         self.adapter_of(name)
 
     def adapter_busy(self, index: int) -> int:
-        """Requests submitted with adapter row ``index`` that have not ended yet."""
+        """Requests submitted with adapter row ``index`` that have not ended yet, or being scored with it."""
         jobs = self._adapter_jobs.get(index, set())
         jobs -= {job for job in jobs if job.answered or job.cancelled or job.result.done()}
-        return len(jobs)
+        return len(jobs) + self._adapter_scoring[index]
 
     def encode(self, text: str) -> list[int]:
         return self.model.encode(text) if text else []
@@ -250,14 +252,20 @@ class Service:
         """The ``text_offset`` of tokens whose text begins at character ``start``."""
         return TextOffsets(lambda t: self.token_text(t[0]) if len(t) == 1 else self.model.decode(t), start)
 
-    async def score(self, prompts: list[list[int]], top_logprobs: int) -> list:
+    async def score(self, prompts: list[list[int]], top_logprobs: int, model: str | None = None) -> list:
+        """Each prompt's scores under the model a request named (the base's name or an adapter's);
+        the adapter cannot be removed meanwhile."""
+        index = self.adapter_of(model)
+        self._adapter_scoring[index] += 1  # counted before any await: a removal sees it at once
         try:
-            return await self.scorer.score(prompts, top_logprobs)
+            return await self.scorer.score(prompts, top_logprobs, None if index == 0 else model)
         except QueueFull as e:
             raise HTTPException(429, str(e), headers={"Retry-After": str(e.retry_after)}) from None
         except Exception:  # the prompts were checked: what fails here is the device, not the request
             logger.exception("scoring %d prompt(s) failed", len(prompts))
             raise HTTPException(500, "scoring the prompt failed; the server log has the details") from None
+        finally:
+            self._adapter_scoring[index] -= 1
 
     def submit(self, job: Job) -> None:
         try:
