@@ -33,11 +33,17 @@ def lora_run(directory: str, base: str, config: ModelConfig, lora: LoraConfig, s
 
 def peft_adapter(directory: str, config: ModelConfig, seed: int, **settings) -> str:
     """A PEFT LoRA directory made by PEFT on a GPT-J of ``config``'s shape, its weights random."""
-    import peft as hf_peft
-    import torch
     from transformers import GPTJForCausalLM
 
-    model = GPTJForCausalLM(hf_gptj_config(config)).float()
+    return save_peft_adapter(GPTJForCausalLM(hf_gptj_config(config)).float(), directory, seed, **settings)
+
+
+def save_peft_adapter(model, directory, seed: int, **settings) -> str:
+    """PEFT's own LoRA (``settings``: its ``LoraConfig``) over the HF GPT-J ``model``, its weights random
+    and large enough to change the tokens, saved by PEFT to ``directory``."""
+    import peft as hf_peft
+    import torch
+
     adapted = hf_peft.get_peft_model(model, hf_peft.LoraConfig(**settings))
     torch.manual_seed(seed)
     with torch.no_grad():

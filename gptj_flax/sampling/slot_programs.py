@@ -301,22 +301,8 @@ def decode(
 def _prompt_cache(shape: SlotShape, params, rows: NewRows) -> tuple[KVCache, Array]:
     """Prefill short prompts [b, P] (left-padded) at once: their cache and last logits."""
     tokens = rows.tokens
-    columns = jnp.arange(tokens.shape[1])[None, :]
-    padding = (tokens.shape[1] - rows.lengths)[:, None]
-    segments, positions = (columns >= padding).astype(jnp.int32), jnp.maximum(columns - padding, 0)
-    cache = KVCache.empty(shape.config, *tokens.shape)
-    logits, cache = _apply(
-        shape,
-        params,
-        tokens,
-        positions,
-        segments,
-        cache,
-        last_logits_only=True,
-        adapter=rows.adapter,
-        method=GPTJ.decode,
-    )
-    return cache, logits[:, -1]
+    empty = KVCache.empty(shape.config, *tokens.shape)
+    return _prefill_window(shape, params, empty, tokens, rows.lengths, 0, tokens.shape[1], rows.adapter)
 
 
 def admit(shape: SlotShape, params, state: SlotState, rows: NewRows, table) -> tuple[SlotState, Tokens]:
