@@ -53,7 +53,7 @@ import httpx
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import BENCH_MODEL, REPO, load_average, machine_summary
+from benchmarks.common import BENCH_MODEL, REPO, load_average, machine_summary, xla_flags_with_devices
 from gptj_flax import checkpoint
 from gptj_flax.checkpoint import Checkpointer
 from gptj_flax.config import Config, LoraConfig, ModelConfig, TrainConfig
@@ -392,8 +392,7 @@ def _start_server(checkpoint: str, settings: dict, cache: str) -> tuple[subproce
     }
     env["GPTJ_FLAX_CACHE"] = cache
     if prefill == "beside":  # on the CPU, a spare device to prefill on; the decode slots keep the first
-        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2".strip()
+        env["XLA_FLAGS"] = xla_flags_with_devices(env.get("XLA_FLAGS", ""), 2)
     process = subprocess.Popen(
         [
             sys.executable,

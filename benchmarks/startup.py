@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import BENCH_MODEL, REPO, machine_summary
+from benchmarks.common import BENCH_MODEL, REPO, machine_summary, xla_flags_with_devices
 from benchmarks.serve import _free_port, _write_model
 from gptj_flax.config import ModelConfig, load_config
 
@@ -48,8 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _env(cache: Path) -> dict[str, str]:
-    """A user's environment with the benchmark's cache: no suite cache, this checkout on the path."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS")}
+    """A user's environment (their XLA flags kept, but one device, as the commands run by default) with
+    the benchmark's cache: no suite cache, this checkout on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["XLA_FLAGS"] = xla_flags_with_devices(env.get("XLA_FLAGS", ""), None)
     env = {k: v for k, v in env.items() if not k.startswith("JAX_PERSISTENT_CACHE_")}
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return {**env, "PYTHONPATH": python_path, "GPTJ_FLAX_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
