@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="every request starts with the same N tokens (then a few of its own): the benchmark runs a server "
         "with the prefix cache and one without, and prints both side by side (not with --url; default 0: "
-        "prompts of ~12 tokens, one server)",
+        "prompts of six words, one server)",
     )
     parser.add_argument(
         "--adapters",
@@ -619,7 +619,7 @@ def run(args: argparse.Namespace) -> None:
     prompts = (
         f"prompts of the same {args.shared_prefix} token ids and {OWN_TOKENS} of each request's own"
         if args.shared_prefix
-        else "prompts of ~12 tokens"
+        else "prompts of six words" + ("" if args.url else " (6 or 7 tokens of the benchmark's model)")
     )
     print(
         f"{target}\n/v1/completions, streamed: {prompts}, max_tokens {spread}, temperature {TEMPERATURE}; each "
