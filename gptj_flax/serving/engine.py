@@ -47,10 +47,10 @@ import time
 
 from jax.sharding import Mesh
 
+from gptj_flax.errors import GptjFlaxError
 from gptj_flax.sampling.adapter_bank import AdapterBank
 from gptj_flax.sampling.api import Completion, LanguageModel, Piece
 from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING
-from gptj_flax.sampling.memory_maps import MemoryMapLimit
 from gptj_flax.sampling.prefix_cache import PromptCounts
 from gptj_flax.sampling.samplers import SamplingParams
 from gptj_flax.sampling.slots import MAX_PREFILL_ROWS, Pending, Prefill, Prefilled, Request, Slots, Tokens
@@ -246,7 +246,7 @@ class Engine:
                 time.monotonic() - start,
             )
         except Exception as e:  # a model that cannot generate cannot serve: report it on /health
-            if isinstance(e, MemoryMapLimit):  # the message is the whole story: no traceback
+            if isinstance(e, GptjFlaxError):  # its message says what is wrong and what to do: no traceback
                 logger.error("warm-up failed: %s", e)
             else:
                 logger.exception("warm-up failed")
