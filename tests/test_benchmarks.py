@@ -3,6 +3,7 @@ table; and the input pipeline benchmark's figures."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 
+from benchmarks import sample
 from benchmarks.data import benchmark_pipeline
 from tests import commands
 
@@ -113,6 +115,10 @@ def sample_benchmark(repo_root, tmp_path_factory) -> str:
         "int8",
         "--kv-cache",
         "int8",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.9",
     )
 
 
@@ -120,6 +126,7 @@ def sample_benchmark(repo_root, tmp_path_factory) -> str:
 def test_sample_benchmark(sample_benchmark):
     out = sample_benchmark
     assert "27.3M parameters, float32" in out
+    assert "3 new tokens per row, sampled at temperature 1 with top-k 50 and top-p 0.9, KV cache on both sides" in out
     rows = re.findall(
         rf"^\s+(\d+)\s+(-?{NUMBER})\s+(-?{NUMBER})\s+-?{NUMBER}x\s+({NUMBER}) \({LIMIT}\)\s+-?{SHARE}"
         rf"\s+-?{SHARE}\s+({NUMBER})\s+({NUMBER})\s+{NUMBER}x$",
@@ -238,6 +245,28 @@ def test_serve_benchmark_compares_servers_holding_adapters_with_the_base_alone(r
     assert [row[0] for row in rows] == ["0", "2"], out
     assert rows[0][2] == "100%" and all(float(row[1].replace(",", "")) > 0 < float(row[3]) for row in rows), out
     assert re.search(r"takes ([\d,]+) bytes on the device", out), out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--top-p", "nan"], "top_p must be in (0, 1]"),
+        (["--top-k", "-1"], "top_k must be an integer >= 0"),
+    ],
+)
+def test_sample_benchmark_refuses_bad_filters_in_one_line(tmp_path, args, message, run_command):
+    done = run_command(commands.script("bench.py"), "sample", *args, cwd=tmp_path)
+    assert done.status != 0 and "Traceback" not in done.err, done.err
+    assert done.err.startswith("error: ") and message in done.err, done.err
+
+
+def test_sample_benchmark_decodes_greedily_on_both_sides_by_default():
+    parser = argparse.ArgumentParser()
+    sample.add_arguments(parser)
+    assert sample._describe(sample._filters(parser.parse_args([]))) == "greedy"
+    chosen = sample._filters(parser.parse_args(["--top-p", "0.5"]))
+    assert chosen == {"top_p": 0.5} and sample._describe(chosen) == "sampled at temperature 1 with top-p 0.5"
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import flax
 import jax
@@ -216,27 +216,65 @@ def repetition_penalty(logits: Array, seen: Array, penalty: Array) -> Array:
     return jnp.where(seen, penalised, logits)
 
 
+def _ordered(bits: Array) -> Array:
+    """A float32's int32 bits reordered as the floats are (−0 just below +0): a negative one's
+    magnitude bits flipped. Its own inverse."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _as_ordered(x: Array) -> Array:
+    return _ordered(lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32))
+
+
+def _as_float(ordered: Array) -> Array:
+    return lax.bitcast_convert_type(_ordered(ordered), jnp.float32)
+
+
+def _largest(fits: Callable[[Array], Array], rows: int) -> Array:
+    """Each row's largest int32 ``m`` [rows, 1] for which ``fits(m)`` holds, where ``fits`` holds for
+    the least int32 and, once it fails, fails for every larger one: bisection, 32 halvings.
+
+    The filters find their thresholds this way over the logits' ordered bits, in passes that count
+    or sum over the row: they vectorise, where a sort of the vocabulary costs a comparison at a time.
+    """
+    low = jnp.full((rows, 1), jnp.iinfo(jnp.int32).min, jnp.int32)
+    high = jnp.full((rows, 1), jnp.iinfo(jnp.int32).max, jnp.int32)
+
+    def halve(_, bounds):
+        low, high = bounds
+        middle = (low >> 1) + (high >> 1) + ((low | high) & 1)  # ceil((low + high) / 2), no overflow
+        ok = fits(middle)
+        return jnp.where(ok, middle, low), jnp.where(ok, high, middle - 1)
+
+    return lax.fori_loop(0, 32, halve, (low, high))[0]
+
+
 def top_k_filter(logits: Array, k: Array) -> Array:
     """Keep each row's ``k`` highest logits (and any tied with the k-th); k = 0 keeps all.
 
     The threshold is the k-th largest *value*, so every token id, 0 included, can be removed.
     """
-    vocab = logits.shape[-1]
-    descending = -jnp.sort(-logits, axis=-1)
-    kth = jnp.take_along_axis(descending, (jnp.clip(k, 1, vocab) - 1)[:, None], axis=-1)
-    keep = (logits >= kth) | (k <= 0)[:, None]
+    ordered = _as_ordered(logits)
+    at_least = jnp.clip(k, 1, logits.shape[-1])[:, None]
+    kth = _largest(lambda m: jnp.sum(ordered >= m, axis=-1, keepdims=True) >= at_least, len(logits))
+    keep = (logits >= _as_float(kth)) | (k <= 0)[:, None]
     return jnp.where(keep, logits, -jnp.inf)
 
 
 def top_p_filter(logits: Array, p: Array) -> Array:
     """Nucleus: drop the least likely tokens whose total probability is at most 1 − p
-    (HuggingFace's rule); the most likely token always stays. p = 1 keeps all."""
-    ascending = jnp.sort(logits, axis=-1)
-    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
-    removed = cumulative <= (1.0 - p)[:, None]
-    # the removed tokens are a prefix of the ascending order; keep at least the last one
-    n_removed = jnp.minimum(jnp.sum(removed, axis=-1), logits.shape[-1] - 1)
-    threshold = jnp.take_along_axis(ascending, n_removed[:, None], axis=-1)
+    (HuggingFace's rule); the most likely token always stays. p = 1 keeps all.
+
+    The threshold is the largest logit below which the row's probability sums to at most 1 − p:
+    the first token HuggingFace keeps in ascending order, with the tokens tied with it.
+    """
+    ordered = _as_ordered(logits)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    removable = (1.0 - p)[:, None]
+    below = _largest(
+        lambda m: jnp.sum(jnp.where(ordered < m, probs, 0.0), axis=-1, keepdims=True) <= removable, len(logits)
+    )
+    threshold = _as_float(jnp.minimum(below, jnp.max(ordered, axis=-1, keepdims=True)))  # the top token stays
     keep = (logits >= threshold) | (p >= 1.0)[:, None]
     return jnp.where(keep, logits, -jnp.inf)
 
