@@ -99,6 +99,30 @@ def test_top_p_equals_huggingfaces_sorted_running_sum_on_ties_and_infinities():
         np.testing.assert_array_equal(got, expected, err_msg=f"vocabulary of {vocab}")
 
 
+def test_typical_p_equals_huggingfaces_sorted_running_sum_on_ties_and_infinities():
+    """The typical set's last distance comes from bisecting the floats' bits: against HuggingFace's
+    rule on numpy's sort of every row by distance from the entropy (a running sum in float64), over
+    ties (kept whole), −inf logits and masses from nearly 0 to 1."""
+    rng = np.random.default_rng(7)
+    for vocab in (1, 2, 5, 97, 300):
+        logits = np.round(rng.normal(size=(64, vocab)) * rng.uniform(0.3, 4.0, size=(64, 1)), 1).astype(np.float32)
+        logits[rng.random(logits.shape) < 0.1] = -np.inf
+        logits[:, 0] = np.where(np.isinf(logits).all(axis=1), 0.0, logits[:, 0])  # a row needs a finite logit
+        mass = rng.choice([1e-6, 0.3, 0.9, 0.999, 1.0], size=64).astype(np.float32)
+        # the distances as the filter computes them, so that ties are the same ties
+        log_probs = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+        probs = np.exp(log_probs)
+        with np.errstate(invalid="ignore"):  # 0·(−inf) is nan, which the sum skips, as the filter's does
+            distance = np.abs(-log_probs - (-np.nansum(log_probs * probs, axis=-1, keepdims=True)))
+        order = np.argsort(distance, axis=-1, kind="stable")
+        running = np.cumsum(np.take_along_axis(probs.astype(np.float64), order, axis=-1), axis=-1)
+        last = np.minimum((running < mass[:, None]).sum(-1), vocab - 1)
+        threshold = np.take_along_axis(distance, order, axis=-1)[np.arange(64), last]
+        expected = np.where((distance <= threshold[:, None]) | (mass >= 1.0)[:, None], logits, -np.inf)
+        got = np.asarray(typical_filter(jnp.asarray(logits), jnp.asarray(mass)))
+        np.testing.assert_array_equal(got, expected, err_msg=f"vocabulary of {vocab}")
+
+
 def test_top_p_keeps_exactly_the_nucleus():
     logits = _logits(PROBS_A, PROBS_A, PROBS_B, PROBS_B, PROBS_A)
     p = jnp.asarray([0.6, 0.75, 0.45, 0.7, 1.0])

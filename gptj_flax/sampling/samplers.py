@@ -5,7 +5,8 @@ a batch of them on their way to the device: every setting an array with one valu
 one compiled program serves a batch whose requests all want different things. A value that switches
 a filter off (``top_k`` 0, ``top_p``/``typical_p`` 1, ``min_p`` 0, ``repetition_penalty`` 1) leaves
 that row untouched, and a filter no row uses is skipped at run time (``lax.cond``), so greedy
-decoding never sorts the vocabulary.
+decoding runs none of them. No filter sorts the vocabulary: each finds its threshold by bisection
+(:func:`_largest`).
 
 Order (HuggingFace ``generate``): repetition penalty → temperature → top-k → top-p → min-p →
 typical-p → sample. ``original_order=True`` moves temperature after the filters, as
@@ -290,16 +291,21 @@ def min_p_filter(logits: Array, min_p: Array) -> Array:
 def typical_filter(logits: Array, mass: Array) -> Array:
     """Locally typical sampling (HuggingFace's ``TypicalLogitsWarper``): rank tokens by how far
     their surprisal −log p lies from the entropy H; keep the smallest prefix of that ranking whose
-    probability reaches ``mass`` (at least one token). mass = 1 keeps all."""
+    probability reaches ``mass`` (at least one token). mass = 1 keeps all.
+
+    The prefix ends at the least distance at or below which the probability reaches ``mass`` (the
+    tokens tied with it kept too), found as :func:`top_p_filter` finds its threshold.
+    """
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     probs = jnp.exp(log_probs)
     entropy = -jnp.nansum(log_probs * probs, axis=-1, keepdims=True)  # 0·(−inf) terms are nan: skip
     distance = jnp.abs(-log_probs - entropy)
-    order = jnp.argsort(distance, axis=-1)
-    sorted_distance = jnp.take_along_axis(distance, order, axis=-1)
-    cumulative = jnp.cumsum(jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1), axis=-1)
-    last = jnp.minimum(jnp.sum(cumulative < mass[:, None], axis=-1), logits.shape[-1] - 1)
-    threshold = jnp.take_along_axis(sorted_distance, last[:, None], axis=-1)
+    ordered = _as_ordered(distance)
+    wanted = mass[:, None]
+    short = _largest(
+        lambda m: jnp.sum(jnp.where(ordered < m, probs, 0.0), axis=-1, keepdims=True) < wanted, len(logits)
+    )
+    threshold = _as_float(jnp.minimum(short, jnp.max(ordered, axis=-1, keepdims=True)))  # reached by the last token
     keep = (distance <= threshold) | (mass >= 1.0)[:, None]
     return jnp.where(keep, logits, -jnp.inf)
 
