@@ -136,8 +136,11 @@ def _huggingface(model, prompts: np.ndarray, new_tokens: int, filters: dict | No
     ids = torch.from_numpy(prompts.astype(np.int64))
     mask = torch.ones_like(ids)
     # generate's own defaults would add top-k 50 to any sampling: every filter is named
-    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, **filters} if filters else {}
-    sampling.setdefault("do_sample", False)
+    sampling = (
+        {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, **filters}
+        if filters
+        else {"do_sample": False}
+    )
 
     def generate(n):
         with torch.no_grad():

@@ -250,6 +250,17 @@ def _largest(fits: Callable[[Array], Array], rows: int) -> Array:
     return lax.fori_loop(0, 32, halve, (low, high))[0]
 
 
+def _mass_threshold(values: Array, probs: Array, allowed: Callable[[Array], Array]) -> Array:
+    """Each row's largest value [B, 1] (of ``values`` [B, V], at most the row's largest) for which
+    ``allowed`` holds of the probability ``probs`` of the tokens whose values lie below it."""
+    ordered = _as_ordered(values)
+    below = _largest(
+        lambda m: allowed(jnp.sum(jnp.where(ordered < m, probs, 0.0), axis=-1, keepdims=True)), len(values)
+    )
+    # a float sum short of 1 could allow every bit pattern, the last of them NaN's: cap it at the row's largest
+    return _as_float(jnp.minimum(below, jnp.max(ordered, axis=-1, keepdims=True)))
+
+
 def top_k_filter(logits: Array, k: Array) -> Array:
     """Keep each row's ``k`` highest logits (and any tied with the k-th); k = 0 keeps all.
 
@@ -269,13 +280,9 @@ def top_p_filter(logits: Array, p: Array) -> Array:
     The threshold is the largest logit below which the row's probability sums to at most 1 − p:
     the first token HuggingFace keeps in ascending order, with the tokens tied with it.
     """
-    ordered = _as_ordered(logits)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     removable = (1.0 - p)[:, None]
-    below = _largest(
-        lambda m: jnp.sum(jnp.where(ordered < m, probs, 0.0), axis=-1, keepdims=True) <= removable, len(logits)
-    )
-    threshold = _as_float(jnp.minimum(below, jnp.max(ordered, axis=-1, keepdims=True)))  # the top token stays
+    threshold = _mass_threshold(logits, probs, lambda below: below <= removable)
     keep = (logits >= threshold) | (p >= 1.0)[:, None]
     return jnp.where(keep, logits, -jnp.inf)
 
@@ -300,12 +307,8 @@ def typical_filter(logits: Array, mass: Array) -> Array:
     probs = jnp.exp(log_probs)
     entropy = -jnp.nansum(log_probs * probs, axis=-1, keepdims=True)  # 0·(−inf) terms are nan: skip
     distance = jnp.abs(-log_probs - entropy)
-    ordered = _as_ordered(distance)
     wanted = mass[:, None]
-    short = _largest(
-        lambda m: jnp.sum(jnp.where(ordered < m, probs, 0.0), axis=-1, keepdims=True) < wanted, len(logits)
-    )
-    threshold = _as_float(jnp.minimum(short, jnp.max(ordered, axis=-1, keepdims=True)))  # reached by the last token
+    threshold = _mass_threshold(distance, probs, lambda below: below < wanted)
     keep = (distance <= threshold) | (mass >= 1.0)[:, None]
     return jnp.where(keep, logits, -jnp.inf)
 
