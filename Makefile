@@ -15,8 +15,15 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
-	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,eval,serve,docs,pod]'
+	$(PY) -m pip install --quiet --retries 10 -c $(CONSTRAINTS) --upgrade pip
+	@# A dropped connection mid-download (TensorFlow's wheel is 570 MB) is retried twice more after a
+	@# pause, resuming where it stopped, rather than failing the whole install.
+	for attempt in 1 2 3; do \
+	    $(PY) -m pip install --quiet --retries 10 --resume-retries 10 -c $(CONSTRAINTS) \
+	        -e '.[test,eval,serve,docs,pod]' && break; \
+	    [ $$attempt -lt 3 ] || exit 1; \
+	    echo "pip install failed (attempt $$attempt of 3); trying again in 30 s" >&2; sleep 30; \
+	done
 	touch $@
 
 demo: install

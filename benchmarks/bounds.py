@@ -1,15 +1,24 @@
 """The machine's own limits, measured in the benchmark's process, and the speed they allow a GPT-J.
 
-Two figures bound every benchmark here: how fast one core set streams a weight-sized array from
-memory (a matrix-vector product reads each byte once and does 2 FLOPs per 4 bytes, so memory is all
-it waits for) and how fast it multiplies large matrices (the practical FLOP/s ceiling of JAX's
+Two figures bound every benchmark here: how fast the cores read a model's weights as a decode step
+does (a matrix-vector product reads each byte once and does 2 FLOPs per 4 bytes, so reading is all
+it waits for) and how fast they multiply large matrices (the practical FLOP/s ceiling of JAX's
 matmul in a given dtype). A benchmark's figure divided by the bound its work implies is the
 fraction of the machine it uses, which unlike a ratio against PyTorch does not move with the CPU.
+
+Where the weights fit the last-level cache, decoding step after step reads them from there, not
+from memory: the read speed is then measured the same way, over the same weights again and again,
+warmed (a cache bound); where they do not, the same reads stream from memory (a memory bound).
+A figure over its bound means the bound was not measured as the work reads, and is reported as
+a failed measurement, not as a share.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import subprocess
 import time
 
 import jax
@@ -29,17 +38,95 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def streaming_bandwidth(nbytes: int, repeats: int = 10) -> float:
-    """Bytes/s of a float32 matrix-vector product over a ``nbytes`` matrix: memory streaming speed.
+CPU_CACHES = "/sys/devices/system/cpu/cpu0/cache"
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 
-    Size it like the model's weights, so that it sees the same caches as decoding does.
-    """
-    cols = 1024
-    rows = max(1, nbytes // (4 * cols))
-    w = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)
-    x = jax.random.normal(jax.random.key(1), (cols,), jnp.float32)
-    matvec = jax.jit(lambda w, x: w @ x)
-    return rows * cols * 4 / _best_seconds(lambda: matvec(w, x).block_until_ready(), repeats)
+
+def _size_bytes(text: str) -> int | None:
+    """``32768K``, ``32 MiB``, ``300M`` → bytes; None where it is no size."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()]) if match else None
+
+
+def last_level_cache_bytes(caches: str = CPU_CACHES) -> int | None:
+    """The size of the last-level cache the first CPU uses: sysfs's highest cache level, or
+    ``lscpu``'s (its total over instances, divided by them); None where neither says."""
+    sizes = {}
+    try:
+        for entry in os.listdir(caches):
+            with open(os.path.join(caches, entry, "level")) as level, open(os.path.join(caches, entry, "size")) as size:
+                sizes[int(level.read())] = _size_bytes(size.read())
+    except (OSError, ValueError):
+        sizes = {}
+    if sizes and sizes[max(sizes)]:
+        return sizes[max(sizes)]
+    try:
+        listing = subprocess.run(
+            ["lscpu"], capture_output=True, text=True, timeout=10, env={**os.environ, "LC_ALL": "C"}
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return _lscpu_last_level(listing.stdout)
+
+
+def _lscpu_last_level(listing: str) -> int | None:
+    """The last-level cache of one instance, from ``lscpu``'s ``L3 cache: 32 MiB (1 instance)`` lines."""
+    found = {}
+    for level, size, instances in re.findall(
+        r"^L(\d)\S* cache:\s*([^(\n]+?)\s*(?:\((\d+) instances?\))?$", listing, re.M
+    ):
+        total = _size_bytes(size)
+        if total:
+            found[int(level)] = total // int(instances or 1)
+    return found[max(found)] if found else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadSpeed:
+    """How fast a decode step's weights are read: bytes/s, and from where ("cache" or "memory")."""
+
+    bytes_per_s: float
+    where: str
+    weight_bytes: int
+    cache_bytes: int | None
+
+    def describe(self) -> str:
+        cache = "unknown" if self.cache_bytes is None else f"{self.cache_bytes / 2**20:.0f} MiB"
+        fits = "fit" if self.where == "cache" else "do not fit"
+        return (
+            f"  weights read at {self.bytes_per_s / 1e9:.1f} GB/s from {self.where}: float32 matvecs over the "
+            f"decode step's {self.weight_bytes / 1e6:.0f} MB of weight matrices, again and again, warmed (they "
+            f"{fits} the {cache} last-level cache): a {self.where} bound"
+        )
+
+
+def _weight_matrices(config: ModelConfig) -> list[tuple[int, int]]:
+    """The (in, out) shapes of the matrices a decode step multiplies a row by, in order."""
+    d, f = config.d_model, config.ff_dim
+    return [(d, d)] * 4 * config.n_layers + [(d, f), (f, d)] * config.n_layers + [(d, config.vocab_size)]
+
+
+def decode_read_speed(config: ModelConfig, repeats: int = 10, cache_bytes: int | None = -1) -> ReadSpeed:
+    """The speed a batch-1 decode step of ``config`` can read its weight matrices: matvecs over
+    matrices of the same shapes (float32), each feeding the next as a step's do, run again and
+    again over the same matrices after a warm-up; ``cache_bytes`` (default: the machine's last
+    level, :func:`last_level_cache_bytes`) says whether they stay in the cache or stream from memory."""
+    cache_bytes = last_level_cache_bytes() if cache_bytes == -1 else cache_bytes
+    shapes = _weight_matrices(config)
+    keys = jax.random.split(jax.random.key(0), len(shapes))
+    weights = [jax.random.normal(k, s, jnp.float32) / np.sqrt(s[0]) for k, s in zip(keys, shapes, strict=True)]
+    x = jax.random.normal(jax.random.key(1), (config.d_model,), jnp.float32)
+
+    @jax.jit
+    def matvecs(weights, x):
+        for w in weights:  # each shape's input is the one before's output
+            x = x @ w
+        return x.sum()  # every output used: no part of a matrix goes unread
+
+    nbytes = sum(a * b for a, b in shapes) * 4
+    seconds = _best_seconds(lambda: matvecs(weights, x).block_until_ready(), repeats)
+    where = "cache" if cache_bytes is not None and nbytes <= cache_bytes else "memory"
+    return ReadSpeed(nbytes / seconds, where, nbytes, cache_bytes)
 
 
 def matmul_ceiling(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
@@ -72,7 +159,13 @@ def _block_projection_params(config: ModelConfig) -> int:
 
 
 def decode_bound(
-    config: ModelConfig, batch: int, context: float, bandwidth: float, flops: float, itemsize: int = 4
+    config: ModelConfig,
+    batch: int,
+    context: float,
+    bandwidth: float,
+    flops: float,
+    itemsize: int = 4,
+    reads: str = "memory",
 ) -> Bound:
     """Tokens/s of one-token decode steps at ``batch`` rows attending to ``context`` cached tokens.
 
@@ -81,6 +174,8 @@ def decode_bound(
     takes the longer of its reads at ``bandwidth`` and its arithmetic at ``flops`` (a roofline).
     With ``config.quantize == "int8"`` the block projections are read at one byte per weight, and
     with ``config.kv_cache == "int8"`` the cache at one byte per entry plus a float32 scale per head.
+    ``reads``: where ``bandwidth`` reads from (a :class:`ReadSpeed`'s ``where``), the limit's name
+    when reading is the longer.
     """
     per_token = config.d_model + 4 * config.n_heads if config.kv_cache == "int8" else config.d_model * itemsize
     kv_bytes = 2 * config.n_layers * batch * context * per_token
@@ -91,8 +186,22 @@ def decode_bound(
     step_flops = batch * (2.0 * _matmul_params(config) + 4.0 * config.n_layers * config.d_model * context)
     memory_s, compute_s = step_bytes / bandwidth, step_flops / flops
     return Bound(
-        batch / max(memory_s, compute_s), "memory" if memory_s >= compute_s else "compute", step_bytes, step_flops
+        batch / max(memory_s, compute_s), reads if memory_s >= compute_s else "compute", step_bytes, step_flops
     )
+
+
+FAILED = "failed"
+FAILED_WHY = (
+    "failed: a figure over its bound means the bound was not measured as the work reads and computes (its "
+    "read speed or ceiling timed at a busier moment of a shared machine, or read from a slower level of memory "
+    "than the work did), so no share is given"
+)
+
+
+def share(tokens_per_s: float, bound: Bound) -> str:
+    """The share of ``bound`` reached, as printed; over 100% the bound did not bound: ``FAILED``."""
+    reached = bound.reached(tokens_per_s)
+    return f"{100 * reached:.0f}%" if reached <= 1 else FAILED
 
 
 def train_bound(config: ModelConfig, seq_len: int, flops: float) -> Bound:
@@ -101,9 +210,9 @@ def train_bound(config: ModelConfig, seq_len: int, flops: float) -> Bound:
     return Bound(flops / per_token, "compute", float("nan"), per_token)
 
 
-def describe_limits(bandwidth: float, ceilings: dict[str, float], weight_bytes: int) -> str:
+def describe_limits(read: ReadSpeed, ceilings: dict[str, float]) -> str:
     """One line per measured limit, as the benchmarks print them."""
-    lines = [f"  streaming: {bandwidth / 1e9:.1f} GB/s (float32 matvec over {weight_bytes / 1e6:.0f} MB)"]
+    lines = [read.describe()]
     lines += [f"  matmul ceiling, {name}: {value / 1e9:.1f} GFLOP/s" for name, value in ceilings.items()]
     return "\n".join(lines)
 

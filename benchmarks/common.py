@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -31,6 +32,16 @@ BENCH_MODEL = ModelConfig(
     dtype="float32",
     param_dtype="float32",
 )
+
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def xla_flags_with_devices(flags: str, devices: int | None) -> str:
+    """``flags`` (an ``XLA_FLAGS`` value) with its virtual CPU device count set to ``devices``, or
+    removed for None; the user's other flags are kept."""
+    kept = re.sub(rf"{DEVICE_COUNT_FLAG}=\S+", "", flags).split()
+    return " ".join(kept + ([f"{DEVICE_COUNT_FLAG}={devices}"] if devices is not None else []))
 
 
 def hf_gptj_config(config: ModelConfig, **overrides):

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import REPO, machine_summary
+from benchmarks.common import REPO, machine_summary, xla_flags_with_devices
 from gptj_flax import data
 from gptj_flax.config import load_config, save_config
 from gptj_flax.data.corpus import write_stdlib_corpus
@@ -119,6 +119,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _flags() -> str:
+    """The user's XLA flags for each process, less a device count: JAX_NUM_CPU_DEVICES sets it."""
+    return xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""), None)
+
+
 def by_hand(config: str, run_dir: pathlib.Path, log_dir: pathlib.Path, timeout: float) -> float:
     """Two processes started here with the coordinates in their environment, as a user does by hand."""
     port, procs = _free_port(), []
@@ -127,7 +132,7 @@ def by_hand(config: str, run_dir: pathlib.Path, log_dir: pathlib.Path, timeout: 
         env = {
             **os.environ,
             "PYTHONPATH": str(REPO),
-            "XLA_FLAGS": "",
+            "XLA_FLAGS": _flags(),
             "JAX_PLATFORMS": "cpu",
             "JAX_NUM_CPU_DEVICES": str(LOCAL_DEVICES),
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
@@ -147,7 +152,8 @@ def by_hand(config: str, run_dir: pathlib.Path, log_dir: pathlib.Path, timeout: 
 def launched(cluster: LocalCluster, config: str, run_dir: pathlib.Path, log_dir: pathlib.Path, timeout: float) -> float:
     """``gptj-launch --hosts 2`` (scripts/launch.py) on the running cluster."""
     started = time.monotonic()
-    command = [sys.executable, "scripts/launch.py", "--hosts", "2", "--env", "XLA_FLAGS=", "--env", "JAX_PLATFORMS=cpu"]
+    command = [sys.executable, "scripts/launch.py", "--hosts", "2", "--env", f"XLA_FLAGS={_flags()}"]
+    command += ["--env", "JAX_PLATFORMS=cpu"]
     command += ["--env", f"JAX_NUM_CPU_DEVICES={LOCAL_DEVICES}", "train", "--config", config, "--no-progress"]
     with open(log_dir / f"{run_dir.name}.log", "w") as log:
         proc = subprocess.Popen(command, cwd=REPO, env=cluster.env, stdout=log, stderr=subprocess.STDOUT)

@@ -53,6 +53,20 @@ _DTYPE_SPELLINGS = {
 }
 
 
+# Where the commands keep what they can make again (JAX's compiled programs, counted TFRecord
+# layouts): this variable, else the XDG cache directory, else ~/.cache.
+CACHE_ENV = "GPTJ_FLAX_CACHE"
+
+
+def cache_root() -> str:
+    """``$GPTJ_FLAX_CACHE``, else ``$XDG_CACHE_HOME/gptj_flax``, else ``~/.cache/gptj_flax``."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return os.path.abspath(os.path.expanduser(explicit))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(os.path.abspath(base), "gptj_flax")
+
+
 class ConfigError(GptjFlaxError, ValueError):
     """A configuration value is missing, malformed or inconsistent."""
 

@@ -11,6 +11,7 @@ without biases, and an untied LM head with a bias.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -651,16 +652,78 @@ class LoRA(nn.Module):
         return (self.lora.scale * jnp.tensordot(xa, b.value.astype(self.dtype), axes=1)).astype(self.dtype)
 
 
-def lora_delta(lora: LoraConfig | None, name: str, x: Array, in_axes, out_shape, out_axes, dtype, out: Array) -> Array:
-    """``out`` (projection ``name``'s output for input ``x``) plus its adapter's update, if it has one."""
-    if lora is None or name not in lora.projections:
-        return out
-    return out + LoRA(lora, tuple(in_axes), tuple(out_shape), tuple(out_axes), dtype, name=f"{name}_lora")(x)
+@dataclasses.dataclass(frozen=True)
+class AdapterSlots:
+    """The shape of a bank of served adapters (:class:`StackedLoRA`): ``capacity`` rows stacked
+    (row 0 is "no adapter", all zeros), each of rank ``rank`` (smaller ranks padded with zeros), on
+    the projections ``projections``. Static: it is part of what a program is compiled for."""
+
+    capacity: int
+    rank: int
+    projections: tuple[str, ...]
+
+
+class StackedLoRA(nn.Module):
+    """Many adapters of one projection, one chosen per sequence: row ``i`` of the batch gets
+    ``scale[j] * (x @ A[j]) @ B[j]`` with ``j = adapter[i]``.
+
+    ``A`` [capacity, *in, rank], ``B`` [capacity, rank, *out] and ``scale`` [capacity] live in the
+    ``adapters`` collection, filled by the serving side's adapter bank; row 0 stays zero, so a
+    sequence without an adapter runs the same program and gets exactly the base's output.
+    """
+
+    slots: AdapterSlots
+    in_axes: tuple[str, ...]
+    out_shape: tuple[int, ...]
+    out_axes: tuple[str, ...]
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: Array, adapter: Array) -> Array:
+        n, rank = self.slots.capacity, self.slots.rank
+        in_shape = x.shape[x.ndim - len(self.in_axes) :]
+
+        def zeros(shape, axes, dtype=self.dtype):
+            return _zeros(axes)(None, shape, dtype)
+
+        a = self.variable("adapters", "a", zeros, (n, *in_shape, rank), ("adapters", *self.in_axes, "lora_rank"))
+        b = self.variable("adapters", "b", zeros, (n, rank, *self.out_shape), ("adapters", "lora_rank", *self.out_axes))
+        scale = self.variable("adapters", "scale", zeros, (n,), ("adapters",), jnp.float32)
+        rows, length = x.shape[0], x.shape[1]
+        a_rows = jnp.take(a.value, adapter, axis=0).reshape(rows, -1, rank)  # [B, in, rank]
+        b_rows = jnp.take(b.value, adapter, axis=0).reshape(rows, rank, -1)  # [B, rank, out]
+        xa = jnp.einsum("btd,bdr->btr", x.astype(self.dtype).reshape(rows, length, -1), a_rows.astype(self.dtype))
+        delta = jnp.einsum("btr,bro->bto", xa, b_rows.astype(self.dtype))
+        delta = delta * jnp.take(scale.value, adapter)[:, None, None].astype(self.dtype)
+        return delta.reshape(rows, length, *self.out_shape)
+
+
+def lora_delta(
+    lora: LoraConfig | None,
+    name: str,
+    x: Array,
+    in_axes,
+    out_shape,
+    out_axes,
+    dtype,
+    out: Array,
+    slots: AdapterSlots | None = None,
+    adapter: Array | None = None,
+) -> Array:
+    """``out`` (projection ``name``'s output for input ``x``) plus its adapter's update, if it has one:
+    the trained adapter of ``lora``, and with ``slots`` each row's served adapter ``adapter`` [B]."""
+    shapes = (tuple(in_axes), tuple(out_shape), tuple(out_axes), dtype)
+    if lora is not None and name in lora.projections:
+        out = out + LoRA(lora, *shapes, name=f"{name}_lora")(x)
+    if slots is not None and adapter is not None and name in slots.projections:
+        out = out + StackedLoRA(slots, *shapes, name=f"{name}_adapters")(x, adapter)
+    return out
 
 
 class Attention(nn.Module):
     config: ModelConfig
     lora: LoraConfig | None = None
+    slots: AdapterSlots | None = None
 
     @nn.compact
     def __call__(
@@ -670,11 +733,12 @@ class Attention(nn.Module):
         cos: Array,
         mask: Array | attention.SegmentMask | None,
         kv: LayerKV | PagedLayerKV | None = None,
+        adapter: Array | None = None,
     ) -> tuple[Array, LayerKV | PagedLayerKV | None]:
         """Self-attention of ``x``: ``mask`` is a boolean mask (the XLA path) or the segment ids a
         fused kernel takes; with ``kv`` the new keys/values are cached and the queries attend to
         every cached slot ``mask`` allows (a paged layer's own layout says which; it takes no mask).
-        Returns (output, updated ``kv``)."""
+        ``adapter`` [B]: each row's served adapter (with ``slots``). Returns (output, updated ``kv``)."""
         cfg = self.config
 
         # Kernels stay 3-D ([embed, heads, kv] and [heads, kv, embed]) so each dim has its own name.
@@ -690,6 +754,8 @@ class Attention(nn.Module):
                 qkv_axes[1:],
                 cfg.compute_dtype,
                 project(self, name, x, "btd,dhk->bthk", qkv_shape, cfg.d_model**-0.5, qkv_axes),
+                self.slots,
+                adapter,
             )
             for name in ("q_proj", "k_proj", "v_proj")
         )
@@ -721,9 +787,8 @@ class Attention(nn.Module):
         out_shape, out_axes = (cfg.n_heads, cfg.head_dim, cfg.d_model), ("heads", "kv", "embed")
         stddev = 2.0 / cfg.n_layers / np.sqrt(cfg.d_model)
         projected = project(self, "out_proj", out, "bthk,hkd->btd", out_shape, stddev, out_axes)
-        return lora_delta(
-            self.lora, "out_proj", out, out_axes[:2], (cfg.d_model,), ("embed",), cfg.compute_dtype, projected
-        ), kv
+        delta_args = (out_axes[:2], (cfg.d_model,), ("embed",), cfg.compute_dtype, projected, self.slots, adapter)
+        return lora_delta(self.lora, "out_proj", out, *delta_args), kv
 
 
 class Dense(nn.Module):
@@ -747,15 +812,17 @@ class Dense(nn.Module):
 class MLP(nn.Module):
     config: ModelConfig
     lora: LoraConfig | None = None
+    slots: AdapterSlots | None = None
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, adapter: Array | None = None) -> Array:
         cfg = self.config
+        served = (self.slots, adapter)
         h = Dense(cfg, cfg.ff_dim, cfg.d_model**-0.5, ("embed", "mlp"), name="fc_in")(x)
-        h = lora_delta(self.lora, "fc_in", x, ("embed",), (cfg.ff_dim,), ("mlp",), cfg.compute_dtype, h)
+        h = lora_delta(self.lora, "fc_in", x, ("embed",), (cfg.ff_dim,), ("mlp",), cfg.compute_dtype, h, *served)
         h = partitioning.constrain(nn.gelu(h, approximate=True), ("batch", "length", "mlp"))
         out = Dense(cfg, cfg.d_model, 2.0 / cfg.n_layers / np.sqrt(cfg.d_model), ("mlp", "embed"), name="fc_out")(h)
-        return lora_delta(self.lora, "fc_out", h, ("mlp",), (cfg.d_model,), ("embed",), cfg.compute_dtype, out)
+        return lora_delta(self.lora, "fc_out", h, ("mlp",), (cfg.d_model,), ("embed",), cfg.compute_dtype, out, *served)
 
 
 def layer_norm(config: ModelConfig, name: str | None = None) -> nn.LayerNorm:
@@ -775,6 +842,7 @@ class Block(nn.Module):
 
     config: ModelConfig
     lora: LoraConfig | None = None
+    slots: AdapterSlots | None = None
 
     @nn.compact
     def __call__(
@@ -784,11 +852,12 @@ class Block(nn.Module):
         cos: Array,
         mask: Array | attention.SegmentMask | None,
         kv: LayerKV | PagedLayerKV | None = None,
+        adapter: Array | None = None,
     ) -> tuple[Array, LayerKV | PagedLayerKV | None]:
         h = partitioning.constrain(h, RESIDUAL_AXES)
         x = layer_norm(self.config, "ln_1")(h)
-        attn, kv = Attention(self.config, self.lora, name="attn")(x, sin, cos, mask, kv)
-        h = h + attn + MLP(self.config, self.lora, name="mlp")(x)
+        attn, kv = Attention(self.config, self.lora, self.slots, name="attn")(x, sin, cos, mask, kv, adapter)
+        h = h + attn + MLP(self.config, self.lora, self.slots, name="mlp")(x, adapter)
         return partitioning.constrain(h, RESIDUAL_AXES), kv
 
 
@@ -837,11 +906,14 @@ class GPTJ(nn.Module):
     padding (default: one segment per row).
 
     With ``lora``, the projections it names also apply adapters, read from the ``lora`` collection
-    (``model.apply({"params": base, "lora": adapters}, …)``; see :class:`LoRA`).
+    (``model.apply({"params": base, "lora": adapters}, …)``; see :class:`LoRA`). With ``slots``,
+    every entry point but the scanned layers' takes ``adapter`` [B], each row's adapter in the
+    ``adapters`` collection (a bank of served adapters; see :class:`StackedLoRA`).
     """
 
     config: ModelConfig
     lora: LoraConfig | None = None
+    slots: AdapterSlots | None = None
 
     def setup(self):
         cfg = self.config
@@ -865,16 +937,33 @@ class GPTJ(nn.Module):
             if cfg.remat_policy != "none":
                 block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat_policy])
             for i in range(cfg.n_layers):  # named layer_0 …: the unrolled parameter layout
-                setattr(self, f"layer_{i}", block(cfg, self.lora))
+                setattr(self, f"layer_{i}", block(cfg, self.lora, self.slots))
         self.ln_f = layer_norm(cfg)
         self.lm_head = LMHead(cfg)
 
-    def __call__(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
+    def __call__(
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        adapter: Array | None = None,
+    ) -> Array:
         """float32 logits [B, T, vocab]."""
-        return self.lm_head(self.hidden_states(tokens, positions, segment_ids))
+        return self.lm_head(self.hidden_states(tokens, positions, segment_ids, adapter))
 
-    def hidden_states(self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
-        """The final LayerNorm's output [B, T, d_model], before the LM head."""
+    def hidden_states(
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        adapter: Array | None = None,
+    ) -> Array:
+        """The final LayerNorm's output [B, T, d_model], before the LM head. ``adapter`` [B]: each
+        row's served adapter (with ``slots``; the unrolled layers only)."""
+        if adapter is not None and self.config.scan_layers:
+            raise ValueError(
+                "served adapters run the unrolled layers: use scan_layers=False and unstack_layers(params)"
+            )
         positions, segment_ids = self._defaults(tokens, positions, segment_ids)
         sin, cos = rotary_tables(positions, self.config.rotary_dim)
         backend = attention.choose(self.config, tokens.shape[1])
@@ -887,7 +976,7 @@ class GPTJ(nn.Module):
             h, _ = self.layers(h, sin, cos, mask)
         else:
             for i in range(self.config.n_layers):
-                h, _ = getattr(self, f"layer_{i}")(h, sin, cos, mask)
+                h, _ = getattr(self, f"layer_{i}")(h, sin, cos, mask, None, adapter)
         return self.ln_f(h)
 
     def decode(
@@ -898,6 +987,7 @@ class GPTJ(nn.Module):
         cache: KVCache,
         *,
         last_logits_only: bool = False,
+        adapter: Array | None = None,
     ) -> tuple[Array, KVCache]:
         """Write ``tokens`` into ``cache`` at slots ``cache.index …`` and attend to everything cached
         before them (a prefill: the whole prompt at once; decoding: one token per call).
@@ -918,7 +1008,7 @@ class GPTJ(nn.Module):
         h = self._embed(tokens)
         layers = []
         for i in range(cfg.n_layers):
-            h, kv = getattr(self, f"layer_{i}")(h, sin, cos, mask, cache.layer(i, cache.index))
+            h, kv = getattr(self, f"layer_{i}")(h, sin, cos, mask, cache.layer(i, cache.index), adapter)
             layers.append(kv)
         if last_logits_only:
             h = h[:, -1:]
@@ -926,7 +1016,13 @@ class GPTJ(nn.Module):
         return logits, KVCache.from_layers(layers, key_segments, cache.index + tokens.shape[1])
 
     def decode_slots(
-        self, tokens: Array, positions: Array, active: Array, cache: PagedKVCache, table: Array
+        self,
+        tokens: Array,
+        positions: Array,
+        active: Array,
+        cache: PagedKVCache,
+        table: Array,
+        adapter: Array | None = None,
     ) -> tuple[Array, PagedKVCache]:
         """One decode step of independent sequences, one per row of ``cache.index`` (a decode slot):
         row ``r`` takes ``tokens[r]`` [B, 1], writes it at slot ``cache.index[r]`` of the pages that
@@ -947,7 +1043,7 @@ class GPTJ(nn.Module):
         h = self._embed(tokens)
         layers = []
         for i in range(cfg.n_layers):
-            h, kv = getattr(self, f"layer_{i}")(h, sin, cos, None, cache.layer(i, layout))
+            h, kv = getattr(self, f"layer_{i}")(h, sin, cos, None, cache.layer(i, layout), adapter)
             layers.append(kv)
         logits = self.lm_head(self.ln_f(h))
         return logits, PagedKVCache.from_layers(layers, cache.index.at[:rows].add(active.astype(jnp.int32)))
@@ -970,6 +1066,19 @@ def abstract_params(config: ModelConfig) -> dict:
     """The model's ``params`` collection as boxed ``ShapeDtypeStruct``s (shapes, dtypes and logical
     axes; nothing allocated): the one description every sharding and restore target is built from."""
     return jax.eval_shape(GPTJ(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def abstract_adapter_slots(config: ModelConfig, slots: AdapterSlots) -> dict:
+    """The ``adapters`` collection of ``GPTJ(config, slots=slots)`` (unrolled layers) as boxed
+    ``ShapeDtypeStruct``s: the stacked arrays of a bank of served adapters."""
+    model = GPTJ(dataclasses.replace(config, scan_layers=False), slots=slots)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    cache = KVCache.empty(model.config, 1, 1)
+
+    def init(key):
+        return model.init(key, tokens, None, None, cache, adapter=jnp.zeros((1,), jnp.int32), method=GPTJ.decode)
+
+    return jax.eval_shape(init, jax.random.key(0))["adapters"]
 
 
 def abstract_adapters(config: ModelConfig, lora: LoraConfig) -> dict:

@@ -6,6 +6,7 @@
     python scripts/bench.py serve  [--url URL] [--concurrency 1,8,32] [--seconds 20]
     python scripts/bench.py device [--backends xla,splash] [--batch-per-device 4] [--steps 3]
     python scripts/bench.py launch [--repeats 3]
+    python scripts/bench.py startup [--size tiny|demo|bench] [--max-batch 32]
 
 Each benchmark module provides ``add_arguments(parser)`` and ``run(args)``; only the chosen one is
 imported, so one benchmark's dependencies never slow down another.
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ s
 # without TPUs it names the platforms JAX should try, as the gptj-* commands do, so that libtpu's
 # discovery errors are not printed among the figures.
 import gptj_flax.cli  # noqa: E402, F401
+from benchmarks.common import DEVICE_COUNT_FLAG, xla_flags_with_devices  # noqa: E402
 from gptj_flax.errors import add_debug_flag, run_cli  # noqa: E402
 
 # Benchmarks that build a multi-device mesh, and the devices they need on a CPU-only machine (the
@@ -39,6 +41,10 @@ BENCHMARKS = {
     "sample": ("benchmarks.sample", "KV-cache generation vs HuggingFace PyTorch generate"),
     "device": ("benchmarks.device", "train tokens/s and MFU per attention backend, decode tokens/s, on a GPU/TPU"),
     "launch": ("benchmarks.launch", "start to first training step: gptj-launch on a local Ray cluster vs by hand"),
+    "startup": (
+        "benchmarks.startup",
+        "gptj-serve to a healthy /health and gptj-sample to its first token, cold and warm",
+    ),
 }
 
 
@@ -50,8 +56,9 @@ def main() -> None:
         add_debug_flag(subparser)
     chosen = next((arg for arg in sys.argv[1:] if arg in BENCHMARKS), None)
     if chosen is not None:
-        if chosen in VIRTUAL_CPU_DEVICES:
-            os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={VIRTUAL_CPU_DEVICES[chosen]}")
+        flags = os.environ.get("XLA_FLAGS", "")
+        if chosen in VIRTUAL_CPU_DEVICES and DEVICE_COUNT_FLAG not in flags:  # a count the user set wins
+            os.environ["XLA_FLAGS"] = xla_flags_with_devices(flags, VIRTUAL_CPU_DEVICES[chosen])
         module = importlib.import_module(BENCHMARKS[chosen][0])
         module.add_arguments(subparsers[chosen])
     args = parser.parse_args()

@@ -5,7 +5,10 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# tests.commands is imported before JAX: its one flag must be in XLA_FLAGS when the backend starts
+from tests.commands import QUICK_COMPILE  # noqa: E402
+
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {QUICK_COMPILE}")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # One persistent compilation cache per run, for this process, pytest-xdist's workers and every process

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+from tests.commands import QUICK_COMPILE
+
 PROMPTS = ["The cat sat on the", "def add(a, b):", "Paris is the capital of"]
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "One two three four five six seven eight nine ten."]
 
@@ -45,7 +47,12 @@ def start_processes(argv_of, n: int, repo_root, log_dir, env_of=None) -> list[su
     blocked on a full pipe would look like a hang)."""
     procs = []
     for pid in range(n):
-        environment = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(repo_root), **(env_of(pid) if env_of else {})}
+        environment = {
+            **os.environ,
+            "XLA_FLAGS": QUICK_COMPILE,
+            "PYTHONPATH": str(repo_root),
+            **(env_of(pid) if env_of else {}),
+        }
         with open(os.path.join(log_dir, f"process_{pid}.log"), "w") as log:
             procs.append(
                 subprocess.Popen(

@@ -110,10 +110,32 @@ def test_int8_gptj_6b_serving_fits_one_v5e_chip_and_bf16_does_not(repo_root):
     assert "FITS" in q.format() and "parameters 6.02 GiB + KV cache 7.88 GiB" in q.format()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed: XLA:TPU measures")
+def test_the_serving_fit_says_how_many_lora_adapters_fit_beside_the_6b_base(repo_root, run_command):
+    int8 = load_config(repo_root / "configs" / "gptj_6b.json", ["model.quantize=int8"])
+    fit = serving_fit(int8, "v5e:1x1", batch=8, cache_len=2048, adapter_rank=16)
+    L, d, r = 28, 4096, 16
+    # q_proj and v_proj: A [d_model, r] and B [r, heads x head_dim] in bfloat16, and a float32 scale each
+    assert fit.adapter_bytes == L * 2 * (2 * d * r * 2 + 4)
+    assert fit.adapters_that_fit == (fit.hbm_bytes - fit.total_bytes) // fit.adapter_bytes > 50
+    assert f"LoRA adapters of rank 16 on q_proj, v_proj: 14.00 MiB each per device; {fit.adapters_that_fit:,} fit" in (
+        fit.format()
+    )
+    args = ["--serve", "--config", "configs/gptj_6b.json", "--topology", "v5e:1x1", "--quantize", "int8"]
+    ran = run_command(
+        commands.script("aot_check.py"), *args, "--cache-len", "2048", "--adapter-rank", "16", cwd=repo_root
+    )
+    assert ran.status == 0 and f"{fit.adapters_that_fit:,} fit beside" in ran.out, ran.err
+    refused = run_command(commands.script("aot_check.py"), *args, "--adapter-rank", "0", cwd=repo_root)
+    assert refused.status == 2 and "--adapter-rank must be >= 1" in refused.err
+
+
 def test_aot_check_refuses_serving_flags_without_serve(repo_root, run_command):
     args = ["--config", "configs/tiny.json", "--topology", "v5e:1x1", "--quantize", "int8"]
     result = run_command(commands.script("aot_check.py"), *args, cwd=repo_root)
     assert result.status == 2 and "--quantize only apply with --serve" in result.err
+    result = run_command(commands.script("aot_check.py"), *args[:-2], "--adapter-rank", "16", cwd=repo_root)
+    assert result.status == 2 and "--adapter-rank only apply with --serve" in result.err
 
 
 def test_the_serving_fit_compiles_the_programs_the_decode_slots_run():
@@ -157,7 +179,9 @@ def _engine_lowered(slots, params) -> dict:
         return {
             "decode": programs.decode.lower(*step, blocks=len(slots.blocks), rows=slots.slots),
             "admit": programs.admit.lower(params, slots.state, slots._prompts(short, [0, 1, 2, 3]), table),
-            "chunk": programs.chunk.lower(params, new_cache, prefill.tokens, np.int32(slots.length), np.int32(0)),
+            "chunk": programs.chunk.lower(
+                params, new_cache, prefill.tokens, np.int32(slots.length), np.int32(0), np.int32(0)
+            ),
             "insert": programs.insert.lower(
                 slots.state, prefill.cache, prefill.logits, slots._long_prompt(prefill, 0), table
             ),

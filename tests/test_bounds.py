@@ -65,6 +65,49 @@ def test_the_train_bound_is_the_ceiling_over_the_flops_per_token():
 
 
 def test_measured_limits_are_finite_and_positive():
-    assert np.isfinite(bandwidth := bounds.streaming_bandwidth(1 << 20, repeats=2)) and bandwidth > 1e6
+    read = bounds.decode_read_speed(CFG, repeats=2)
+    assert np.isfinite(read.bytes_per_s) and read.bytes_per_s > 1e6
+    assert read.weight_bytes == 4 * (CFG.param_count() - CFG.vocab_size * CFG.d_model - _norms_and_biases())
     assert np.isfinite(peak := bounds.matmul_ceiling("float32", n=64, repeats=2)) and peak > 1e6
     assert bounds.matmul_ceiling("bf16", n=64, repeats=1) > 0
+
+
+def _norms_and_biases() -> int:
+    """The parameters a decode step reads beside its weight matrices (layer norms, biases)."""
+    return sum(size for path, size in _leaf_sizes().items() if path[-1] in ("bias", "scale"))
+
+
+def test_the_read_speed_says_cache_where_the_weights_fit_the_last_level_cache_and_memory_where_not():
+    matrices = bounds.decode_read_speed(CFG, repeats=1).weight_bytes
+    assert bounds.decode_read_speed(CFG, repeats=1, cache_bytes=matrices).where == "cache"
+    assert bounds.decode_read_speed(CFG, repeats=1, cache_bytes=matrices - 1).where == "memory"
+    assert bounds.decode_read_speed(CFG, repeats=1, cache_bytes=None).where == "memory"  # unknown: never assumed
+    bound = bounds.decode_bound(CFG, 1, 10, bandwidth=1e9, flops=1e15, reads="cache")
+    assert bound.limit == "cache" and "a cache bound" in bounds.decode_read_speed(CFG, 1, matrices).describe()
+
+
+def _fake_caches(root, levels: dict[int, str]) -> str:
+    for i, (level, size) in enumerate(levels.items()):
+        entry = root / f"index{i}"
+        entry.mkdir()
+        (entry / "level").write_text(f"{level}\n")
+        (entry / "size").write_text(f"{size}\n")
+    return str(root)
+
+
+def test_the_last_level_cache_is_sysfs_highest_level(tmp_path):
+    assert bounds.last_level_cache_bytes(_fake_caches(tmp_path, {1: "48K", 2: "1024K", 3: "32768K"})) == 32 * 2**20
+
+
+def test_lscpu_gives_the_last_level_cache_of_one_instance():
+    listing = "L1d cache: 96 KiB (2 instances)\nL2 cache: 2 MiB (2 instances)\nL3 cache: 300 MiB (2 instances)\n"
+    assert bounds._lscpu_last_level(listing) == 150 * 2**20
+    assert bounds._lscpu_last_level("L3 cache: 32 MiB\n") == 32 * 2**20
+    assert bounds._lscpu_last_level("Model name: AMD EPYC\n") is None
+
+
+def test_a_figure_over_its_bound_is_a_failed_measurement_not_a_share():
+    bound = bounds.decode_bound(CFG, 1, 10, bandwidth=1e9, flops=1e15)
+    assert bounds.share(bound.tokens_per_s * 0.5, bound) == "50%"
+    assert bounds.share(bound.tokens_per_s, bound) == "100%"
+    assert bounds.share(bound.tokens_per_s * 1.21, bound) == bounds.FAILED

@@ -35,6 +35,7 @@ from gptj_flax.config import Config, TrainConfig
 from gptj_flax.convert import from_hf
 from gptj_flax.model import GPTJ
 from tests import commands
+from tests.commands import QUICK_COMPILE
 from tests.helpers import tiny_config
 from tests.test_sampling_api import make_tokenizer
 
@@ -374,7 +375,7 @@ def test_a_two_process_save_is_checksummed_by_each_process_and_verified_on_one(t
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(repo_root)}
+    env = {**os.environ, "XLA_FLAGS": QUICK_COMPILE, "PYTHONPATH": str(repo_root)}
     model = ",".join(
         f"{k}={getattr(CFG, k)}" for k in ("n_layers", "d_model", "n_heads", "rotary_dim", "vocab_size", "max_len")
     )

@@ -32,6 +32,7 @@ import zstandard
 
 from gptj_flax.config import Config, MeshConfig, TrainConfig
 from gptj_flax.data import save_tokenizer
+from tests.commands import QUICK_COMPILE
 from tests.evaluation_helpers import CFG, CORPUS, make_checkpoint, make_tokenizer
 from tests.gpt4chan.synthetic_dump import write_synthetic_dump
 from tests.helpers import hf_model
@@ -200,7 +201,7 @@ def workspace(tmp_path_factory):
         **env,
         "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {QUICK_COMPILE}",
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "API_KEY": API_KEY,

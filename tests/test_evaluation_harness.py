@@ -234,7 +234,11 @@ def test_lm_eval_builds_the_registered_model_from_model_args(run, offline, tmp_p
 def test_local_tasks_run_through_lm_evals_own_entry_point(run, offline, tmp_path):
     """``python -m gptj_flax.cli.lm_eval`` is lm-eval's ``cli_evaluate`` with the model registered."""
     tasks = write_tasks(tmp_path / "tasks")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {commands.QUICK_COMPILE}",
+        "JAX_PLATFORMS": "cpu",
+    }
     command = [
         sys.executable,
         "-m",

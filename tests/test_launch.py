@@ -24,10 +24,11 @@ from gptj_flax.launch import Ending, LaunchError, judge
 from gptj_flax.launch.job import Restarts
 from gptj_flax.launch.output import Relay
 from gptj_flax.training import train
+from tests.commands import QUICK_COMPILE
 from tests.training_helpers import make_config, train_losses, write_config
 
 STARTED = re.compile(r"started gptj-train on (\d) host\(s\): #0 \S+ \(pid (\d+)\)(?:, #1 \S+ \(pid (\d+)\))?")
-PROGRAM_ENV = ["--env", "XLA_FLAGS=", "--env", "JAX_PLATFORMS=cpu", "--env", "JAX_NUM_CPU_DEVICES=4"]
+PROGRAM_ENV = ["--env", f"XLA_FLAGS={QUICK_COMPILE}", "--env", "JAX_PLATFORMS=cpu", "--env", "JAX_NUM_CPU_DEVICES=4"]
 
 
 def saved_step(run) -> int:

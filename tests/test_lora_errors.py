@@ -33,6 +33,7 @@ from gptj_flax.convert import lora as lora_lib
 from gptj_flax.convert.orbax_io import OrbaxParams
 from gptj_flax.model import GPTJ
 from gptj_flax.training import train
+from tests import adapter_helpers
 from tests.test_lora import _hf_logits
 from tests.training_helpers import MODEL, make_config, make_corpus, write_config
 
@@ -203,19 +204,12 @@ def test_a_damaged_peft_adapter_is_one_error_line_in_a_command(peft, base, tmp_p
 
 def _peft_adapter(hf_dir, out, seed, **settings):
     """A PEFT LoRA adapter made by PEFT itself on the HF model at ``hf_dir``, its weights random."""
-    import peft as hf_peft
     import torch
     from transformers import GPTJForCausalLM
 
-    model = GPTJForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    adapted = hf_peft.get_peft_model(model, hf_peft.LoraConfig(**settings))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, weight in adapted.named_parameters():
-            if "lora_" in name:
-                weight.copy_(torch.randn_like(weight) * 0.3)
-    adapted.save_pretrained(out)
-    return out
+    return adapter_helpers.save_peft_adapter(
+        GPTJForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), out, seed, **settings
+    )
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import pytest
 
 import gptj_flax
 from gptj_flax.sampling.multihost import fingerprint
+from tests.commands import QUICK_COMPILE
 from tests.multihost_helpers import free_port, log_of, run_calls, start_processes
 
 WORKER = "tests/workers/infer_worker.py"
@@ -68,7 +69,7 @@ def test_sample_script_on_two_processes_reads_prompts_on_process_0_and_prints_th
     for pid in (0, 1):
         env = {
             **os.environ,
-            "XLA_FLAGS": "",
+            "XLA_FLAGS": QUICK_COMPILE,
             "PYTHONPATH": str(repo_root),
             "JAX_PLATFORMS": "cpu",
             "JAX_NUM_CPU_DEVICES": "4",

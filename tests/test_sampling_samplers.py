@@ -62,6 +62,67 @@ def test_top_k_keeps_ties_with_the_kth_value():
     assert _kept(top_k_filter(logits, jnp.asarray([2]))) == [{1, 2, 3}]
 
 
+def test_top_k_equals_a_sort_of_each_row_on_ties_infinities_signed_zeros_and_any_k():
+    """The k-th largest value comes from bisecting the floats' bits, not from a sort: against
+    numpy's sort of every row, over ties, ±inf, −0 beside +0, magnitudes from 1e-30 to 1e30 and
+    k below 1 and past the vocabulary."""
+    rng = np.random.default_rng(5)
+    for vocab in (1, 2, 5, 97, 300):
+        scale = rng.choice([1e-30, 1.0, 1e30], size=(64, 1))
+        logits = np.round(rng.normal(size=(64, vocab)) * scale, int(rng.integers(0, 3))).astype(np.float32)  # ties
+        for value, share in ((-np.inf, 0.1), (np.inf, 0.05), (-0.0, 0.05), (0.0, 0.05)):
+            logits[rng.random(logits.shape) < share] = value
+        k = rng.integers(-1, vocab + 3, size=64).astype(np.int32)
+        kth = -np.sort(-logits, axis=-1)[np.arange(64), np.clip(k, 1, vocab) - 1]
+        expected = np.where((logits >= kth[:, None]) | (k <= 0)[:, None], logits, -np.inf)
+        got = np.asarray(top_k_filter(jnp.asarray(logits), jnp.asarray(k)))
+        np.testing.assert_array_equal(got, expected, err_msg=f"vocabulary of {vocab}")
+
+
+def test_top_p_equals_huggingfaces_sorted_running_sum_on_ties_and_infinities():
+    """The nucleus threshold comes from bisecting the floats' bits: against HuggingFace's rule on
+    numpy's sort of every row (a running sum of the ascending probabilities, in float64), over ties
+    (kept whole), −inf logits, −0 beside +0, and p from nearly 0 to 1."""
+    rng = np.random.default_rng(6)
+    for vocab in (1, 2, 5, 97, 300):
+        logits = np.round(rng.normal(size=(64, vocab)) * rng.uniform(0.3, 4.0, size=(64, 1)), 1).astype(np.float32)
+        for value, share in ((-np.inf, 0.1), (-0.0, 0.05), (0.0, 0.05)):
+            logits[rng.random(logits.shape) < share] = value
+        logits[:, 0] = np.where(np.isinf(logits).all(axis=1), 0.0, logits[:, 0])  # a row needs a finite logit
+        p = rng.choice([1e-6, 0.3, 0.9, 0.999, 1.0], size=64).astype(np.float32)
+        ascending = np.sort(logits, axis=-1).astype(np.float64)
+        probs = np.exp(ascending - ascending[:, -1:])
+        removed = np.cumsum(probs / probs.sum(-1, keepdims=True), axis=-1) <= 1.0 - p[:, None].astype(np.float64)
+        threshold = ascending[np.arange(64), np.minimum(removed.sum(-1), vocab - 1)]
+        expected = np.where((logits >= threshold[:, None]) | (p >= 1.0)[:, None], logits, -np.inf)
+        got = np.asarray(top_p_filter(jnp.asarray(logits), jnp.asarray(p)))
+        np.testing.assert_array_equal(got, expected, err_msg=f"vocabulary of {vocab}")
+
+
+def test_typical_p_equals_huggingfaces_sorted_running_sum_on_ties_and_infinities():
+    """The typical set's last distance comes from bisecting the floats' bits: against HuggingFace's
+    rule on numpy's sort of every row by distance from the entropy (a running sum in float64), over
+    ties (kept whole), −inf logits and masses from nearly 0 to 1."""
+    rng = np.random.default_rng(7)
+    for vocab in (1, 2, 5, 97, 300):
+        logits = np.round(rng.normal(size=(64, vocab)) * rng.uniform(0.3, 4.0, size=(64, 1)), 1).astype(np.float32)
+        logits[rng.random(logits.shape) < 0.1] = -np.inf
+        logits[:, 0] = np.where(np.isinf(logits).all(axis=1), 0.0, logits[:, 0])  # a row needs a finite logit
+        mass = rng.choice([1e-6, 0.3, 0.9, 0.999, 1.0], size=64).astype(np.float32)
+        # the distances as the filter computes them, so that ties are the same ties
+        log_probs = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+        probs = np.exp(log_probs)
+        with np.errstate(invalid="ignore"):  # 0·(−inf) is nan, which the sum skips, as the filter's does
+            distance = np.abs(-log_probs - (-np.nansum(log_probs * probs, axis=-1, keepdims=True)))
+        order = np.argsort(distance, axis=-1, kind="stable")
+        running = np.cumsum(np.take_along_axis(probs.astype(np.float64), order, axis=-1), axis=-1)
+        last = np.minimum((running < mass[:, None]).sum(-1), vocab - 1)
+        threshold = np.take_along_axis(distance, order, axis=-1)[np.arange(64), last]
+        expected = np.where((distance <= threshold[:, None]) | (mass >= 1.0)[:, None], logits, -np.inf)
+        got = np.asarray(typical_filter(jnp.asarray(logits), jnp.asarray(mass)))
+        np.testing.assert_array_equal(got, expected, err_msg=f"vocabulary of {vocab}")
+
+
 def test_top_p_keeps_exactly_the_nucleus():
     logits = _logits(PROBS_A, PROBS_A, PROBS_B, PROBS_B, PROBS_A)
     p = jnp.asarray([0.6, 0.75, 0.45, 0.7, 1.0])
@@ -135,6 +196,11 @@ def test_temperature_comes_first_unless_original_order():
 
 
 _next_tokens = jax.jit(next_tokens, static_argnums=(4, 5))
+# 40,000 rows of up to 8192 logits sorted and drawn from: this program's run, not its compile, is the
+# test's cost, so it gets the LLVM optimisations the suite's other programs go without (conftest)
+_next_tokens_optimised = jax.jit(
+    next_tokens, static_argnums=(4, 5), compiler_options={"xla_backend_optimization_level": 2}
+)
 
 
 def _draw(logits_row, n, seed=0, valid_vocab=None, **settings):
@@ -168,7 +234,15 @@ def test_draws_are_reproducible_from_the_seed():
     assert np.any(a != c)
 
 
-@pytest.mark.parametrize("vocab", [37, 8192])
+@pytest.mark.parametrize(
+    "vocab",
+    [
+        37,
+        # 40,000 rows of 8192 logits (1.3 GB): a chi-square test over 20 kept ids needs that many
+        # draws to see a misweighted one
+        8192,
+    ],
+)
 def test_draws_follow_the_warped_distribution(vocab):
     """Many draws of one row against softmax of the warped logits computed in numpy: a chi-square
     test over the kept ids, none drawn outside them; the vocabulary need not fill the last block."""
@@ -176,7 +250,7 @@ def test_draws_follow_the_warped_distribution(vocab):
     n, top_k, temperature = 40_000, 20, 0.7
     keys = jax.random.split(jax.random.key(2), n)
     params = _params(n, temperature=temperature, top_k=top_k)
-    tokens = next_tokens(
+    tokens = _next_tokens_optimised(
         jnp.tile(jnp.asarray(logits, jnp.float32), (n, 1)), params, jnp.zeros((n, vocab), bool), keys, vocab
     )
     kept = np.argsort(-logits)[:top_k]

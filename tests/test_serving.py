@@ -540,6 +540,7 @@ BODY_FIELDS = {
     "/v1/chat/completions": sorted(schemas.chat_request_model(1).model_fields),
     "/tokenize": sorted(schemas.TokenizeRequest.model_fields),
     "/detokenize": sorted(schemas.detokenize_request_model(300).model_fields),
+    "/v1/adapters": sorted(schemas.AdapterRequest.model_fields),
 }
 
 
@@ -571,6 +572,8 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(lm, tmp_path
             "POST /detokenize",
             "GET /tokenizer_info",
             "GET /v1/models",
+            "POST /v1/adapters",
+            "DELETE /v1/adapters/{name}",
             "GET /health",
             "GET /metrics",
         }
@@ -636,11 +639,17 @@ def test_serve_benchmark_runs_against_a_running_server(server, capsys):
     assert "4 clients: " in out and "x the generated tokens/s of 1 client" in out
     header = next(line for line in out.splitlines() if line.split()[:2] == ["clients", "requests"])
     assert (
-        header.split() == "clients requests gen tokens/s TTFT p50 s TTFT p99 s ITL p50 ms ITL p99 ms occupancy".split()
+        header.split()
+        == (
+            "clients requests gen tokens/s bound tokens/s of bound TTFT p50 s TTFT p99 s ITL p50 ms ITL p99 ms occupancy"
+        ).split()
     )
+    # another's server: no model to time the step alone on, so no bound
+    assert all(row[3:5] == ["n/a", "n/a"] for row in rows), out
+    assert "bound: not measured (with --url the benchmark has no model)" in out
     for row in rows:
         assert int(row[1]) >= 1 and float(row[2].replace(",", "")) > 0
-        assert float(row[3]) > 0 and float(row[5]) >= 0  # a real first-token time and a gap
+        assert float(row[5]) > 0 and float(row[7]) >= 0  # a real first-token time and a gap
         assert row[-1].endswith("%") and 0 < float(row[-1][:-1]) <= 100
 
 

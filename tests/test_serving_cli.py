@@ -18,6 +18,7 @@ import gptj_flax
 from gptj_flax import convert
 from gptj_flax.serving import ServeSettings, SettingsError, add_arguments, settings_from
 from gptj_flax.serving.auth import key_id
+from gptj_flax.serving.settings import DEFAULT_DECODE_STEPS
 from tests import commands
 from tests.test_serving_support import (
     KEYS,
@@ -50,6 +51,12 @@ def test_flags_win_over_the_environment_which_wins_over_defaults():
     assert settings.served_model_name == "a"
     assert parse([], environ).port == 9000
     assert parse(["--checkpoint", "/runs/b/"], {}).served_model_name == "b"
+
+
+def test_the_decode_steps_setting_is_a_flag_and_a_variable():
+    assert parse(["--checkpoint", "c"], {}).decode_steps == DEFAULT_DECODE_STEPS
+    assert parse(["--checkpoint", "c", "--decode-steps", "8"], {"GPTJ_FLAX_DECODE_STEPS": "2"}).decode_steps == 8
+    assert parse(["--checkpoint", "c"], {"GPTJ_FLAX_DECODE_STEPS": "2"}).decode_steps == 2
 
 
 def test_the_kv_cache_setting_is_a_flag_and_a_variable():
@@ -171,6 +178,16 @@ def test_relative_paths_are_made_absolute_as_settings_are_read(tmp_path, monkeyp
             ["--checkpoint", "c", "--prefill-chunk", "100"],
             {},
             "--prefill-chunk (or GPTJ_FLAX_PREFILL_CHUNK) must be a power of two >= 16, got 100",
+        ),
+        (
+            ["--checkpoint", "c", "--decode-steps", "0"],
+            {},
+            "--decode-steps (or GPTJ_FLAX_DECODE_STEPS) must be in 1..64, got 0",
+        ),
+        (
+            ["--checkpoint", "c"],
+            {"GPTJ_FLAX_DECODE_STEPS": "65"},
+            "--decode-steps (or GPTJ_FLAX_DECODE_STEPS) must be in 1..64, got 65",
         ),
     ],
 )

@@ -8,6 +8,7 @@ prompt in a batch of its own.
 import asyncio
 import contextlib
 import dataclasses
+import json
 import re
 import threading
 import time
@@ -22,6 +23,7 @@ from tests.test_serving_support import HeldModel, RunningServer, tiny_model, wai
 
 LONG_CONTEXT = 256
 SLOTS = 4
+MULTI_STEPS = 4  # --decode-steps of the module's server
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,19 @@ def held(lm):
 @pytest.fixture(scope="module", params=["beside", "between"])
 def server(held, request):
     """A server that prefills on a spare device beside the decode steps, or between them on its own
-    (the one-device default)."""
-    with RunningServer(held, max_batch=SLOTS, queue_size=64, prefill_chunk=16, prefill=request.param) as running:
+    (the one-device default); both run up to ``MULTI_STEPS`` decode steps a call."""
+    settings = dict(max_batch=SLOTS, queue_size=64, prefill_chunk=16, prefill=request.param)
+    with RunningServer(held, **settings, decode_steps=MULTI_STEPS) as running:
         assert (running.service.worker.prefill_mesh is not None) == (request.param == "beside")
+        assert running.service.worker.decode_steps == MULTI_STEPS
+        yield running
+
+
+@pytest.fixture(scope="module")
+def one_step(lm, server):
+    """The same server as ``server`` (its prefill place), but with one decode step a device call."""
+    settings = dict(max_batch=SLOTS, queue_size=64, prefill_chunk=16, prefill=server.settings.prefill)
+    with RunningServer(HeldModel(lm), **settings, decode_steps=1) as running:
         yield running
 
 
@@ -61,7 +73,7 @@ def alone(lm, prompt: str, n: int, **settings):
     return lm.generate(lm.encode(prompt), n, return_tokens=True, **settings)
 
 
-def test_short_requests_finish_before_a_long_one_and_every_output_equals_generate_alone(lm, server):
+def test_short_requests_finish_before_a_long_one_and_every_output_equals_generate_alone(lm, held, server):
     # a prompt that greedy decoding does not end early, so the long request really is 200 tokens
     long_prompt = next(
         p
@@ -77,14 +89,34 @@ def test_short_requests_finish_before_a_long_one_and_every_output_equals_generat
         finished[name] = time.monotonic()
         return response.json()
 
+    async def until(condition) -> None:
+        for _ in range(3000):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
     async def everyone():
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
-            long = asyncio.ensure_future(one(http, "long", long_prompt, 200))
-            await asyncio.sleep(0.05)  # the long request is in a slot before the short ones arrive
-            return await asyncio.gather(long, *(one(http, f"short {i}", p, 8) for i, p in enumerate(shorts)))
+        # The long prompt's prefill waits at the gate until every short one is queued: it takes a
+        # slot first, and the short ones arrive while it has all its tokens still to make (a
+        # multi-step engine makes this tiny model's 200 tokens in less time than an HTTP round trip).
+        held.gate.clear()
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+                long = asyncio.ensure_future(one(http, "long", long_prompt, 200))
+                await until(lambda: held.waiting)
+                queued = [asyncio.ensure_future(one(http, f"short {i}", p, 8)) for i, p in enumerate(shorts)]
+                await until(lambda: server.service.worker.queued_rows == len(shorts))
+                held.gate.set()
+                return await asyncio.gather(long, *queued)
+        finally:
+            held.gate.set()
 
     long_answer, *short_answers = asyncio.run(everyone())
-    assert all(finished[f"short {i}"] < finished["long"] for i in range(len(shorts)))
+    start = min(finished.values())
+    assert all(finished[f"short {i}"] < finished["long"] for i in range(len(shorts))), {
+        name: round(at - start, 3) for name, at in finished.items()
+    }
     for prompt, n, answer in [(long_prompt, 200, long_answer)] + [(p, 8, a) for p, a in zip(shorts, short_answers)]:
         reference = alone(lm, prompt, n, temperature=0)
         assert answer["choices"][0]["text"] == reference.text
@@ -122,6 +154,7 @@ def test_a_long_prompt_is_prefilled_chunk_by_chunk_while_others_decode(lm, serve
     assert len(lm.encode(long_prompt)) > 4 * 16  # several 16-token chunks
     short_prompt = prompt_of(lm, 3, 301)
     calls: list[str] = []
+    steps: list[int | None] = []  # each call's decode steps (None: a chunk)
     threads: set[tuple[str, str]] = set()
     slots = server.service.worker.slots
     chunk, decode = slots.prefill_chunk, slots.dispatch_decode
@@ -129,6 +162,7 @@ def test_a_long_prompt_is_prefilled_chunk_by_chunk_while_others_decode(lm, serve
     def record(name, fn):
         def wrapped(*args, **kwargs):
             calls.append(name)
+            steps.append(args[1] if name == "decode" else None)
             threads.add((name, threading.current_thread().name))
             return fn(*args, **kwargs)
 
@@ -155,6 +189,8 @@ def test_a_long_prompt_is_prefilled_chunk_by_chunk_while_others_decode(lm, serve
     first, last = calls.index("chunk"), len(calls) - 1 - calls[::-1].index("chunk")
     chunks = calls[first : last + 1]
     assert chunks.count("chunk") >= 4
+    # while a prompt is being prefilled, decode calls are of one step: the prefill is not held up
+    assert {k for k in steps[first : last + 1] if k is not None} <= {1}, steps
     if server.settings.prefill == "beside":
         # the chunks run on the prefill thread (and device), the decode steps go on beside them
         assert threads == {("chunk", "gptj-prefill"), ("decode", "gptj-engine")}, threads
@@ -205,7 +241,7 @@ def test_nothing_compiles_as_requests_come_and_go(lm, server):
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "plain"])
-def test_a_client_that_disconnects_frees_its_slot_within_one_step(lm, server, held, stream):
+def test_a_client_that_disconnects_frees_its_slot_within_one_call(lm, server, held, stream):
     prompt = next(
         p
         for p in (prompt_of(lm, 4, 500 + s) for s in range(50))
@@ -219,17 +255,21 @@ def test_a_client_that_disconnects_frees_its_slot_within_one_step(lm, server, he
                 with http.stream("POST", "/v1/completions", json=body) as response:
                     assert next(line for line in response.iter_lines() if line).startswith("data: {")
                     steps = metric(http.get("/metrics").text, "gptj_decode_steps_total")
+                    calls_then = held.decode_calls
             else:
                 with pytest.raises(httpx.ReadTimeout):
                     http.post("/v1/completions", json=body, timeout=0.5)
                 steps = metric(http.get("/metrics").text, "gptj_decode_steps_total")
+                calls_then = held.decode_calls
             # leaving the block (or the timeout) closed the connection; once the server has seen it
             # go, the row may still be placed (a first token comes before its slot, with a prefill
             # device), but it is freed at the next step
             wait_until(lambda: server.service.in_flight == 0, 30, "the server to see the client go")
             wait_until(lambda: metric(http.get("/metrics").text, "gptj_busy_slots") == 0, 30, "the slot to be freed")
             text = http.get("/metrics").text
-            assert metric(text, "gptj_decode_steps_total") - steps <= 2  # the step in flight, and the next
+            # the call in flight, and the next (each of up to --decode-steps steps)
+            assert held.decode_calls - calls_then <= 2
+            assert metric(text, "gptj_decode_steps_total") - steps <= 2 * MULTI_STEPS
             assert metric(text, "gptj_kv_pages_used") == 0 < metric(text, "gptj_kv_pages")  # its pages too
             calls = held.decode_calls
             time.sleep(0.5)
@@ -276,3 +316,134 @@ def test_prompts_sharing_a_prefix_take_its_cached_pages_and_each_equals_generate
     assert added("gptj_prompt_tokens_prefilled_total") == first + chunk + page + chunk
     assert metric(after, "gptj_prefix_cache_pages") >= 2
     assert 0 < metric(after, "gptj_prefix_cache_hit_rate") < 1
+
+
+def stop_inside(lm, prompt: str, n: int) -> str:
+    """A stop string that greedy decoding of ``prompt`` meets part-way through its ``n`` tokens."""
+    text = alone(lm, prompt, n, temperature=0).text
+    middle = len(text) // 3
+    return text[middle : middle + 2] if text[middle : middle + 2].strip() else text[middle : middle + 3]
+
+
+async def answers_and_a_cancelled_stream(url: str, bodies: list[dict], cancelled: dict) -> list[dict]:
+    """Every body's answer (streamed ones joined), while one streamed request leaves after its first chunk."""
+
+    async def leave(http):
+        async with http.stream("POST", "/v1/completions", json={**cancelled, "stream": True}) as response:
+            await anext(line async for line in response.aiter_lines() if line.startswith("data: {"))
+
+    async def answer(http, body):
+        if not body.get("stream"):
+            response = await http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0] | {"usage": response.json()["usage"]}
+        text, finish = "", None
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[len("data: ") :])["choices"][0]
+                    text, finish = text + choice["text"], choice["finish_reason"] or finish
+        return {"text": text, "finish_reason": finish}
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        *answered, _ = await asyncio.gather(*(answer(http, b) for b in bodies), leave(http))
+    return answered
+
+
+def test_multi_step_calls_answer_as_one_step_calls_do(lm, server, one_step):
+    """Greedy text, logprobs, finish_reason and usage with --decode-steps 1 and 4: stop
+    strings met inside a call, token limits that are no multiple of it, a client that leaves."""
+    prompts = [prompt_of(lm, 3 + i % 4, 600 + i) for i in range(8)]
+    bodies = [
+        {"prompt": p, "max_tokens": 40, "temperature": 0, "logprobs": 2, "stop": [stop_inside(lm, p, 40)]}
+        for p in prompts[:4]
+    ]
+    bodies += [
+        {"prompt": p, "max_tokens": n, "temperature": 0, "logprobs": 1} for p, n in zip(prompts[4:], (1, 3, 6, 9))
+    ]
+    bodies += [{**bodies[0], "stream": True}, {**bodies[5], "temperature": 0.9, "seed": 7}]
+    cancelled = {"prompt": prompts[1], "max_tokens": 60, "temperature": 0}
+    multi, single = (asyncio.run(answers_and_a_cancelled_stream(s.url, bodies, cancelled)) for s in (server, one_step))
+    assert [a["finish_reason"] for a in multi[:4]] == ["stop"] * 4  # the stops really were met
+    assert [a["usage"]["completion_tokens"] for a in multi[4:8]] == [1, 3, 6, 9]
+    for body, got, expected in zip(bodies, multi, single, strict=True):
+        assert got.keys() == expected.keys()
+        assert {k: v for k, v in got.items() if k != "logprobs"} == {
+            k: v for k, v in expected.items() if k != "logprobs"
+        }
+        if "logprobs" in got:
+            assert got["logprobs"]["tokens"] == expected["logprobs"]["tokens"]
+            assert [list(t) for t in got["logprobs"]["top_logprobs"]] == [
+                list(t) for t in expected["logprobs"]["top_logprobs"]
+            ]
+            np.testing.assert_allclose(
+                got["logprobs"]["token_logprobs"], expected["logprobs"]["token_logprobs"], atol=1e-5
+            )
+        if body["temperature"] == 0:  # and as the prompt decoded alone, cut at its stop string
+            reference = alone(lm, body["prompt"], body["max_tokens"], temperature=0, stop=body.get("stop"))
+            assert got["text"] == reference.text
+    for running in (server, one_step):  # the client that left freed its slot and pages
+        with httpx.Client(base_url=running.url) as http:
+            wait_until(lambda: metric(http.get("/metrics").text, "gptj_busy_slots") == 0, 30, "the slots to be freed")
+            assert metric(http.get("/metrics").text, "gptj_kv_pages_used") == 0
+
+
+def test_a_prompt_that_arrives_during_a_multi_step_call_is_admitted_after_it(lm, server, held):
+    first = next(
+        p
+        for p in (prompt_of(lm, 4, 700 + s) for s in range(50))
+        if alone(lm, p, 120, temperature=0).finish_reason == "length"
+    )
+    second = prompt_of(lm, 2, 760)
+    assert len(lm.encode(second)) <= 16  # admitted whole, not chunk by chunk
+    worker = server.service.worker
+    slots = worker.slots
+    calls: list[tuple] = []
+    admit_name = "place" if server.settings.prefill == "beside" else "dispatch_admit"
+    originals = {name: getattr(slots, name) for name in ("dispatch_decode", admit_name)}
+
+    def recorded(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append((name, args[1] if name == "dispatch_decode" else None))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    for name, fn in originals.items():
+        setattr(slots, name, recorded(name, fn))
+    submit = worker.submit
+    worker.submit = recorded("submit", submit)
+    held.step_delay_s = 0.05  # a call (of a few steps) outlasts the HTTP round trip of the second prompt
+    try:
+
+        async def both():
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+                body = {"prompt": first, "max_tokens": 120, "temperature": 0}
+                long = asyncio.ensure_future(http.post("/v1/completions", json=body))
+                deadline = time.monotonic() + 120
+                while ("dispatch_decode", MULTI_STEPS) not in calls:  # the first prompt decodes
+                    assert time.monotonic() < deadline and not long.done(), calls
+                    await asyncio.sleep(0.01)
+                short = await http.post("/v1/completions", json={"prompt": second, "max_tokens": 4, "temperature": 0})
+                return await long, short
+
+        long_answer, short_answer = asyncio.run(both())
+    finally:
+        for name in originals:
+            delattr(slots, name)
+        del worker.submit
+        held.step_delay_s = 0.0
+    assert long_answer.status_code == short_answer.status_code == 200
+    submitted = [i for i, (name, _) in enumerate(calls) if name == "submit"]
+    assert len(submitted) == 2, calls
+    arrived = submitted[1]
+    admitted = next((i for i, (name, _) in enumerate(calls) if name == admit_name and i > arrived), None)
+    assert admitted is not None, calls
+    before, between = calls[submitted[0] : arrived], calls[arrived:admitted]
+    assert ("dispatch_decode", MULTI_STEPS) in before, calls  # the first prompt ran in multi-step calls
+    # the second prompt waited for the call in flight at most (and, while prefilled beside, for one-step calls)
+    assert sum(1 for name, steps in between if name == "dispatch_decode" and steps > 1) <= 1, between
+    if server.settings.prefill == "between":
+        assert sum(1 for name, _ in between if name == "dispatch_decode") <= 1, between
+    assert long_answer.json()["choices"][0]["text"] == alone(lm, first, 120, temperature=0).text
+    assert short_answer.json()["choices"][0]["text"] == alone(lm, second, 4, temperature=0).text

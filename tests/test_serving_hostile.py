@@ -34,6 +34,7 @@ from lm_eval import simple_evaluate
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from gptj_flax.evaluation.harness import task_manager
+from gptj_flax.sampling import SamplingError, memory_maps
 from gptj_flax.serving.auth import BODY_KEY_BYTES, MAX_KEY_CHARS, NO_KEY_UNREAD, key_id
 from gptj_flax.serving.offsets import TextOffsets
 from gptj_flax.serving.request_log import RequestLog
@@ -596,6 +597,52 @@ def test_a_sigterm_during_the_warm_up_stops_compiling_and_exits_0(repo_root):
     print(f"exited {seconds:.1f} s after SIGTERM, rc {process.returncode}")
     assert process.returncode == 0, output
     assert "warm-up stopped after" in output and "programs compiled in" not in output, output
+
+
+def test_a_warm_up_near_the_kernels_limit_on_memory_maps_stops_with_the_fix_not_an_llvm_error(lm, monkeypatch, caplog):
+    # a limit already reached (the programs may be compiled already in this process, taking no new maps,
+    # so only a limit below the maps in use is sure to be met): the server says why and exits
+    room = memory_maps.maps_in_use() - 100
+    monkeypatch.setattr(memory_maps, "_read_int", lambda path: room if path == memory_maps.LIMIT_FILE else None)
+    running = RunningServer(HeldModel(lm), max_batch=MAX_BATCH, queue_size=8)
+    with caplog.at_level(logging.ERROR, logger="gptj_flax"):
+        running.thread.start()
+        running.thread.join(120)
+    assert not running.thread.is_alive(), "the server kept running after its warm-up failed"
+    running.sock.close()
+    error = running.service.worker.error
+    assert error.startswith("warm-up failed: the warm-up stopped: with ") and "programs compiled" in error, error
+    assert f"of the {room:,} the kernel allows (vm.max_map_count)" in error, error
+    assert "sysctl -w vm.max_map_count=1048576" in error and "--max-batch, --max-len" in error, error
+    failed = [r for r in caplog.records if r.getMessage().startswith("warm-up failed")]
+    assert len(failed) == 1 and failed[0].exc_info is None  # one line that says it all, no traceback
+
+
+@pytest.mark.parametrize(
+    "error, traceback",
+    [(SamplingError("the slots need 9 GiB; pass a smaller --max-len"), False), (RuntimeError("device lost"), True)],
+    ids=["project-error", "unexpected"],
+)
+def test_a_failed_warm_up_is_one_line_for_a_project_error_and_keeps_the_traceback_of_any_other(
+    lm, caplog, error, traceback
+):
+    """A project error's message says what to do (as the memory-map check's above): one log line.
+    Anything else is a bug or a lost device, and its traceback is what a report needs."""
+    held = HeldModel(lm)
+
+    def failing(**_):
+        raise error
+
+    held.slots = failing
+    running = RunningServer(held, max_batch=MAX_BATCH, queue_size=8)
+    with caplog.at_level(logging.ERROR, logger="gptj_flax"):
+        running.thread.start()
+        running.thread.join(120)
+    assert not running.thread.is_alive(), "the server kept running after its warm-up failed"
+    running.sock.close()
+    assert running.service.worker.error == f"warm-up failed: {error}"
+    failed = [r for r in caplog.records if r.getMessage().startswith("warm-up failed")]
+    assert len(failed) == 1 and (failed[0].exc_info is not None) == traceback
 
 
 # -- 12. text_offset ----------------------------------------------------------------------------------

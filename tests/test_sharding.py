@@ -12,8 +12,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gptj_flax import model as model_lib
 from gptj_flax import partitioning
-from gptj_flax.config import ConfigError, LoraConfig
-from gptj_flax.model import GPTJ, KVCache, PagedKVCache, abstract_adapters, abstract_params
+from gptj_flax.config import LORA_PROJECTIONS, ConfigError, LoraConfig
+from gptj_flax.model import (
+    GPTJ,
+    AdapterSlots,
+    KVCache,
+    PagedKVCache,
+    abstract_adapter_slots,
+    abstract_adapters,
+    abstract_params,
+)
 from gptj_flax.sampling import LanguageModel
 from gptj_flax.sampling.decoding import DecodeState
 from gptj_flax.sampling.slots import SlotState
@@ -120,7 +128,7 @@ LORA = LoraConfig(rank=4, targets=("*",))
 
 def _logical_trees() -> dict:
     """Every tree of logical names the package turns into shardings: the parameters of each
-    variant, the adapters, the caches and the decode states."""
+    variant, the adapters (trained, and a server's stacked bank), the caches and the decode states."""
     trees = {}
     for name, config in {
         "scanned": CFG,
@@ -131,6 +139,8 @@ def _logical_trees() -> dict:
         trees[f"{name} params"] = nn.get_partition_spec(abstract_params(config))
     for config in (CFG, UNROLLED):
         trees[f"adapters, scan_layers={config.scan_layers}"] = nn.get_partition_spec(abstract_adapters(config, LORA))
+        served = abstract_adapter_slots(config, AdapterSlots(3, 4, LORA_PROJECTIONS))
+        trees[f"served adapter bank, scan_layers={config.scan_layers}"] = nn.get_partition_spec(served)
     for kv_cache in (None, "int8"):
         config = dataclasses.replace(UNROLLED, kv_cache=kv_cache)
         trees[f"KV cache {kv_cache}"] = KVCache.logical_axes(config)

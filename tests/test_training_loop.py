@@ -17,6 +17,7 @@ from gptj_flax import checkpoint, convert, partitioning
 from gptj_flax.config import load_config
 from gptj_flax.training import TrainingDiverged, train
 from tests import commands
+from tests.commands import QUICK_COMPILE
 from tests.training_helpers import make_config, write_config
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "train_worker.py")
@@ -141,7 +142,7 @@ def _free_port():
 
 def _run_workers(config_path, out_path, n_proc, local_devices, mesh, stop_after, repo_root):
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(repo_root)}
+    env = {**os.environ, "XLA_FLAGS": QUICK_COMPILE, "PYTHONPATH": str(repo_root)}
     procs = [
         subprocess.Popen(
             [

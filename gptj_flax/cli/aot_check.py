@@ -22,7 +22,7 @@ import sys
 
 from gptj_flax.cli import LONE_HOST_TPU_ENV, libtpu_without_tpu
 from gptj_flax.cli.args import cli_path, join_negative_values
-from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, load_config
+from gptj_flax.config import KV_CACHE_DTYPES, LORA_PROJECTIONS, QUANTIZATIONS, load_config
 from gptj_flax.errors import add_debug_flag, run_cli
 from gptj_flax.sampling.serving_fit import ServingFit, serving_fit
 from gptj_flax.training.aot import AotReport, compile_for_topology
@@ -46,15 +46,35 @@ def _main() -> int:
     serving.add_argument("--prefill-chunk", type=int, default=128, help="prefill chunk (default 128)")
     serving.add_argument("--quantize", choices=QUANTIZATIONS, help="block projections in int8 (model.quantize)")
     serving.add_argument("--kv-cache", choices=KV_CACHE_DTYPES, help="cached keys and values in int8 (model.kv_cache)")
+    serving.add_argument(
+        "--adapter-rank",
+        type=int,
+        help="also say how many LoRA adapters of this rank fit beside the base (gptj-serve --adapter NAME=DIR)",
+    )
+    serving.add_argument(
+        "--adapter-targets",
+        default="q_proj,v_proj",
+        help="the projections those adapters adapt, comma-separated (default q_proj,v_proj)",
+    )
     add_debug_flag(parser)
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
     if not args.serve:
-        serve_only = (("--quantize", args.quantize), ("--kv-cache", args.kv_cache), ("--cache-len", args.cache_len))
+        serve_only = (
+            ("--quantize", args.quantize),
+            ("--kv-cache", args.kv_cache),
+            ("--cache-len", args.cache_len),
+            ("--adapter-rank", args.adapter_rank),
+        )
         given = [f for f, v in serve_only if v is not None]
         if given:
             parser.error(f"{', '.join(given)} only apply with --serve (QLoRA trains with --set model.quantize=int8)")
     if args.batch < 1 or (args.cache_len is not None and args.cache_len < 2):
         parser.error("--batch must be >= 1 and --cache-len >= 2")
+    targets = tuple(t.strip() for t in args.adapter_targets.split(",") if t.strip())
+    if args.adapter_rank is not None and (
+        args.adapter_rank < 1 or not set(targets) <= set(LORA_PROJECTIONS) or not targets
+    ):
+        parser.error(f"--adapter-rank must be >= 1 and --adapter-targets some of {', '.join(LORA_PROJECTIONS)}")
 
     overrides = [*args.set, *([f"model.quantize={args.quantize}"] if args.quantize else [])]
     overrides += [f"model.kv_cache={args.kv_cache}"] if args.kv_cache else []
@@ -65,7 +85,14 @@ def _main() -> int:
         if args.serve:
             cache_len = args.cache_len or config.model.max_len
             report = serving_fit(
-                config, topology, batch=args.batch, cache_len=cache_len, chunk=args.prefill_chunk, mesh_spec=args.mesh
+                config,
+                topology,
+                batch=args.batch,
+                cache_len=cache_len,
+                chunk=args.prefill_chunk,
+                mesh_spec=args.mesh,
+                adapter_rank=args.adapter_rank,
+                adapter_targets=targets,
             )
         else:
             report = compile_for_topology(config, topology, args.mesh)

@@ -32,10 +32,11 @@ import logging
 from gptj_flax import convert
 from gptj_flax.checkpoint import absolute_path
 from gptj_flax.cli.args import cli_dtype
+from gptj_flax.cli.compile_cache import add_compile_cache_flag, run_command
 from gptj_flax.convert import lora
 from gptj_flax.convert.hf import DEFAULT_MAX_SHARD_SIZE
 from gptj_flax.convert.orbax_io import OrbaxParams
-from gptj_flax.errors import add_debug_flag, configure_logging, run_cli
+from gptj_flax.errors import add_debug_flag, configure_logging
 from gptj_flax.training import make_optimizer
 
 COMPUTE_DTYPE_HELP = "compute dtype the checkpoint's config records (default: the precision the weights are stored in)"
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_exports(commands)
     for each in (parser, *commands.choices.values()):  # accepted before or after the command
         add_debug_flag(each)
+        add_compile_cache_flag(each)
     return parser
 
 
@@ -159,4 +161,4 @@ def _main() -> None:
 
 def main() -> int:
     """The ``gptj-convert`` command; ``scripts/convert.py`` runs it too."""
-    return run_cli(_main)
+    return run_command(_main)

@@ -22,13 +22,13 @@ import jax  # noqa: E402
 import gptj_flax  # noqa: E402
 from gptj_flax import partitioning  # noqa: E402
 from gptj_flax.cli.args import cli_path, join_negative_values  # noqa: E402
+from gptj_flax.cli.compile_cache import add_compile_cache_flag, run_command  # noqa: E402
 from gptj_flax.config import ConfigError, load_config  # noqa: E402
 from gptj_flax.data.corpus import prepare_demo_data  # noqa: E402
 from gptj_flax.errors import (  # noqa: E402
     EXIT_INTERRUPTED,
     add_debug_flag,
     configure_logging,
-    run_cli,
 )
 from gptj_flax.sampling import Completion  # noqa: E402
 from gptj_flax.training import train  # noqa: E402
@@ -52,6 +52,7 @@ def _main() -> int:
     )
     parser.add_argument("--prompt", default="def ", help="what the sample starts from")
     add_debug_flag(parser)
+    add_compile_cache_flag(parser)
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
     configure_logging(logging.WARNING, "%(levelname)s %(name)s: %(message)s")
 
@@ -86,4 +87,4 @@ def _main() -> int:
 
 def main() -> int:
     """The ``gptj-demo`` command; ``scripts/demo.py`` runs it too."""
-    return run_cli(_main)
+    return run_command(_main)

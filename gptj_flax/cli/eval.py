@@ -19,8 +19,9 @@ import jax
 
 from gptj_flax.cli import no_tokenizer
 from gptj_flax.cli.args import cli_dtype, cli_path, cli_tokenizer, join_negative_values
+from gptj_flax.cli.compile_cache import add_compile_cache_flag, run_command
 from gptj_flax.cli.distributed import start_processes
-from gptj_flax.errors import MissingExtraError, add_debug_flag, missing_extra, run_cli
+from gptj_flax.errors import MissingExtraError, add_debug_flag, missing_extra
 from gptj_flax.evaluation import compare
 from gptj_flax.evaluation.errors import EvaluationError
 from gptj_flax.evaluation.perplexity import perplexity
@@ -54,11 +55,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer", type=cli_tokenizer, help="tokenizer directory (default: the one saved with the checkpoint)"
     )
     add_debug_flag(parser)
+    add_compile_cache_flag(parser)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_debug_flag(parser)
+    add_compile_cache_flag(parser)
     commands = parser.add_subparsers(dest="command", required=True)
 
     harness = commands.add_parser("harness", help="run lm-eval tasks, write the results JSON")
@@ -205,4 +208,4 @@ def _main() -> int:
 
 def main() -> int:
     """The ``gptj-eval`` command; ``scripts/eval.py`` runs it too."""
-    return run_cli(_main)
+    return run_command(_main)

@@ -22,11 +22,15 @@ import jax
 import gptj_flax
 from gptj_flax.cli import no_tokenizer
 from gptj_flax.cli.args import cli_dtype, cli_path, cli_tokenizer, join_negative_values
+from gptj_flax.cli.compile_cache import add_compile_cache_flag, run_command
 from gptj_flax.cli.distributed import start_processes
 from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS
-from gptj_flax.errors import add_debug_flag, run_cli
+from gptj_flax.errors import add_debug_flag
 from gptj_flax.sampling import MissingTokenizer, Sampling, SamplingError, check_settings, check_text
+from gptj_flax.sampling.adapter_bank import split_adapter
 from gptj_flax.sampling.multihost import read_on_process_0
+
+BASE = "base"  # --model's name for the base model
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,8 +43,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step", type=int, default=None, help="load this step instead of the latest")
     parser.add_argument(
         "--adapter",
-        type=cli_path,
-        help="LoRA adapters to merge into CHECKPOINT (the base): a LoRA run or step directory, or a PEFT directory",
+        action="append",
+        default=[],
+        help="LoRA adapters (a LoRA run or step directory, or a PEFT directory): a bare DIR, alone, is merged "
+        "into CHECKPOINT (the base); NAME=DIR (repeatable) keeps DIR beside the base as model NAME, for --model",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        help="complete each prompt with this model: an --adapter NAME, or 'base' (repeatable: every prompt is "
+        "completed by each, in one batch; default: the base, or the one merged adapter)",
     )
     parser.add_argument(
         "--tokenizer",
@@ -88,10 +101,26 @@ def parse_args() -> argparse.Namespace:
         "--original-order", action="store_true", help="apply temperature after top-k/top-p, as mesh-transformer-jax did"
     )
     add_debug_flag(parser)
+    add_compile_cache_flag(parser)
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
     if args.num_samples < 1:
         parser.error(f"--num-samples must be >= 1, got {args.num_samples}")
+    _adapter_args(parser, args)
     return args
+
+
+def _adapter_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.merged`` (a bare --adapter DIR) and ``args.adapters`` (NAME=DIR ones), checked with --model."""
+    split = [split_adapter(value) for value in args.adapter]
+    if any(name is None for name, _ in split) and len(split) > 1:
+        parser.error("a bare --adapter DIR is merged into the base, alone: name each one (--adapter NAME=DIR)")
+    args.merged = next((cli_path(path) for name, path in split if name is None), None)
+    args.adapters = {name: cli_path(path) for name, path in split if name is not None} or None
+    if BASE in (args.adapters or {}):
+        parser.error(f"--adapter {BASE}=…: {BASE!r} names the base model; give the adapter another name")
+    unknown = [m for m in args.model if m != BASE and m not in (args.adapters or {})]
+    if unknown:
+        parser.error(f"--model {unknown[0]}: no --adapter {unknown[0]}=DIR given (the base is {BASE!r})")
 
 
 def show(*values, **kwargs) -> None:
@@ -122,18 +151,30 @@ def generation_settings(args: argparse.Namespace) -> dict:
 
 
 def complete(lm, prompt: str, args: argparse.Namespace, settings: dict) -> None:
-    """Print the completion(s) of ``prompt``: streamed for one sample, one block per sample otherwise."""
+    """Print the completion(s) of ``prompt``: streamed for one sample of one model, one block per
+    sample otherwise (each model's samples in one batch with the others')."""
+    models = args.model or [BASE]
     try:
-        if args.num_samples == 1:
-            for piece in lm.stream(prompt, **settings):
+        if args.num_samples == 1 and len(models) == 1:
+            for piece in lm.stream(prompt, **settings, adapter=_adapter(models[0])):
                 show(piece, end="", flush=True)
             show()
             return
-        for i, completion in enumerate(lm.generate([prompt] * args.num_samples, **settings)):
-            show(f"===== sample {i} ({completion.finish_reason}, {completion.completion_tokens} tokens) =====")
+        rows = [(model, i) for model in models for i in range(args.num_samples)]
+        chosen = [_adapter(model) for model, _ in rows]
+        for (model, i), completion in zip(
+            rows, lm.generate([prompt] * len(rows), **settings, adapter=chosen), strict=True
+        ):
+            label = f"{model}, sample {i}" if args.model else f"sample {i}"
+            show(f"===== {label} ({completion.finish_reason}, {completion.completion_tokens} tokens) =====")
             show(completion.text)
     except MissingTokenizer:
         raise no_tokenizer(args.checkpoint) from None
+
+
+def _adapter(model: str) -> str | None:
+    """The adapter ``--model`` names (None: the base)."""
+    return None if model == BASE else model
 
 
 def read_file(path: str) -> str:
@@ -182,7 +223,8 @@ def _main() -> None:
         step=args.step,
         tokenizer=args.tokenizer,
         quantize=args.quantize,
-        adapter=args.adapter,
+        adapter=args.merged,
+        adapters=args.adapters,
         kv_cache=args.kv_cache,
     )
     show(lm, file=sys.stderr)  # states the parameter and compute dtypes in effect
@@ -204,4 +246,4 @@ def _main() -> None:
 
 def main() -> int:
     """The ``gptj-sample`` command; ``scripts/sample.py`` runs it too."""
-    return run_cli(_main)
+    return run_command(_main)

@@ -3,7 +3,8 @@
 and the APIs of mesh-transformer-jax's device_serve.py (on /complete) and docker/ server (/model/...).
 
     python scripts/serve.py --checkpoint runs/demo [--host 127.0.0.1] [--port 8080] [--mesh 1,1,8]
-                            [--api-keys-file keys.txt] [--queue-size 1024] [--max-batch 16] [--log-file requests.jsonl]
+                            [--api-keys-file keys.txt] [--queue-size 1024] [--max-batch 16] [--decode-steps 1]
+                            [--log-file requests.jsonl]
 
 Every flag can also be set in the environment as GPTJ_FLAX_<SETTING> (GPTJ_FLAX_PORT=9000,
 GPTJ_FLAX_API_KEYS_FILE=keys.txt, …); a flag wins. The GPT-4chan server's own variables
@@ -17,7 +18,8 @@ pages of any origin call the server, as mesh-transformer-jax's servers did.
 import argparse
 import logging
 
-from gptj_flax.errors import MissingExtraError, add_debug_flag, configure_logging, missing_extra, run_cli
+from gptj_flax.cli.compile_cache import add_compile_cache_flag, run_command
+from gptj_flax.errors import MissingExtraError, add_debug_flag, configure_logging, missing_extra
 
 NO_SERVE_EXTRA: MissingExtraError | None = None
 try:  # the serve extra: without it the command says which to install, as one error line
@@ -32,6 +34,7 @@ def _main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     add_debug_flag(parser)
+    add_compile_cache_flag(parser)
     args = parser.parse_args()
     configure_logging(logging.INFO, LOG_FORMAT)  # for deprecation notices
     return serve(settings_from(args))
@@ -39,4 +42,4 @@ def _main() -> int:
 
 def main() -> int:
     """The ``gptj-serve`` command; ``scripts/serve.py`` runs it too."""
-    return run_cli(_main)
+    return run_command(_main)

@@ -17,6 +17,7 @@ import sys
 
 from gptj_flax import partitioning
 from gptj_flax.cli.args import cli_path, join_negative_values
+from gptj_flax.cli.compile_cache import add_compile_cache_flag, run_command
 from gptj_flax.config import Config, ConfigError, load_config
 from gptj_flax.data import DataOrderChanged
 from gptj_flax.errors import (
@@ -27,7 +28,6 @@ from gptj_flax.errors import (
     add_debug_flag,
     configure_logging,
     missing_extra,
-    run_cli,
 )
 from gptj_flax.training import train
 
@@ -110,6 +110,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--process-id", type=int)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     add_debug_flag(parser)
+    add_compile_cache_flag(parser)
     args = parser.parse_args(join_negative_values(sys.argv[1:]))
     if args.fresh_opt and not args.init_from:
         parser.error("--fresh-opt needs --init-from")
@@ -167,4 +168,4 @@ def _main() -> int:
 
 def main() -> int:
     """The ``gptj-train`` command; ``scripts/train.py`` runs it too."""
-    return run_cli(_main)
+    return run_command(_main)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gptj_flax.config import cache_root
 from gptj_flax.data.errors import DataError
 
 METADATA_FORMAT = "gptj_flax.tfrecords"
@@ -179,9 +180,8 @@ def _stat(path: str) -> tuple[int, int]:
 
 
 def layout_cache_dir() -> str:
-    """Where counted layouts are cached: ``$GPTJ_FLAX_CACHE`` or ``~/.cache/gptj_flax``."""
-    root = os.environ.get("GPTJ_FLAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gptj_flax")
-    return os.path.join(root, "tfrecord_layouts")
+    """Where counted layouts are cached: under :func:`gptj_flax.config.cache_root`."""
+    return os.path.join(cache_root(), "tfrecord_layouts")
 
 
 def file_layouts(

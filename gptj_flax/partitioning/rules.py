@@ -35,6 +35,7 @@ DEFAULT_RULES: Rules = (
     ("vocab", "model"),  # … and over the vocabulary
     ("layers", None),  # the stacked-layer dim of nn.scan is never split
     ("lora_rank", None),  # a LoRA adapter's rank: small, never split
+    ("adapters", None),  # the stacked adapters of a served bank: each row is gathered per sequence
 )
 
 # Named mesh shapes: (data, fsdp, model); -1 takes the remaining devices.

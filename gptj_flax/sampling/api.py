@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from gptj_flax import partitioning
 from gptj_flax.config import ModelConfig, dtype_name
+from gptj_flax.sampling.adapter_bank import AdapterBank
 from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING, Decoder, DecodeRun
 from gptj_flax.sampling.multihost import check_same_call
 from gptj_flax.sampling.samplers import Sampling, SamplingError, SamplingParams, per_example, sampling_rows
@@ -412,6 +413,7 @@ class LanguageModel:
         top_logprobs: int = 5,
         prefill_mesh: Mesh | None = None,
         prefix_cache: bool = False,
+        adapters: AdapterBank | None = None,
     ) -> Slots:
         """Decode slots over this model's parameters, for continuous batching (see
         :class:`gptj_flax.sampling.slots.Slots`): ``slots`` sequences of up to ``length`` tokens each.
@@ -419,6 +421,8 @@ class LanguageModel:
         ``prefill_mesh``: devices other than the model's, to prefill new prompts on beside the decode
         steps (the parameters are copied there); default: prefill between steps on the model's own.
         ``prefix_cache``: reuse the cached full pages of earlier prompts (not with a ``prefill_mesh``).
+        ``adapters``: a bank of LoRA adapters over these parameters, one chosen per request
+        (:class:`~gptj_flax.sampling.adapter_bank.AdapterBank`; not with a ``prefill_mesh``).
         """
         return Slots(
             self.decoder,
@@ -429,12 +433,36 @@ class LanguageModel:
             top_logprobs=top_logprobs,
             prefill=None if prefill_mesh is None else self.decoder.on(prefill_mesh),
             prefix_cache=prefix_cache,
+            adapters=adapters,
         )
 
-    def _start(self, method: str, prompts, *, original_order, top_logprobs, **settings) -> tuple[_Generation, bool]:
+    @property
+    def adapters(self) -> AdapterBank | None:
+        """The LoRA adapters served beside the base, which ``generate``'s ``adapter`` names (None: none)."""
+        return self.decoder.adapters
+
+    def _adapter_rows(self, adapter, n: int, bank: AdapterBank | None = None) -> np.ndarray | None:
+        """Each prompt's row of ``bank`` (default: :attr:`adapters`), from ``adapter`` (a name, None,
+        or one per prompt)."""
+        bank = self.adapters if bank is None else bank
+        names = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * n
+        if len(names) != n:
+            raise SamplingError(f"adapter: {len(names)} values for {n} prompts; give one, or one per prompt")
+        if all(name is None for name in names):
+            return None
+        if bank is None:
+            raise SamplingError(
+                f"adapter={next(a for a in names if a is not None)!r}: this model has no adapters; load it with "
+                "gptj_flax.load(BASE, adapters={NAME: DIR, ...})"
+            )
+        return np.array([bank.index(name) for name in names], np.int32)
+
+    def _start(
+        self, method: str, prompts, *, original_order, top_logprobs, adapter=None, **settings
+    ) -> tuple[_Generation, bool]:
         """Check a ``generate`` or ``stream`` call and start its device run; ``settings`` are
         :func:`check_settings`' keywords."""
-        check_same_call(method, (prompts, settings, original_order, top_logprobs, self.eos_token_id))
+        check_same_call(method, (prompts, settings, original_order, top_logprobs, adapter, self.eos_token_id))
         batch, single = _as_batch(prompts)
         n = len(batch)
         checked = check_settings(n, **settings)
@@ -447,6 +475,7 @@ class LanguageModel:
         eos = -1 if self.eos_token_id is None else int(self.eos_token_id)
         eos_ids = np.where(checked.ignore_eos, -1, eos).astype(np.int32)
         token_prompts = [self.encode(p) for p in batch]
+        rows = self._adapter_rows(adapter, n)
         run = self.decoder.start(
             token_prompts,
             max_new_tokens=checked.max_new_tokens,
@@ -455,6 +484,7 @@ class LanguageModel:
             eos_id=eos_ids,
             original_order=bool(original_order),
             top_logprobs=int(np.max(alternatives)),
+            adapters=rows,
         )
         trackers = None if self.tokenizer is None else [TextTracker(self.tokenizer, s) for s in checked.stops]
         check_steps = STOP_CHECK_STEPS if any(checked.stops) else run.capacity
@@ -479,6 +509,7 @@ class LanguageModel:
         return_tokens=False,
         return_logprobs=False,
         return_top_logprobs=0,
+        adapter=None,
     ) -> Completion | list[Completion]:
         """Continue each prompt; a single prompt gives a :class:`Completion`, a list gives a list.
 
@@ -502,6 +533,9 @@ class LanguageModel:
           return_top_logprobs: k > 0 also returns, for every generated token, the k most likely ids
             at that step and their log-probabilities (``Completion.top_logprobs``); one value or
             one per prompt.
+          adapter: the LoRA adapter to generate with, by name (``None``: the base), or one per
+            prompt, each prompt in the batch with its own: the adapters given to ``gptj_flax.load``'s
+            ``adapters=`` (:attr:`adapters`).
 
         Every setting except ``original_order``, ``return_tokens`` and ``return_logprobs`` takes one
         value for all prompts or a list with one per prompt.
@@ -522,6 +556,7 @@ class LanguageModel:
             ignore_eos=ignore_eos,
             original_order=original_order,
             top_logprobs=return_top_logprobs,
+            adapter=adapter,
         )
         job.pieces()
         while not job.finished:
@@ -547,6 +582,7 @@ class LanguageModel:
         original_order=False,
         return_logprobs=False,
         return_top_logprobs=0,
+        adapter=None,
     ) -> TextStream:
         """Like :meth:`generate`, but yield text as each token is produced.
 
@@ -578,6 +614,7 @@ class LanguageModel:
             ignore_eos=ignore_eos,
             original_order=original_order,
             top_logprobs=return_top_logprobs,
+            adapter=adapter,
         )
         return TextStream(job, single, bool(return_logprobs))
 
@@ -587,25 +624,39 @@ class LanguageModel:
         return sized(self.decoder, max_bytes)
 
     def score(
-        self, texts_or_token_ids, *, top_logprobs: int = 0, cache: ScoreCache | None = None
+        self,
+        texts_or_token_ids,
+        *,
+        top_logprobs: int = 0,
+        adapter=None,
+        adapters: AdapterBank | None = None,
+        cache: ScoreCache | None = None,
     ) -> Scored | list[Scored]:
         """Per-token log-probabilities of the given texts or token-id lists under the model.
 
         A single text (or id list) gives a :class:`Scored`, a list gives a list. ``top_logprobs`` > 0
         also gives each position's most likely ids (``Scored.top_logprobs``), from the same pass.
-        With a ``cache`` (:meth:`score_cache`), texts that start with the same full pages as earlier
-        ones score only the rest, one text at a time, with the same result.
+        ``adapter``: the LoRA adapter to score with, by name (``None``: the base), or one per text,
+        as :meth:`generate` takes it; ``adapters``: the bank those names are in, when it is not the
+        model's own (:attr:`adapters`), as :meth:`slots` takes one. With a ``cache``
+        (:meth:`score_cache`), texts for the base model that start with the same full pages as earlier
+        ones score only the rest, one text at a time, with the same result; texts for an adapter
+        never use it, so that no text's scores come from another adapter's.
         """
-        check_same_call("score", (texts_or_token_ids, top_logprobs))
+        check_same_call("score", (texts_or_token_ids, top_logprobs, adapter))
         vocab = self.decoder.valid_vocab
         (k,) = per_example(
             "top_logprobs", top_logprobs, 1, int, lambda x: 0 <= x <= vocab, f"an integer in [0, {vocab}]"
         )
         batch, single = _as_batch(texts_or_token_ids)
+        rows = self._adapter_rows(adapter, len(batch), adapters)
         sequences = [self.encode(x) for x in batch]
-        scorer = self.decoder.score_with_alternatives if cache is None else cache.score
+        if cache is not None and rows is None:
+            scored = cache.score(sequences, int(k))
+        else:
+            scored = self.decoder.score_with_alternatives(sequences, int(k), rows, adapters)
         out = [
             Scored(tokens=seq, logprobs=lp, top_logprobs=_alternatives(ids, lps) if k > 0 else None)
-            for seq, (lp, ids, lps) in zip(sequences, scorer(sequences, int(k)))
+            for seq, (lp, ids, lps) in zip(sequences, scored)
         ]
         return out[0] if single else out

@@ -13,6 +13,7 @@ placed as global arrays, and what the host reads back is gathered whole on every
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -26,7 +27,8 @@ from jax.sharding import Mesh, PartitionSpec
 from gptj_flax import convert, partitioning
 from gptj_flax.config import ModelConfig
 from gptj_flax.losses import greedy_matches, token_log_probs
-from gptj_flax.model import GPTJ, KVCache, unstack_layers
+from gptj_flax.model import GPTJ, AdapterSlots, KVCache, unstack_layers
+from gptj_flax.sampling.adapter_bank import AdapterBank
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.samplers import SamplingError, SamplingParams, next_tokens, top_bucket, top_logprobs
 
@@ -84,6 +86,7 @@ class DecodeState:
     seeds: Array  # uint32 [B]: row i's draw at step s uses fold_in(key(seeds[i]), s)
     seen: Array  # bool [B, V]: prompt and generated ids, for the repetition penalty
     sampling: SamplingParams
+    adapter: Array  # int32 [B]: the row of the decoder's adapter bank each row applies (0: none)
 
     @classmethod
     def logical_axes(cls, config: ModelConfig) -> DecodeState:
@@ -96,6 +99,7 @@ class DecodeState:
             top_logprobs=cube,
             step=PartitionSpec(),
             prompt_lengths=PartitionSpec("batch"),
+            adapter=PartitionSpec("batch"),
             **per_row_axes(),
         )
 
@@ -120,18 +124,29 @@ class TokenScores(NamedTuple):
 
 
 def score_tokens(
-    model: GPTJ, params: Any, inputs: Array, targets: Array, segment_ids: Array, valid_vocab: int, top_width: int = 0
+    model: GPTJ,
+    params: Any,
+    inputs: Array,
+    targets: Array,
+    segment_ids: Array,
+    valid_vocab: int,
+    top_width: int = 0,
+    *,
+    bank: Any = None,
+    adapter: Array | None = None,
 ) -> TokenScores:
     """Score ``targets`` [B, L] after ``inputs`` [B, L] (a sequence's tokens and the same shifted by
     one) in one forward pass; ``segment_ids`` [B, L] is 1 on real inputs and 0 on the right padding,
-    which causal attention never lets a real position see.
+    which causal attention never lets a real position see. With ``bank`` (the ``adapters``
+    collection of a ``model`` with slots), row i applies the served adapter ``adapter[i]`` (0: none).
 
     The one scoring program behind :meth:`Decoder.score_with_alternatives` and the lm-eval scorer
     (:class:`gptj_flax.evaluation.scoring.TokenScorer`): each jits it and keeps what it reports, and
     XLA computes nothing for the rest. Ids at or above ``valid_vocab`` are never greedy choices nor
     among the ``top_width`` (static) alternatives.
     """
-    logits = model.apply({"params": params}, inputs, segment_ids=segment_ids)
+    variables = {"params": params} if bank is None else {"params": params, "adapters": bank}
+    logits = model.apply(variables, inputs, segment_ids=segment_ids, adapter=adapter)
     if top_width > 0:
         ids, lps = top_logprobs(logits, top_width, valid_vocab)
     else:
@@ -205,19 +220,45 @@ class Decoder:
         self.page_columns = PAGE_COLUMNS.get(mesh.devices.flat[0].platform, DEFAULT_PAGE_COLUMNS)
         self.slot_programs: dict = {}  # the decode slots' programs, by SlotShape (sampling.slot_programs)
         self._copies: dict[Mesh, Decoder] = {}
+        self.adapters: AdapterBank | None = None
+        self._scorers: dict[AdapterSlots | None, Any] = {}  # the scoring programs, by the bank's shape
+        self._param_shardings = param_shardings
+        self._compile_programs()
+
+    def use_adapters(self, bank: AdapterBank) -> None:
+        """Generate and score with ``bank``'s adapters from now on, each prompt applying the one
+        :meth:`start`'s (or :meth:`score_with_alternatives`') ``adapters`` names (its programs
+        compile again, with the bank)."""
+        self.adapters, self.model = bank, GPTJ(self.config, slots=bank.slots)
+        self._compile_programs()
+
+    def _weights(self) -> Any:
+        """What the generation programs take as parameters: with an adapter bank, its arrays too."""
+        return self.params if self.adapters is None else (self.params, self.adapters.arrays)
+
+    def _apply(self, weights, *args, **kwargs):
+        if self.adapters is None:
+            return self.model.apply({"params": weights}, *args, **kwargs)
+        params, bank = weights
+        return self.model.apply({"params": params, "adapters": bank}, *args, **kwargs)
+
+    def _compile_programs(self) -> None:
+        mesh, rules, param_shardings = self.mesh, self.rules, self._param_shardings
+        if self.adapters is not None:
+            param_shardings = (param_shardings, self.adapters.shardings)
 
         def sharding(*axes):
             return partitioning.named_sharding(mesh, axes, rules)
 
-        state = partitioning.logical_to_sharding(DecodeState.logical_axes(config), mesh, rules)
+        state = partitioning.logical_to_sharding(DecodeState.logical_axes(self.config), mesh, rules)
         rows, table = sharding("batch"), sharding("batch", "length")
         sampling = partitioning.logical_to_sharding(SamplingParams.logical_axes(), mesh, rules)
         self._rows, self._table, self._sampling, self._scalar = rows, table, sampling, sharding()
         cube = sharding("batch", "length", None)
         self._prefill = jax.jit(
             self._prefill_fn,
-            static_argnums=(7, 8, 9),
-            in_shardings=(param_shardings, table, rows, rows, rows, rows, sampling),
+            static_argnums=(8, 9, 10),
+            in_shardings=(param_shardings, table, rows, rows, rows, rows, sampling, rows),
             out_shardings=state,
         )
         self._decode = jax.jit(
@@ -227,13 +268,22 @@ class Decoder:
             in_shardings=(param_shardings, state, sharding(), rows),
             out_shardings=state,
         )
-        self._score = jax.jit(
-            self._score_fn,
-            static_argnums=(3,),
-            in_shardings=(param_shardings, table, table),
-            out_shardings=(table, cube, cube),
-        )
+        self._cube = cube
         self._score_after = jax.jit(self._score_after_fn, static_argnums=(7,))
+
+    def _scorer(self, bank: AdapterBank | None):
+        """The scoring program for ``bank``'s shape (None: no bank), compiled once per shape bucket:
+        a bank's contents and each row's adapter are arguments, so neither recompiles it."""
+        slots = None if bank is None else bank.slots
+        if slots not in self._scorers:
+            weights = self._param_shardings if bank is None else (self._param_shardings, bank.shardings)
+            self._scorers[slots] = jax.jit(
+                functools.partial(self._score_fn, GPTJ(self.config, slots=slots)),
+                static_argnums=(4,),
+                in_shardings=(weights, self._table, self._table, self._rows),
+                out_shardings=(self._table, self._cube, self._cube),
+            )
+        return self._scorers[slots]
 
     # -- device programs ---------------------------------------------------------------------
     def _emit(self, state: DecodeState, logits: Array, original_order: bool) -> DecodeState:
@@ -274,6 +324,7 @@ class Decoder:
         eos_id,
         seeds,
         sampling,
+        adapter,
         new_tokens: int,
         original_order: bool,
         top_width: int,
@@ -284,8 +335,15 @@ class Decoder:
         segment_ids = (slots >= padding).astype(jnp.int32)
         positions = jnp.maximum(slots - padding, 0)
         cache = KVCache.empty(self.config, batch, prompt_len + new_tokens)
-        logits, cache = self.model.apply(
-            {"params": params}, prompt_tokens, positions, segment_ids, cache, last_logits_only=True, method=GPTJ.decode
+        logits, cache = self._apply(
+            params,
+            prompt_tokens,
+            positions,
+            segment_ids,
+            cache,
+            last_logits_only=True,
+            adapter=adapter,
+            method=GPTJ.decode,
         )
         rows = jnp.arange(batch)[:, None]
         seen = jnp.zeros((batch, self.config.vocab_size), bool).at[rows, prompt_tokens].max(segment_ids > 0)
@@ -304,6 +362,7 @@ class Decoder:
             seeds=seeds,
             seen=seen,
             sampling=sampling,
+            adapter=adapter,
         )
         return self._emit(state, logits[:, -1], original_order)
 
@@ -317,22 +376,32 @@ class Decoder:
         def step(s):
             fed = lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
             positions = (s.prompt_lengths + s.step - 1)[:, None]
-            logits, cache = self.model.apply(
-                {"params": params},
+            logits, cache = self._apply(
+                params,
                 fed,
                 positions,
                 jnp.ones_like(fed),
                 s.cache,
                 last_logits_only=True,
+                adapter=s.adapter,
                 method=GPTJ.decode,
             )
             return self._emit(s.replace(cache=cache), logits[:, -1], original_order)
 
         return lax.while_loop(unfinished, step, state)
 
-    def _score_fn(self, params, tokens, segment_ids, top_width: int) -> tuple[Array, Array, Array]:
+    def _score_fn(self, model: GPTJ, weights, tokens, segment_ids, adapter, top_width: int):
+        params, bank = (weights, None) if model.slots is None else weights
         scores = score_tokens(
-            self.model, params, tokens[:, :-1], tokens[:, 1:], segment_ids, self.valid_vocab, top_width
+            model,
+            params,
+            tokens[:, :-1],
+            tokens[:, 1:],
+            segment_ids,
+            self.valid_vocab,
+            top_width,
+            bank=bank,
+            adapter=None if bank is None else adapter,
         )
         return scores.log_probs, scores.top_ids, scores.top_logprobs
 
@@ -400,6 +469,7 @@ class Decoder:
         eos_id: np.ndarray,
         original_order: bool = False,
         top_logprobs: int = 0,
+        adapters: np.ndarray | None = None,
     ) -> DecodeRun:
         """Prefill ``prompts`` (token ids) and choose each row's first token.
 
@@ -412,8 +482,9 @@ class Decoder:
         ``max_new_tokens``, ``seeds``, ``eos_id`` and ``sampling`` hold one value per prompt
         (``eos_id`` -1: never stop at EOS). ``top_logprobs`` > 0 also records, at every step, at
         least that many most likely ids and their log-probabilities (``Progress.top_ids``; the width
-        is rounded up to a power of two so that nearby counts share a program). Returns the run, to
-        be advanced with ``DecodeRun.advance``.
+        is rounded up to a power of two so that nearby counts share a program). ``adapters``: each
+        prompt's row of the adapter bank (:meth:`use_adapters`; 0 or None: the base). Returns the
+        run, to be advanced with ``DecodeRun.advance``.
         """
         self._check_lengths(prompts, [int(m) for m in max_new_tokens])
         n = len(prompts)
@@ -433,13 +504,14 @@ class Decoder:
 
         with partitioning.sharding_scope(self.mesh, self.rules):
             state = self._prefill(
-                self.params,
+                self._weights(),
                 to_device(tokens, self._table),
                 to_device(lengths, self._rows),
                 to_device(pad(max_new_tokens, np.int32), self._rows),
                 to_device(pad(eos_id, np.int32), self._rows),
                 to_device(pad(seeds, np.uint32), self._rows),
                 jax.tree.map(to_device, sampling.pad_to(batch), self._sampling),
+                to_device(pad(np.zeros(n) if adapters is None else adapters, np.int32), self._rows),
                 new_tokens,
                 original_order,
                 top_bucket(top_logprobs),
@@ -467,11 +539,22 @@ class Decoder:
         self._check_lengths(sequences, [0] * len(sequences))
 
     def score_with_alternatives(
-        self, sequences: Sequence[Sequence[int]], top_logprobs: int
+        self,
+        sequences: Sequence[Sequence[int]],
+        top_logprobs: int,
+        adapters: np.ndarray | None = None,
+        bank: AdapterBank | None = None,
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """:meth:`score` in the same forward pass, with each position's ``top_logprobs`` most likely
         ids and their log-probabilities: per sequence ``(logprobs [L-1], top_ids [L-1, k],
-        top_logprobs [L-1, k])``, where row j is the distribution that predicts ``seq[j+1]``."""
+        top_logprobs [L-1, k])``, where row j is the distribution that predicts ``seq[j+1]``.
+
+        ``adapters``: each sequence's row of ``bank`` (default: :meth:`use_adapters`' bank; 0 or
+        None: the base), applied as generation applies it. With a bank, every mix of rows runs one
+        program, the base's rows included."""
+        bank = self.adapters if bank is None else bank
+        if bank is None and adapters is not None and np.any(adapters):
+            raise SamplingError("adapters named for scoring, and this decoder has no adapter bank")
         self.check_scorable(sequences)
         batch = self.padded_batch(len(sequences))
         # a power of two of inputs (every token but the last), as the lm-eval scorer pads them
@@ -481,10 +564,18 @@ class Decoder:
         for row, seq in enumerate(sequences):  # right-padded: causal attention never sees the padding
             tokens[row, : len(seq)] = seq
             segments[row, : len(seq) - 1] = 1
-        width = top_bucket(top_logprobs)
+        rows = np.zeros(batch, np.int32)
+        rows[: len(sequences)] = 0 if adapters is None else adapters
+        weights = self.params if bank is None else (self.params, bank.arrays)
         with partitioning.sharding_scope(self.mesh, self.rules):
             out, ids, lps = to_host(
-                self._score(self.params, to_device(tokens, self._table), to_device(segments, self._table), width)
+                self._scorer(bank)(
+                    weights,
+                    to_device(tokens, self._table),
+                    to_device(segments, self._table),
+                    to_device(rows, self._rows),
+                    top_bucket(top_logprobs),
+                )
             )
         return [
             (out[row, : len(seq) - 1], ids[row, : len(seq) - 1, :top_logprobs], lps[row, : len(seq) - 1, :top_logprobs])
@@ -521,7 +612,7 @@ class Decoder:
 
     def compilations(self) -> int:
         """Programs compiled so far (prefill + decode + score), for checking that nothing recompiles."""
-        return sum(f._cache_size() for f in (self._prefill, self._decode, self._score, self._score_after))
+        return sum(f._cache_size() for f in (self._prefill, self._decode, self._score_after, *self._scorers.values()))
 
 
 class DecodeRun:
@@ -561,7 +652,7 @@ class DecodeRun:
         with partitioning.sharding_scope(self._decoder.mesh, self._decoder.rules):
             decoder = self._decoder
             self._state = decoder._decode(
-                decoder.params,
+                decoder._weights(),
                 self._state,
                 to_device(np.int32(stop_at), decoder._scalar),
                 to_device(stopped, decoder._rows),

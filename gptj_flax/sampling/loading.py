@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from gptj_flax.convert.quantize import round_trip
 from gptj_flax.convert.weights import WeightSource, open_weights, parse_init_spec, place_weights
 from gptj_flax.data.tokenizer import resolve_tokenizer
 from gptj_flax.model import stack_layers, unstack_layers
+from gptj_flax.sampling.adapter_bank import AdapterBank
 from gptj_flax.sampling.api import LanguageModel
 from gptj_flax.sampling.samplers import SamplingError
 
@@ -37,6 +39,8 @@ def load(
     quantize: str | None = None,
     adapter: str | os.PathLike | None = None,
     kv_cache: str | None = None,
+    adapters: Mapping[str, str | os.PathLike] | None = None,
+    max_adapters: int | None = None,
 ) -> LanguageModel:
     """A :class:`LanguageModel` from ``path``, ready to generate, stream and score.
 
@@ -61,6 +65,10 @@ def load(
         projections as int8 quantisation rounds them, which is what they were trained on.
       kv_cache: ``"int8"``: generation stores cached keys and values int8 with a float32 scale per
         (row, head, slot), about half a bf16 cache's memory. Default: the compute dtype.
+      adapters: LoRA adapters to keep beside the base instead of merging one, by name (name →
+        directory, each as ``adapter`` takes it, checked as it is): ``generate(…, adapter=NAME)``
+        picks one per prompt, in one batch (:attr:`LanguageModel.adapters` adds and removes more).
+      max_adapters: how many adapters the model can hold at once (default: as many as ``adapters``).
     """
     _check_options(path, step, quantize, kv_cache)
     mesh = partitioning.make_mesh(partitioning.ONE_DEVICE if mesh is None else mesh)
@@ -82,7 +90,15 @@ def load(
         params, adapter_tokenizer = _merge_adapter(adapter, path, unrolled, params, mesh)
         saved = adapter_tokenizer or saved
     tokenizer = resolve_tokenizer(tokenizer, saved=saved)
-    return LanguageModel(config, params, tokenizer=tokenizer, mesh=mesh, step=source.step, shardings=shardings)
+    model = LanguageModel(config, params, tokenizer=tokenizer, mesh=mesh, step=source.step, shardings=shardings)
+    if adapters is not None:
+        if adapter is not None:
+            raise SamplingError(
+                "adapter= merges one adapter into the base, adapters= keeps several beside it: give one"
+            )
+        bank = AdapterBank.build(unrolled, mesh, adapters, max_adapters=max_adapters, base=os.fspath(path))
+        model.decoder.use_adapters(bank)
+    return model
 
 
 def _check_options(path, step: int | None, quantize: str | None, kv_cache: str | None) -> None:

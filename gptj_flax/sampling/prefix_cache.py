@@ -64,8 +64,10 @@ class PrefixCache:
         self._key_of: dict[int, bytes] = {}
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
 
-    def keys(self, tokens: Sequence[int]) -> list[bytes]:
-        return page_keys(tokens, self.page, self.salt)
+    def keys(self, tokens: Sequence[int], salt: bytes = b"") -> list[bytes]:
+        """The keys of ``tokens``' full pages, for a prompt run with ``salt`` besides the cache's own
+        (its adapter's, so that pages of different adapters are never shared)."""
+        return page_keys(tokens, self.page, self.salt + salt)
 
     def match(self, keys: Sequence[bytes]) -> list[int]:
         """The pages holding the longest run of ``keys`` from the first; each is used now (the

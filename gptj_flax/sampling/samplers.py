@@ -5,7 +5,8 @@ a batch of them on their way to the device: every setting an array with one valu
 one compiled program serves a batch whose requests all want different things. A value that switches
 a filter off (``top_k`` 0, ``top_p``/``typical_p`` 1, ``min_p`` 0, ``repetition_penalty`` 1) leaves
 that row untouched, and a filter no row uses is skipped at run time (``lax.cond``), so greedy
-decoding never sorts the vocabulary.
+decoding runs none of them. No filter sorts the vocabulary: each finds its threshold by bisection
+(:func:`_largest`).
 
 Order (HuggingFace ``generate``): repetition penalty → temperature → top-k → top-p → min-p →
 typical-p → sample. ``original_order=True`` moves temperature after the filters, as
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import flax
 import jax
@@ -216,27 +217,72 @@ def repetition_penalty(logits: Array, seen: Array, penalty: Array) -> Array:
     return jnp.where(seen, penalised, logits)
 
 
+def _ordered(bits: Array) -> Array:
+    """A float32's int32 bits reordered as the floats are (−0 just below +0): a negative one's
+    magnitude bits flipped. Its own inverse."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _as_ordered(x: Array) -> Array:
+    return _ordered(lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32))
+
+
+def _as_float(ordered: Array) -> Array:
+    return lax.bitcast_convert_type(_ordered(ordered), jnp.float32)
+
+
+def _largest(fits: Callable[[Array], Array], rows: int) -> Array:
+    """Each row's largest int32 ``m`` [rows, 1] for which ``fits(m)`` holds, where ``fits`` holds for
+    the least int32 and, once it fails, fails for every larger one: bisection, 32 halvings.
+
+    The filters find their thresholds this way over the logits' ordered bits, in passes that count
+    or sum over the row: they vectorise, where a sort of the vocabulary costs a comparison at a time.
+    """
+    low = jnp.full((rows, 1), jnp.iinfo(jnp.int32).min, jnp.int32)
+    high = jnp.full((rows, 1), jnp.iinfo(jnp.int32).max, jnp.int32)
+
+    def halve(_, bounds):
+        low, high = bounds
+        middle = (low >> 1) + (high >> 1) + ((low | high) & 1)  # ceil((low + high) / 2), no overflow
+        ok = fits(middle)
+        return jnp.where(ok, middle, low), jnp.where(ok, high, middle - 1)
+
+    return lax.fori_loop(0, 32, halve, (low, high))[0]
+
+
+def _mass_threshold(values: Array, probs: Array, allowed: Callable[[Array], Array]) -> Array:
+    """Each row's largest value [B, 1] (of ``values`` [B, V], at most the row's largest) for which
+    ``allowed`` holds of the probability ``probs`` of the tokens whose values lie below it."""
+    ordered = _as_ordered(values)
+    below = _largest(
+        lambda m: allowed(jnp.sum(jnp.where(ordered < m, probs, 0.0), axis=-1, keepdims=True)), len(values)
+    )
+    # a float sum short of 1 could allow every bit pattern, the last of them NaN's: cap it at the row's largest
+    return _as_float(jnp.minimum(below, jnp.max(ordered, axis=-1, keepdims=True)))
+
+
 def top_k_filter(logits: Array, k: Array) -> Array:
     """Keep each row's ``k`` highest logits (and any tied with the k-th); k = 0 keeps all.
 
     The threshold is the k-th largest *value*, so every token id, 0 included, can be removed.
     """
-    vocab = logits.shape[-1]
-    descending = -jnp.sort(-logits, axis=-1)
-    kth = jnp.take_along_axis(descending, (jnp.clip(k, 1, vocab) - 1)[:, None], axis=-1)
-    keep = (logits >= kth) | (k <= 0)[:, None]
+    ordered = _as_ordered(logits)
+    at_least = jnp.clip(k, 1, logits.shape[-1])[:, None]
+    kth = _largest(lambda m: jnp.sum(ordered >= m, axis=-1, keepdims=True) >= at_least, len(logits))
+    keep = (logits >= _as_float(kth)) | (k <= 0)[:, None]
     return jnp.where(keep, logits, -jnp.inf)
 
 
 def top_p_filter(logits: Array, p: Array) -> Array:
     """Nucleus: drop the least likely tokens whose total probability is at most 1 − p
-    (HuggingFace's rule); the most likely token always stays. p = 1 keeps all."""
-    ascending = jnp.sort(logits, axis=-1)
-    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
-    removed = cumulative <= (1.0 - p)[:, None]
-    # the removed tokens are a prefix of the ascending order; keep at least the last one
-    n_removed = jnp.minimum(jnp.sum(removed, axis=-1), logits.shape[-1] - 1)
-    threshold = jnp.take_along_axis(ascending, n_removed[:, None], axis=-1)
+    (HuggingFace's rule); the most likely token always stays. p = 1 keeps all.
+
+    The threshold is the largest logit below which the row's probability sums to at most 1 − p:
+    the first token HuggingFace keeps in ascending order, with the tokens tied with it.
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    removable = (1.0 - p)[:, None]
+    threshold = _mass_threshold(logits, probs, lambda below: below <= removable)
     keep = (logits >= threshold) | (p >= 1.0)[:, None]
     return jnp.where(keep, logits, -jnp.inf)
 
@@ -252,16 +298,17 @@ def min_p_filter(logits: Array, min_p: Array) -> Array:
 def typical_filter(logits: Array, mass: Array) -> Array:
     """Locally typical sampling (HuggingFace's ``TypicalLogitsWarper``): rank tokens by how far
     their surprisal −log p lies from the entropy H; keep the smallest prefix of that ranking whose
-    probability reaches ``mass`` (at least one token). mass = 1 keeps all."""
+    probability reaches ``mass`` (at least one token). mass = 1 keeps all.
+
+    The prefix ends at the least distance at or below which the probability reaches ``mass`` (the
+    tokens tied with it kept too), found as :func:`top_p_filter` finds its threshold.
+    """
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     probs = jnp.exp(log_probs)
     entropy = -jnp.nansum(log_probs * probs, axis=-1, keepdims=True)  # 0·(−inf) terms are nan: skip
     distance = jnp.abs(-log_probs - entropy)
-    order = jnp.argsort(distance, axis=-1)
-    sorted_distance = jnp.take_along_axis(distance, order, axis=-1)
-    cumulative = jnp.cumsum(jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1), axis=-1)
-    last = jnp.minimum(jnp.sum(cumulative < mass[:, None], axis=-1), logits.shape[-1] - 1)
-    threshold = jnp.take_along_axis(sorted_distance, last[:, None], axis=-1)
+    wanted = mass[:, None]
+    threshold = _mass_threshold(distance, probs, lambda below: below < wanted)
     keep = (distance <= threshold) | (mass >= 1.0)[:, None]
     return jnp.where(keep, logits, -jnp.inf)
 

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gptj_flax import convert, partitioning
 from gptj_flax.config import Config, ModelConfig
-from gptj_flax.model import abstract_params
+from gptj_flax.model import AdapterSlots, abstract_adapter_slots, abstract_params
 from gptj_flax.sampling import slot_programs as programs
 from gptj_flax.sampling.decoding import DEFAULT_PAGE_COLUMNS, PAGE_COLUMNS, bucket
 from gptj_flax.sampling.samplers import SamplingParams
@@ -49,6 +49,16 @@ class ServingFit:
     activation_bytes: int  # per device: the largest temporaries of the slot programs
     hbm_bytes: int | None
     compile_error: str | None
+    adapter_rank: int | None = None  # LoRA adapters served beside the base (gptj-serve --adapter NAME=DIR)
+    adapter_targets: tuple[str, ...] = ()
+    adapter_bytes: int = 0  # per device, one adapter of the bank
+
+    @property
+    def adapters_that_fit(self) -> int | None:
+        """Adapters of ``adapter_rank`` that fit in the HBM the rest leaves (None: not asked, or unknown)."""
+        if not self.adapter_bytes or self.hbm_bytes is None or not self.fits:
+            return None
+        return (self.hbm_bytes - self.total_bytes) // self.adapter_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -69,14 +79,20 @@ class ServingFit:
         if self.compile_error:
             return "\n".join([*head, f"XLA: {self.compile_error} -> DOES NOT FIT"])
         verdict = "FITS" if self.fits else "DOES NOT FIT"
-        return "\n".join(
-            [
-                *head,
-                f"per device: parameters {self.param_bytes / GiB:.2f} GiB + KV cache {self.cache_bytes / GiB:.2f} GiB"
-                f" + activations {self.activation_bytes / GiB:.2f} GiB = {self.total_bytes / GiB:.2f} GiB of {hbm}"
-                f" HBM -> {verdict}",
-            ]
-        )
+        lines = [
+            *head,
+            f"per device: parameters {self.param_bytes / GiB:.2f} GiB + KV cache {self.cache_bytes / GiB:.2f} GiB"
+            f" + activations {self.activation_bytes / GiB:.2f} GiB = {self.total_bytes / GiB:.2f} GiB of {hbm}"
+            f" HBM -> {verdict}",
+        ]
+        if self.adapter_bytes:
+            room = "unknown" if self.adapters_that_fit is None else f"{self.adapters_that_fit:,}"
+            lines.append(
+                f"LoRA adapters of rank {self.adapter_rank} on {', '.join(self.adapter_targets)}: "
+                f"{self.adapter_bytes / 2**20:.2f} MiB each per device; {room} fit beside (gptj-serve --max-adapters; "
+                "the activations as measured without adapters)"
+            )
+        return "\n".join(lines)
 
 
 def serving_fit(
@@ -88,6 +104,8 @@ def serving_fit(
     chunk: int = 128,
     top_logprobs: int = SERVE_TOP_LOGPROBS,
     mesh_spec=None,
+    adapter_rank: int | None = None,
+    adapter_targets: tuple[str, ...] = ("q_proj", "v_proj"),
 ) -> ServingFit:
     """Will ``gptj-serve`` of ``config`` fit ``topology``? Compiles the decode slots' programs for
     the slice, for ``batch`` slots of ``cache_len`` tokens and prefill chunks of ``chunk``, as the
@@ -98,6 +116,9 @@ def serving_fit(
 
     Without libtpu a one-chip topology (:data:`ONE_CHIP_KINDS`) is still answered: parameter and
     cache bytes from the shapes, activations by :func:`serving_activation_estimate`.
+
+    With ``adapter_rank`` it also says how many LoRA adapters of that rank on ``adapter_targets``
+    fit in the HBM left (each takes a row of the adapter bank, in the compute dtype).
     """
     if cache_len > config.model.max_len or chunk > cache_len:
         raise ValueError(f"need chunk {chunk} <= cache length {cache_len} <= model.max_len {config.model.max_len}")
@@ -122,10 +143,19 @@ def serving_fit(
         activation_bytes=0,
         hbm_bytes=(chip_peak(kind) or ChipPeak(0, 0, 0)).hbm_bytes or None,
         compile_error=None,
+        adapter_rank=adapter_rank,
+        adapter_targets=tuple(adapter_targets),
+        adapter_bytes=0 if adapter_rank is None else _adapter_bytes(mc, mesh, adapter_rank, tuple(adapter_targets)),
     )
     if compiler != XLA_TPU:
         return dataclasses.replace(fit, activation_bytes=serving_activation_estimate(mc, batch, cache_len, chunk))
     return _measured(fit, SlotPrograms(shape), mesh)
+
+
+def _adapter_bytes(mc: ModelConfig, mesh: Mesh, rank: int, targets: tuple[str, ...]) -> int:
+    """Bytes per device of one row of an adapter bank (:class:`~gptj_flax.model.AdapterSlots`)."""
+    bank = abstract_adapter_slots(mc, AdapterSlots(2, rank, targets))
+    return partitioning.bytes_per_device(bank, mesh) // 2
 
 
 def serving_shape(
@@ -226,6 +256,7 @@ def _new_rows(rows: int, columns: int) -> NewRows:
         seeds=np.zeros(rows, np.uint32),
         sampling=SamplingParams.build(rows),
         want_top=np.zeros(rows, bool),
+        adapter=np.zeros(rows, np.int32),
     )
     return jax.tree.map(lambda x: _host(x.shape, x.dtype), host)
 
@@ -250,10 +281,10 @@ def lowered_programs(compiled: SlotPrograms, mesh: Mesh) -> dict[str, jax.stages
         if _chunked(shape):
             columns, cache = bucket(shape.length), _prompt_cache(shape, mesh)
             prompt = _host((1, columns), np.int32)
-            lowered["chunk"] = compiled.chunk.lower(params, cache, prompt, scalar, scalar)
+            lowered["chunk"] = compiled.chunk.lower(params, cache, prompt, scalar, scalar, scalar)
             # the chunk's last logits stay on the devices, replicated as its cache is
             logits = programs.abstract(
-                jax.eval_shape(compiled.chunk, params, cache, prompt, scalar, scalar)[1], cache.index.sharding
+                jax.eval_shape(compiled.chunk, params, cache, prompt, scalar, scalar, scalar)[1], cache.index.sharding
             )
             lowered["insert"] = compiled.insert.lower(state, cache, logits, _new_rows(1, columns), table)
     return lowered

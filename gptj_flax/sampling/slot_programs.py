@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gptj_flax.config import ModelConfig
 from gptj_flax.losses import token_log_probs
-from gptj_flax.model import GPTJ, KVCache, PagedKVCache, pool_blocks, write_pool
+from gptj_flax.model import GPTJ, AdapterSlots, KVCache, PagedKVCache, pool_blocks, write_pool
 from gptj_flax.partitioning import DEFAULT_RULES, Rules
 from gptj_flax.sampling.decoding import EOS, LENGTH, RUNNING, STOPPED, per_row_axes
 from gptj_flax.sampling.samplers import SamplingParams, next_tokens, top_logprobs
@@ -46,7 +46,9 @@ class SlotShape:
     ``slots`` rows of ``length`` columns, in pages of ``page`` columns drawn from a pool of pages in
     blocks of ``blocks`` pages; prompts longer than ``chunk`` prefilled chunk by chunk; at most
     ``steps`` decode steps a call; ``top_logprobs`` alternatives for a row that asks for them; ids
-    from ``valid_vocab`` up never generated; logical names resolved by ``rules``.
+    from ``valid_vocab`` up never generated; logical names resolved by ``rules``; with ``adapters``
+    (a bank's shape), each row applies the served adapter it names, and the programs take the
+    parameters as ``(params, bank arrays)``.
     """
 
     config: ModelConfig
@@ -59,6 +61,7 @@ class SlotShape:
     blocks: tuple[int, ...]
     valid_vocab: int
     rules: Rules = DEFAULT_RULES
+    adapters: AdapterSlots | None = None
 
     @classmethod
     def build(
@@ -74,6 +77,7 @@ class SlotShape:
         batch_multiple: int = 1,
         valid_vocab: int | None = None,
         rules: Rules = DEFAULT_RULES,
+        adapters: AdapterSlots | None = None,
     ) -> SlotShape:
         """The shape of ``slots`` rows (rounded up to a multiple of ``batch_multiple``, the mesh's
         data-parallel size, as rows and pages are split over it), the pool holding every row's
@@ -86,7 +90,7 @@ class SlotShape:
         per_row = -(-length // page)
         blocks = pool_blocks(slots * per_row, batch_multiple * -(-FIRST_BLOCK // batch_multiple))
         vocab = config.vocab_size if valid_vocab is None else valid_vocab
-        return cls(config, slots, length, chunk, steps, top_logprobs, page, blocks, vocab, rules)
+        return cls(config, slots, length, chunk, steps, top_logprobs, page, blocks, vocab, rules, adapters)
 
     @property
     def per_row(self) -> int:
@@ -112,12 +116,13 @@ class SlotState:
     seeds: Array  # uint32 [S]
     seen: Array  # bool [S, V]: prompt and generated ids, for the repetition penalty
     want_top: Array  # bool [S]: record the most likely alternatives of each token
+    adapter: Array  # int32 [S]: the row of the adapter bank each slot applies (0: none)
     sampling: SamplingParams
 
     @classmethod
     def logical_axes(cls, config) -> SlotState:
         rows = PartitionSpec("batch")
-        return cls(cache=PagedKVCache.logical_axes(config), last=rows, want_top=rows, **per_row_axes())
+        return cls(cache=PagedKVCache.logical_axes(config), last=rows, want_top=rows, adapter=rows, **per_row_axes())
 
 
 @flax.struct.dataclass
@@ -133,6 +138,7 @@ class NewRows:
     seeds: Array  # uint32 [b]
     sampling: SamplingParams
     want_top: Array  # bool [b]
+    adapter: Array  # int32 [b]: each prompt's row of the adapter bank (0: none)
 
 
 @flax.struct.dataclass
@@ -177,6 +183,7 @@ def empty_state(shape: SlotShape) -> SlotState:
         seeds=jnp.zeros((s,), jnp.uint32),
         seen=jnp.zeros((s, cfg.vocab_size), bool),
         want_top=jnp.zeros((s,), bool),
+        adapter=jnp.zeros((s,), jnp.int32),
         sampling=jax.tree.map(jnp.asarray, SamplingParams.build(s, temperature=0.0)),
     )
 
@@ -188,6 +195,17 @@ def state_specs(shape: SlotShape) -> SlotState:
     return jax.tree.map(
         lambda spec: nn.logical_to_mesh_axes(spec, shape.rules), logical, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
+
+
+def _apply(shape: SlotShape, weights, *args, **kwargs):
+    """``GPTJ.apply`` of the shape's model: ``weights`` is the params, or with an adapter bank
+    ``(params, bank arrays)``."""
+    if shape.adapters is None:
+        variables = {"params": weights}
+    else:
+        params, bank = weights
+        variables = {"params": params, "adapters": bank}
+    return GPTJ(shape.config, slots=shape.adapters).apply(variables, *args, **kwargs)
 
 
 def _choose(shape: SlotShape, logits, sampling, seen, seeds, n, want_top):
@@ -212,8 +230,16 @@ def _advance(shape: SlotShape, params, s: SlotState, cache: PagedKVCache, table)
     new state, cache, and the step's (token, log-prob, top ids, top log-probs) of each row."""
     rows = s.last.shape[0]
     active = s.finish == RUNNING
-    logits, cache = GPTJ(shape.config).apply(
-        {"params": params}, s.last[:, None], cache.index[:rows, None], active, cache, table, method=GPTJ.decode_slots
+    logits, cache = _apply(
+        shape,
+        params,
+        s.last[:, None],
+        cache.index[:rows, None],
+        active,
+        cache,
+        table,
+        s.adapter,
+        method=GPTJ.decode_slots,
     )
     token, logprob, top_ids, top_values = _choose(
         shape, logits[:, -1], s.sampling, s.seen, s.seeds, s.num_generated, s.want_top & active
@@ -272,28 +298,23 @@ def decode(
     return whole.replace(cache=state.cache.merge(cache)), out.replace(finish=s.finish, num_generated=s.num_generated)
 
 
-def _prompt_cache(shape: SlotShape, params, tokens, lengths) -> tuple[KVCache, Array]:
+def _prompt_cache(shape: SlotShape, params, rows: NewRows) -> tuple[KVCache, Array]:
     """Prefill short prompts [b, P] (left-padded) at once: their cache and last logits."""
-    columns = jnp.arange(tokens.shape[1])[None, :]
-    padding = (tokens.shape[1] - lengths)[:, None]
-    segments, positions = (columns >= padding).astype(jnp.int32), jnp.maximum(columns - padding, 0)
-    cache = KVCache.empty(shape.config, *tokens.shape)
-    logits, cache = GPTJ(shape.config).apply(
-        {"params": params}, tokens, positions, segments, cache, last_logits_only=True, method=GPTJ.decode
-    )
-    return cache, logits[:, -1]
+    tokens = rows.tokens
+    empty = KVCache.empty(shape.config, *tokens.shape)
+    return _prefill_window(shape, params, empty, tokens, rows.lengths, 0, tokens.shape[1], rows.adapter)
 
 
 def admit(shape: SlotShape, params, state: SlotState, rows: NewRows, table) -> tuple[SlotState, Tokens]:
     """Prefill short prompts at once, insert them into their slots and choose their first tokens."""
-    cache, logits = _prompt_cache(shape, params, rows.tokens, rows.lengths)
+    cache, logits = _prompt_cache(shape, params, rows)
     return insert(shape, state, cache, logits, rows, table)
 
 
 def prefill(shape: SlotShape, params, rows: NewRows) -> tuple[KVCache, Tokens, Array]:
     """Prefill short prompts as :func:`admit` does and choose their first tokens, leaving the slots
     alone (on the prefill devices): their cache, first tokens and seen ids, for :func:`place`."""
-    cache, logits = _prompt_cache(shape, params, rows.tokens, rows.lengths)
+    cache, logits = _prompt_cache(shape, params, rows)
     return (cache, *first_tokens(shape, logits, rows))
 
 
@@ -302,28 +323,30 @@ def new_cache(shape: SlotShape, columns: int) -> KVCache:
     return KVCache.empty(shape.config, 1, columns)
 
 
-def chunk(shape: SlotShape, params, cache: KVCache, prompt, length, start) -> tuple[KVCache, Array]:
-    """Prefill the chunk of ``prompt`` [1, P] (left-padded, ``length`` real tokens) that starts at
-    column ``start``: the cache, and the logits of its last column."""
-    return _prefill_window(shape, params, cache, prompt, length, start, shape.chunk)
+def chunk(shape: SlotShape, params, cache: KVCache, prompt, length, start, adapter) -> tuple[KVCache, Array]:
+    """Prefill the chunk of ``prompt`` [1, P] (left-padded, ``length`` real tokens, adapter
+    ``adapter``) that starts at column ``start``: the cache, and the logits of its last column."""
+    return _prefill_window(shape, params, cache, prompt, length, start, shape.chunk, jnp.reshape(adapter, (1,)))
 
 
-def _prefill_window(shape: SlotShape, params, cache: KVCache, prompt, lengths, start, width: int):
+def _prefill_window(shape: SlotShape, params, cache: KVCache, prompt, lengths, start, width: int, adapter):
     """Prefill columns ``start … start+width−1`` of prompts [b, P] (left-padded, ``lengths`` real
-    tokens each) into ``cache``, which holds every real column before ``start``: the cache, and
-    the logits of the last column."""
+    tokens each, adapters ``adapter`` [b]) into ``cache``, which holds every real column before
+    ``start``: the cache, and the logits of the last column."""
     columns = prompt.shape[1]
     tokens = lax.dynamic_slice_in_dim(prompt, start, width, axis=1)
     index = start + jnp.arange(width)[None, :]
     padding = columns - jnp.reshape(lengths, (-1, 1))
     segments, positions = (index >= padding).astype(jnp.int32), jnp.maximum(index - padding, 0)
-    logits, cache = GPTJ(shape.config).apply(
-        {"params": params},
+    logits, cache = _apply(
+        shape,
+        params,
         tokens,
         positions,
         segments,
         cache.replace(index=jnp.asarray(start, jnp.int32)),
         last_logits_only=True,
+        adapter=adapter,
         method=GPTJ.decode,
     )
     return cache, logits[:, -1]
@@ -389,7 +412,9 @@ def admit_cached(
     past them) are prefilled."""
     b, columns = rows.tokens.shape
     cache = _gather_prefix(shape, state.cache, KVCache.empty(shape.config, b, columns), sources, rows.lengths, cached)
-    cache, logits = _prefill_window(shape, params, cache, rows.tokens, rows.lengths, columns - window, window)
+    cache, logits = _prefill_window(
+        shape, params, cache, rows.tokens, rows.lengths, columns - window, window, rows.adapter
+    )
     return insert(shape, state, cache, logits, rows, table)
 
 
@@ -475,6 +500,7 @@ def place(shape: SlotShape, state: SlotState, cache: KVCache, rows: NewRows, fir
         "seeds": rows.seeds,
         "seen": seen,
         "want_top": rows.want_top,
+        "adapter": rows.adapter,
     }
     return state.replace(
         cache=paged,

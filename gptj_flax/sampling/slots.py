@@ -48,7 +48,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gptj_flax import partitioning
 from gptj_flax.model import KVCache
+from gptj_flax.sampling.adapter_bank import AdapterBank
 from gptj_flax.sampling.decoding import Decoder, bucket
+from gptj_flax.sampling.memory_maps import MapBudget
 from gptj_flax.sampling.multihost import to_device, to_host
 from gptj_flax.sampling.prefix_cache import PrefixCache, PromptCounts
 from gptj_flax.sampling.samplers import SamplingParams
@@ -69,6 +71,7 @@ class Request:
     seed: int
     sampling: SamplingParams  # host settings of one row
     want_top: bool = False
+    adapter: int = 0  # the row of the slots' adapter bank it applies (0: none, the base)
 
 
 @dataclasses.dataclass
@@ -190,6 +193,9 @@ class Slots:
         prompts that start with them instead of prefilling those tokens again
         (:mod:`~gptj_flax.sampling.prefix_cache`); not with a prefill decoder, whose devices do not
         hold the pool.
+      adapters: a bank of served adapters (:mod:`~gptj_flax.sampling.adapter_bank`) on the decoder's
+        mesh: each request applies the one its ``adapter`` names, in the same batch as any other;
+        not with a prefill decoder.
     """
 
     def __init__(
@@ -203,12 +209,15 @@ class Slots:
         top_logprobs: int,
         prefill: Decoder | None = None,
         prefix_cache: bool = False,
+        adapters: AdapterBank | None = None,
     ):
         if prefill is not None and set(prefill.mesh.devices.flat) & set(decoder.mesh.devices.flat):
             raise ValueError("the prefill decoder's devices must be other than the decode slots'")
         if prefill is not None and prefix_cache:
             raise ValueError("the prefix cache lives in the decode slots' pool: it cannot serve a prefill decoder")
-        self.prefix_cache = prefix_cache
+        if prefill is not None and adapters is not None:
+            raise ValueError("the adapter bank lives on the decode slots' devices: it cannot serve a prefill decoder")
+        self.prefix_cache, self.adapters = prefix_cache, adapters
         self.counts = PromptCounts()  # prompt tokens admitted, and those prefilled
         self.decoder, self.config, self.prefill = decoder, decoder.config, prefill
         self._prefiller = decoder if prefill is None else prefill  # where prompts are prefilled
@@ -223,6 +232,7 @@ class Slots:
             batch_multiple=decoder.batch_multiple,
             valid_vocab=decoder.valid_vocab,
             rules=decoder.rules,
+            adapters=None if adapters is None else adapters.slots,
         )
         shape = self.shape
         # The programs depend on the shape alone (the parameters and state are arguments), so every
@@ -241,6 +251,16 @@ class Slots:
     def _on(self, decoder: Decoder) -> contextlib.AbstractContextManager:
         """The scope in which a program runs on ``decoder``'s devices."""
         return partitioning.sharding_scope(decoder.mesh, decoder.rules)
+
+    def _weights(self, decoder: Decoder) -> Any:
+        """What the programs take as parameters: ``decoder``'s, with the bank's arrays if there is one."""
+        return decoder.params if self.adapters is None else (decoder.params, self.adapters.arrays)
+
+    def _keys(self, request: Request, tokens: Sequence[int]) -> list[bytes]:
+        """The prefix-cache keys of ``tokens`` (of ``request``'s prompt): its adapter's are its own."""
+        assert self.prefix is not None
+        salt = b"" if self.adapters is None else self.adapters.salt(request.adapter)
+        return self.prefix.keys(tokens, salt)
 
     def reset(self) -> None:
         """Empty every slot (a fresh cache and state)."""
@@ -275,6 +295,7 @@ class Slots:
             seeds=pad([r.seed for r in requests], np.uint32),
             sampling=sampling.pad_to(rows),
             want_top=pad([r.want_top for r in requests], bool, False),
+            adapter=pad([r.adapter for r in requests], np.int32),
         )
 
     def _prompts(self, requests: list[Request], slots) -> NewRows:
@@ -293,7 +314,7 @@ class Slots:
         the page table, for the call that writes them."""
         for request, slot in zip(requests, slots, strict=True):
             if slot is not None and 0 <= slot < self.slots:
-                keys = self.prefix.keys(request.tokens) if self.prefix is not None else ()
+                keys = self._keys(request, request.tokens) if self.prefix is not None else ()
                 self.table.start(slot, len(request.tokens), keys)
         return self.table.ids.copy()  # the call may read it after the host has moved on
 
@@ -303,7 +324,7 @@ class Slots:
         if self.prefix is None:
             return []
         n = len(request.tokens)
-        return self.prefix.match(self.prefix.keys(request.tokens[: (n - 1) // self.page * self.page]))
+        return self.prefix.match(self._keys(request, request.tokens[: (n - 1) // self.page * self.page]))
 
     def _sources(self, hits: list[list[int]], rows: int) -> tuple[np.ndarray, np.ndarray]:
         """``hits`` as program arguments: each row's cached pages [rows, per_row] (the pool's end
@@ -348,11 +369,11 @@ class Slots:
         self._count(lengths, [min(n, window) for n in lengths])
         with self._on(self.decoder):
             if window == rows.tokens.shape[1]:
-                self.state, first = self.programs.admit(self.decoder.params, self.state, rows, table)
+                self.state, first = self.programs.admit(self._weights(self.decoder), self.state, rows, table)
             else:
                 sources, cached = self._sources(hits, len(rows.tokens))
                 self.state, first = self.programs.admit_cached(
-                    self.decoder.params, self.state, rows, table, sources, cached, window=window
+                    self._weights(self.decoder), self.state, rows, table, sources, cached, window=window
                 )
         return Pending(first, len(requests))
 
@@ -365,7 +386,7 @@ class Slots:
         lengths = [len(r.tokens) for r in requests]
         self._count(lengths, lengths)
         with self._on(self.prefill):
-            cache, first, seen = self.programs.prefill(self.prefill.params, rows)
+            cache, first, seen = self.programs.prefill(self._weights(self.prefill), rows)
         return Prefilled(requests, rows, cache, first, seen)
 
     def dispatch_first(self, prefill: Prefill) -> Prefilled:
@@ -415,11 +436,12 @@ class Slots:
     def prefill_chunk(self, prefill: Prefill) -> None:
         with self._on(self._prefiller):
             prefill.cache, prefill.logits = self.programs.chunk(
-                self._prefiller.params,
+                self._weights(self._prefiller),
                 prefill.cache,
                 prefill.tokens,
                 np.int32(len(prefill.request.tokens)),
                 np.int32(prefill.next_column),
+                np.int32(prefill.request.adapter),
             )
         prefill.next_column += self.chunk
 
@@ -475,7 +497,7 @@ class Slots:
         stop[release] = True
         with self._on(self.decoder):
             self.state, out = self.programs.decode(
-                self.decoder.params,
+                self._weights(self.decoder),
                 self.state,
                 to_device(stop, self._rows),
                 np.int32(steps),
@@ -488,8 +510,16 @@ class Slots:
     # -- warm-up -----------------------------------------------------------------------------
     def warm_up(self, stop: Callable[[], bool] = lambda: False) -> bool:
         """Compile every program a request can need: nothing compiles once requests come. ``stop`` is
-        asked before each program (a compile cannot be cut short); False if it said stop."""
-        done = not any(stop() for _ in self._compile_each())
+        asked before each program (a compile cannot be cut short); False if it said stop. Raises
+        :class:`~gptj_flax.sampling.memory_maps.MemoryMapLimit` before a program that could take
+        the process past the kernel's limit on memory maps."""
+        budget = MapBudget.of_this_process()
+        done = True
+        for _ in self._compile_each():
+            budget.check("the warm-up stopped")
+            if stop():
+                done = False
+                break
         self.counts = PromptCounts()  # the warm-up's prompts are no requests'
         return done
 
@@ -537,11 +567,11 @@ class Slots:
             yield
             with self._on(self.decoder):
                 self.state, first = self.programs.admit_cached(
-                    self.decoder.params, self.state, rows, self.table.ids.copy(), sources, cached, window=window
+                    self._weights(self.decoder), self.state, rows, self.table.ids.copy(), sources, cached, window=window
                 )
             Pending(first, len(requests)).result()
 
     def compilations(self) -> int:
-        """Programs compiled so far (for this decoder and shape), for checking that nothing
-        recompiles as requests come and go."""
-        return self.programs.compilations()
+        """Programs compiled so far (for this decoder and shape, and the adapter bank's), for
+        checking that nothing recompiles as requests come and go."""
+        return self.programs.compilations() + (0 if self.adapters is None else self.adapters.compilations())

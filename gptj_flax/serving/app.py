@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.middleware.cors import CORSMiddleware
 
-from gptj_flax.serving import gpt4chan, legacy, openai, schemas, ui
+from gptj_flax.serving import adapters, gpt4chan, legacy, openai, schemas, ui
 from gptj_flax.serving.auth import PUBLIC_PATHS, KeyCheck, KeyStore
 from gptj_flax.serving.request_log import RequestLog
 from gptj_flax.serving.service import Service, ServiceMiddleware, add_probe_routes
@@ -77,6 +77,7 @@ def create_app(
     ui.add_page(app, settings)
     gpt4chan.add_routes(app, service)
     openai.add_routes(app, service)
+    adapters.add_routes(app, service)
     add_probe_routes(app, service)
     return app
 

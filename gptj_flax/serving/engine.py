@@ -7,8 +7,9 @@ its stream). Between decode steps the engine thread
 - frees the slot of every row that finished, met a stop string, or whose client went away;
 - moves waiting rows into free slots: short prompts are prefilled together in one call, a long one
   chunk by chunk (one chunk per step), so no prefill holds decoding up for longer than one chunk;
-- advances every occupied slot by one step, each row with its own sampling settings, seed and
-  length;
+- advances every occupied slot, each row with its own sampling settings, seed and length: by up to
+  ``decode_steps`` steps in one device call while no prompt waits for a slot, else by one, so a
+  prompt that arrives waits for at most the call in flight (see "Multi-step decoding" below);
 - hands each job its new text (streaming) or, once all its rows are done, its completions.
 
 Given a prefill mesh (devices beside the decode slots'), a second thread prefills there instead:
@@ -21,6 +22,15 @@ The host's share of a step (detokenising, stop strings, streaming) runs while th
 the next one: the engine waits for the step in flight to end, admits waiting rows (sending their
 first tokens), queues the next step, and only then works through the tokens of the step that ended. So a row's end (or its stop
 string) is seen one step later than the device knows it, and its slot is reused one step later.
+
+Multi-step decoding: a device call of K steps costs the host one dispatch and one read instead
+of K, so the device idles less between steps. A row still ends where it would with one step a call:
+the program stops a row at EOS or its token limit itself, and the host cuts a row's tokens at its
+first stop string, so the tokens a row made past its stop in the same call are never sent, counted
+or logged (nor counted as busy in /metrics). Such a row, or a cancelled one, runs on for the rest
+of the call and through the call queued behind it, its tokens dropped, as with one step a call it
+runs one step more. K steps are only run while nothing waits to be admitted, so a new prompt is
+admitted before the call after the one in flight.
 
 Every program is compiled during the warm-up, for every prompt bucket, prefill batch and attention
 window, so requests coming and going never compile anything.
@@ -37,6 +47,8 @@ import time
 
 from jax.sharding import Mesh
 
+from gptj_flax.errors import GptjFlaxError
+from gptj_flax.sampling.adapter_bank import AdapterBank
 from gptj_flax.sampling.api import Completion, LanguageModel, Piece
 from gptj_flax.sampling.decoding import EOS, FINISH_REASON_OF_CODE, RUNNING
 from gptj_flax.sampling.prefix_cache import PromptCounts
@@ -106,6 +118,10 @@ class Engine:
         docstring); default: prefill between steps, on the model's own devices.
       prefix_cache: reuse the cached full pages of earlier prompts (:mod:`gptj_flax.sampling.prefix_cache`);
         only where prompts are prefilled between steps, so off with a ``prefill_mesh``.
+      decode_steps: the most decode steps one device call runs, while no prompt waits (see the
+        module's docstring); 1: a call per step.
+      adapters: the LoRA adapters served beside the base, each prompt applying the one it names
+        (:class:`~gptj_flax.sampling.adapter_bank.AdapterBank`; not with a ``prefill_mesh``).
     """
 
     def __init__(
@@ -120,19 +136,25 @@ class Engine:
         top_logprobs: int = 5,
         prefill_mesh: Mesh | None = None,
         prefix_cache: bool = True,
+        decode_steps: int = 1,
+        adapters: AdapterBank | None = None,
     ):
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         self.model, self.metrics, self.prefill_mesh = model, metrics, prefill_mesh
         self.max_batch, self.queue_size, self.length = slots, queue_size, length
         if prefix_cache and prefill_mesh is not None:
             logger.info("the prefix cache is off: it serves prompts prefilled between decode steps only")
+        self.decode_steps = decode_steps
         self._slot_args = dict(
             slots=slots,
             length=length,
             chunk=chunk,
-            steps=1,
+            steps=decode_steps,
             top_logprobs=top_logprobs,
             prefill_mesh=prefill_mesh,
             prefix_cache=prefix_cache and prefill_mesh is None,
+            adapters=adapters,
         )
         self._counted = PromptCounts()  # the slots' prompt counts already added to the metrics
         self.slots: Slots | None = None
@@ -224,7 +246,10 @@ class Engine:
                 time.monotonic() - start,
             )
         except Exception as e:  # a model that cannot generate cannot serve: report it on /health
-            logger.exception("warm-up failed")
+            if isinstance(e, GptjFlaxError):  # its message says what is wrong and what to do: no traceback
+                logger.error("warm-up failed: %s", e)
+            else:
+                logger.exception("warm-up failed")
             self.error = f"warm-up failed: {e}"
             self._set_state(FAILED)
             return
@@ -328,6 +353,7 @@ class Engine:
             seed=p.seed,
             sampling=SamplingParams.of([p.sampling]),
             want_top=row.wants_top,
+            adapter=p.adapter,
         )
 
     def _admit(self) -> None:
@@ -489,10 +515,14 @@ class Engine:
         assert slots is not None
         running = [row for row in self._occupied.values() if row.finish is None]
         release, self._release = sorted(self._release), set()
-        # One step per call: a row that ends, a stop string, a client that leaves or one that
-        # arrives is dealt with before the step after next.
-        pending = slots.dispatch_decode(release, 1, max(self._occupied))
+        steps = 1 if self._prompt_waiting() else self.decode_steps
+        pending = slots.dispatch_decode(release, steps, max(self._occupied))
         self._in_flight = _Step(pending, running, time.monotonic())
+
+    def _prompt_waiting(self) -> bool:
+        """Whether a prompt waits to be admitted: queued, being prefilled, or prefilled for a slot."""
+        with self._cond:
+            return bool(self._waiting or self._prefill or self._prefilling or self._ready)
 
     def _read_step(self, step: _Step) -> None:
         """The tokens of a decode step that has ended, for the rows that were running in it."""
@@ -510,15 +540,16 @@ class Engine:
             slot = row.slot
             assert slot is not None
             n = int(out.num_generated[slot]) - len(row.tokens)
-            self.metrics.busy_slot_steps.inc(n)
             if n:
                 self.metrics.inter_token_latency.observe((now - (row.last_token_at or step.queued_at)) / n)
                 row.last_token_at = now
-            self._extend(row, out, slot, n)
+            self.metrics.busy_slot_steps.inc(self._extend(row, out, slot, n))
 
-    def _extend(self, row: _Row, out: Tokens, i: int, n: int) -> None:
+    def _extend(self, row: _Row, out: Tokens, i: int, n: int) -> int:
         """Add the ``n`` tokens of ``out``'s row ``i`` to ``row``; stream its new text; finish it at
-        EOS, its length, or a stop string."""
+        EOS, its length, or a stop string. Returns how many of them are its output: those up to its
+        stop string, if they hold one."""
+        before = len(row.tokens)
         row.tokens += [int(t) for t in out.tokens[i, :n]]
         row.logprobs += [float(x) for x in out.logprobs[i, :n]]
         if row.wants_top:
@@ -527,7 +558,6 @@ class Engine:
                 {int(t): float(x) for t, x in zip(ids[:k], values[:k], strict=True)}
                 for ids, values in zip(out.top_ids[i, :n], out.top_logprobs[i, :n], strict=True)
             ]
-        self.metrics.generated_tokens.inc(n)
         finish = int(out.finish[i])
         ended = finish != RUNNING
         if row.wants_text or ended:
@@ -541,8 +571,11 @@ class Engine:
                     self._release.add(row.slot)
         if ended and row.finish is None:
             row.finish = FINISH_REASON_OF_CODE[finish]
+        kept = max(0, row.tracker.num_tokens - before) if row.tracker.stopped else n
+        self.metrics.generated_tokens.inc(kept)
         if row.finish is not None:
             self._finish(row)
+        return kept
 
     def _stream(self, row: _Row, text: str) -> None:
         """Send the row's new text (and, if the job asks, the tokens since its last piece)."""

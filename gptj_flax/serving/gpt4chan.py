@@ -8,7 +8,7 @@ import time
 from fastapi import FastAPI, HTTPException, Request
 
 from gptj_flax.serving import schemas
-from gptj_flax.serving.service import ERRORS, Service, caller, draw_seed
+from gptj_flax.serving.service import ERRORS, Service, caller, draw_seed, error_response
 from gptj_flax.serving.worker import Job, Prompt
 
 
@@ -31,7 +31,8 @@ def prompt_tokens(service: Service, body: schemas.CompleteRequest) -> list[int]:
 async def complete_text(service: Service, body: schemas.CompleteRequest, request: Request) -> dict:
     started = time.monotonic()
     key = caller(request)
-    row = Prompt(prompt_tokens(service, body), body.length, body.sampling, draw_seed(body.seed))
+    adapter = service.adapter_of(body.model)
+    row = Prompt(prompt_tokens(service, body), body.length, body.sampling, draw_seed(body.seed), adapter=adapter)
     (completion,) = await service.run(request, Job([row]))
     service.log(
         key=key,
@@ -52,7 +53,10 @@ async def complete_text(service: Service, body: schemas.CompleteRequest, request
 
 
 def add_routes(app: FastAPI, service: Service) -> None:
-    @app.post("/complete", response_model=schemas.CompleteResponse, responses=ERRORS)
+    # 404: a `model` (this server's extension) that names no adapter served here
+    responses = {**ERRORS, 404: error_response("unknown model")}
+
+    @app.post("/complete", response_model=schemas.CompleteResponse, responses=responses)
     async def complete(body: schemas.CompleteRequest, request: Request):
         """GPT-4chan's API: continue `pre_prompt` + `prompt`; the prompt loses its oldest tokens to fit
         the context with `length` new tokens (413 if even the pre_prompt and one prompt token cannot)."""

@@ -63,14 +63,15 @@ async def create_completion(service: Service, body: Body, request: Request):
     completion, or (``stream``) its server-sent events."""
     started, key = time.monotonic(), caller(request)
     prompts = checked_prompts(service, body)
-    rows = completion_rows(body, prompts)
+    model = body.model or service.name
+    rows = completion_rows(body, prompts, service.adapter_of(model))
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     log = functools.partial(_log, service, "/v1/completions", body, prompts, key, started)
     if body.stream:
         prompt_chars = [len(prompts[i // body.n][0]) for i in range(len(rows))]
         return _streamed(
             service,
-            Job(rows, stream=True, logprobs=body.logprobs is not None),
+            Job(rows, stream=True, logprobs=body.logprobs is not None, model=model),
             lambda job: CompletionChunks(service, job, completion_id, created, prompt_chars),
             log,
         )
@@ -85,7 +86,7 @@ async def create_completion(service: Service, body: Body, request: Request):
     return schemas.CompletionResponse(
         id=completion_id,
         created=created,
-        model=service.name,
+        model=model,
         choices=choices,
         usage=_usage(prompt_tokens, completion_tokens),
     )
@@ -99,7 +100,6 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> schemas.Usage:
 
 def checked_prompts(service: Service, body: Body) -> Prompts:
     """The request's prompts, once the request as a whole is one this server can answer."""
-    service.check_model(body.model)
     if body.echo and body.stream:
         raise _invalid("echo", "echo is not available with stream")
     if body.max_tokens == 0 and not body.echo:
@@ -126,8 +126,9 @@ def check_room(service: Service, body: Body, prompts: Prompts, label: str = "pro
             )
 
 
-def completion_rows(body: Body, prompts: Prompts) -> list[Prompt]:
-    """``n`` rows per prompt, choice i·n + j drawing with seed + i·n + j (as OpenAI numbers choices)."""
+def completion_rows(body: Body, prompts: Prompts, adapter: int = 0) -> list[Prompt]:
+    """``n`` rows per prompt, choice i·n + j drawing with seed + i·n + j (as OpenAI numbers choices),
+    each applying the adapter in row ``adapter`` of the server's bank (0: none)."""
     return [
         Prompt(
             tokens,
@@ -136,6 +137,7 @@ def completion_rows(body: Body, prompts: Prompts) -> list[Prompt]:
             draw_seed(body.seed, i * body.n + j),
             _stop_strings(body.stop),
             top_logprobs=body.logprobs or 0,
+            adapter=adapter,
         )
         for i, (_, tokens) in enumerate(prompts)
         for j in range(body.n)
@@ -146,12 +148,12 @@ async def _results(service: Service, body: Body, request: Request, prompts: Prom
     """Each choice's prompt score (with ``echo`` and ``logprobs``) and completion (unless
     ``max_tokens`` is 0), ``None`` where not asked for."""
     scored = (
-        await service.score([tokens for _, tokens in prompts], body.logprobs)
+        await service.score([tokens for _, tokens in prompts], body.logprobs, body.model)
         if body.echo and body.logprobs is not None
         else [None] * len(prompts)
     )
     completions = (
-        await service.run(request, Job(rows, logprobs=body.logprobs is not None))
+        await service.run(request, Job(rows, logprobs=body.logprobs is not None, model=body.model or service.name))
         if body.max_tokens > 0
         else [None] * len(rows)
     )
@@ -238,7 +240,7 @@ async def create_chat_completion(service: Service, body: ChatBody, request: Requ
     rendered by the chat template and completed as ``/v1/completions`` completes that text; a chat
     completion, or (``stream``) its server-sent events."""
     started, key = time.monotonic(), caller(request)
-    service.check_model(body.model)
+    adapter = service.adapter_of(body.model)
     try:
         text = service.render_chat([_message(m) for m in body.messages])
     except RenderError as e:  # the template's raise_exception, or its failure on these messages
@@ -248,14 +250,14 @@ async def create_chat_completion(service: Service, body: ChatBody, request: Requ
     room = service.context - prompt_tokens  # the default length: what the context leaves
     completion = _as_completion(body, text, body.length if body.length is not None else max(room, 1))
     check_room(service, completion, prompts, "the rendered messages")
-    rows = completion_rows(completion, prompts)
+    rows = completion_rows(completion, prompts, adapter)
     chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     log = functools.partial(_log, service, "/v1/chat/completions", completion, prompts, key, started)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return _streamed(
             service,
-            Job(rows, stream=True, logprobs=body.logprobs),
+            Job(rows, stream=True, logprobs=body.logprobs, model=body.model or service.name),
             lambda job: ChatChunks(service, job, chat_id, created, prompt_tokens, usage),
             log,
         )
@@ -264,7 +266,7 @@ async def create_chat_completion(service: Service, body: ChatBody, request: Requ
     return schemas.ChatCompletionResponse(
         id=chat_id,
         created=created,
-        model=service.name,
+        model=body.model or service.name,
         choices=[_chat_choice(service, body.logprobs, index, c) for index, c in enumerate(completions)],
         usage=_usage(prompt_tokens, sum(c.completion_tokens for c in completions)),
     )
@@ -410,7 +412,7 @@ class CompletionChunks:
                 "id": self.id,
                 "object": "text_completion",
                 "created": self.created,
-                "model": self.service.name,
+                "model": self.job.model or self.service.name,
                 "choices": [choice],
             }
         )
@@ -451,7 +453,7 @@ class ChatChunks:
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
-            "model": self.service.name,
+            "model": self.job.model or self.service.name,
             "choices": choices,
         }
         if self.usage:
@@ -558,15 +560,18 @@ def describe_tokenizer(service: Service) -> schemas.TokenizerInfo:
 
 
 def list_models(service: Service) -> schemas.ModelList:
+    """The base, then each adapter served beside it (its ``parent`` the base)."""
     return schemas.ModelList(
         data=[
             schemas.ModelCard(
-                id=service.name,
+                id=name,
                 created=service.created,
                 max_model_len=service.context,
                 dtype=service.model.compute_dtype,
                 quantization=service.model.config.quantize,
+                parent=None if name == service.name else service.name,
             )
+            for name in service.model_names
         ]
     )
 

@@ -113,6 +113,9 @@ def _unknown_fields_refused(model: type[BaseModel], data: Any) -> Any:
     return data
 
 
+ModelName = Annotated[str, Field(max_length=256, description="must be the served model's id, if given")]
+
+
 class CompleteRequest(StrictModel):
     """The GPT-4chan `/complete` body: its fields, defaults and limits, plus an optional seed."""
 
@@ -134,6 +137,9 @@ class CompleteRequest(StrictModel):
         description="locally typical sampling; 1 is off, 0 keeps only the most typical token",
     )
     seed: Seed = None
+    model: ModelName | None = Field(
+        None, description="an extension: the served model to complete with, the base's id or an adapter's"
+    )
 
     @property
     def sampling(self) -> Sampling:
@@ -147,7 +153,6 @@ class CompleteResponse(BaseModel):
 
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-ModelName = Annotated[str, Field(max_length=256, description="must be the served model's id, if given")]
 
 
 def _in_vocabulary(vocab: int) -> AfterValidator:
@@ -561,6 +566,25 @@ class ModelCard(BaseModel):
     # Beyond OpenAI's fields (its clients keep extra ones): what the model computes in, for people.
     dtype: str = Field(description="the dtype the model computes in: float32, bfloat16 or float16")
     quantization: str | None = Field(None, description="int8 where the block projections are stored as int8")
+    parent: str | None = Field(None, description="for a LoRA adapter served beside the base: the base's id")
+
+
+class AdapterRequest(StrictModel):
+    """`POST /v1/adapters`: the adapter's name (what a request's `model` gives) and its directory."""
+
+    name: str = Field(max_length=128, description="letters, digits, '.', '_', ':' or '-'")
+    path: str = Field(
+        min_length=1, max_length=4096, description="a LoRA run or step directory, or a PEFT directory, on the server"
+    )
+
+
+class AdapterCard(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
+    parent: str = Field(description="the base model's id")
+    path: str
+    rank: int
+    projections: list[str]
 
 
 class ModelList(BaseModel):

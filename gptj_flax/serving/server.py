@@ -14,6 +14,7 @@ from gptj_flax import partitioning
 from gptj_flax.convert.hf import HF_PREFIX
 from gptj_flax.errors import configure_logging
 from gptj_flax.sampling import load
+from gptj_flax.sampling.adapter_bank import split_adapter
 from gptj_flax.serving.app import create_app
 from gptj_flax.serving.chat import read_chat_template
 from gptj_flax.serving.service import Service, open_keys, open_request_log, prefill_mesh
@@ -99,8 +100,10 @@ def serve(settings: ServeSettings) -> int:
     configure_logging(settings.log_level.upper(), LOG_FORMAT)
 
     check_checkpoint(settings.checkpoint)
-    if settings.adapter is not None and "://" not in settings.adapter and not os.path.exists(settings.adapter):
-        raise ServingError(f"adapter not found: {settings.adapter} (set --adapter or GPTJ_FLAX_ADAPTER)")
+    for value in settings.adapter:
+        path = split_adapter(value)[1]
+        if "://" not in path and not os.path.exists(path):
+            raise ServingError(f"adapter not found: {path} (set --adapter or GPTJ_FLAX_ADAPTER)")
     if settings.chat_template is not None:
         read_chat_template(settings.chat_template)  # a missing or broken template is found before the model loads
     keys = open_keys(settings)
@@ -117,7 +120,7 @@ def serve(settings: ServeSettings) -> int:
             mesh=settings.mesh,
             dtype=settings.dtype,
             quantize=settings.quantize,
-            adapter=settings.adapter,
+            adapter=settings.merged_adapter,
             kv_cache=settings.kv_cache,
         )
         logger.info("loaded %s", model)  # its repr states the parameter and compute dtypes

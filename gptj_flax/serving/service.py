@@ -4,6 +4,7 @@ request log and drain state), the middleware that drains and counts requests, th
 """
 
 import asyncio
+import collections
 import logging
 import secrets
 import time
@@ -13,6 +14,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 from gptj_flax import partitioning
+from gptj_flax.sampling.adapter_bank import AdapterBank
 from gptj_flax.serving import chat, schemas
 from gptj_flax.serving.auth import KEY_ID, PUBLIC_PATHS, KeyStore
 from gptj_flax.serving.engine import Engine
@@ -21,7 +23,7 @@ from gptj_flax.serving.offsets import TextOffsets
 from gptj_flax.serving.predictions import PredictionStore
 from gptj_flax.serving.request_log import RequestLog
 from gptj_flax.serving.scoring import PromptScorer
-from gptj_flax.serving.settings import ServeSettings, ServingError
+from gptj_flax.serving.settings import DEFAULT_ADAPTER_RANK, DEFAULT_ADAPTER_TARGETS, ServeSettings, ServingError
 from gptj_flax.serving.worker import READY, WARMING_UP, Job, NotAccepting, QueueFull
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ KNOWN_PATHS = (
     *TOKENIZER_PATHS,
     *DOCKER_API_PATHS,
     "/v1/models",
+    "/v1/adapters",
     *PUBLIC_PATHS,
     "/openapi.json",
     "/docs",
@@ -98,6 +101,25 @@ def open_request_log(settings: ServeSettings) -> RequestLog | None:
     )
 
 
+def adapter_bank(model, settings: ServeSettings) -> AdapterBank | None:
+    """The bank of adapters served beside the base (None when the server holds none): the named
+    ``--adapter`` flags' loaded, room for ``--max-adapters``, shaped by ``--max-adapter-rank`` and
+    ``--adapter-targets`` or else by those adapters."""
+    if settings.adapter_slots == 0:
+        return None
+    named = settings.served_adapters
+    targets = tuple(t.strip() for t in (settings.adapter_targets or "").split(",") if t.strip())
+    return AdapterBank.build(
+        model.config,
+        model.mesh,
+        named,
+        max_adapters=settings.adapter_slots,
+        rank=settings.max_adapter_rank or (None if named else DEFAULT_ADAPTER_RANK),
+        projections=targets or (() if named else DEFAULT_ADAPTER_TARGETS),
+        base=settings.checkpoint,
+    )
+
+
 class Service:
     """What one app serves with: the model, its worker, keys, metrics, request log, and drain state."""
 
@@ -121,6 +143,9 @@ class Service:
         self._token_bytes: dict[int, list[int]] = {}
         self.chat_template = chat.chat_template(settings.chat_template, model.tokenizer)
         self.metrics = Metrics()
+        self.adapters = adapter_bank(model, settings)
+        self._adapter_jobs: dict[int, set[Job]] = {}  # bank row → the jobs submitted with it
+        self._adapter_scoring: collections.Counter[int] = collections.Counter()  # bank row → requests being scored
         self.keys = keys if keys is not None else open_keys(settings)
         self.request_log = request_log if request_log is not None else open_request_log(settings)
         self.worker = Engine(
@@ -133,9 +158,15 @@ class Service:
             top_logprobs=schemas.MAX_LOGPROBS,
             prefill_mesh=prefill_mesh(model.mesh, settings.prefill),
             prefix_cache=not settings.no_prefix_cache,
+            decode_steps=settings.decode_steps,
+            adapters=self.adapters,
         )
         self.scorer = PromptScorer(
-            model, max_rows=settings.queue_size, metrics=self.metrics, prefix_cache=not settings.no_prefix_cache
+            model,
+            max_rows=settings.queue_size,
+            metrics=self.metrics,
+            adapters=self.adapters,
+            prefix_cache=not settings.no_prefix_cache,
         )
         # Prompts and pre_prompts of a full batch, JSON-escaped at worst, with room for the rest; a
         # chat request carries a whole conversation, so at least CHAT_BODY_TEXTS full texts, whatever the batch.
@@ -166,9 +197,29 @@ class Service:
         return self.draining and self.in_flight == 0 and self.predictions.settled(self.settings.predictions_grace)
 
     # -- request handling ------------------------------------------------------------------------
+    @property
+    def model_names(self) -> list[str]:
+        """The base's name, then every adapter's."""
+        return [self.name, *([] if self.adapters is None else self.adapters.adapters)]
+
+    def adapter_of(self, name: str | None) -> int:
+        """The adapter-bank row a request's ``model`` picks: 0 for the base (or none given); a 404
+        naming it if nothing here has that name."""
+        if name is None or name == self.name:
+            return 0
+        if self.adapters is not None and name in self.adapters.adapters:
+            return self.adapters.adapters[name].index
+        names = ", ".join(repr(n) for n in self.model_names)
+        raise HTTPException(404, f"model {name!r} is not served here; this server has {names}")
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.name:
-            raise HTTPException(404, f"model {name!r} is not served here; this server has {self.name!r}")
+        self.adapter_of(name)
+
+    def adapter_busy(self, index: int) -> int:
+        """Requests submitted with adapter row ``index`` that have not ended yet, or being scored with it."""
+        jobs = self._adapter_jobs.get(index, set())
+        jobs -= {job for job in jobs if job.answered or job.cancelled or job.result.done()}
+        return len(jobs) + self._adapter_scoring[index]
 
     def encode(self, text: str) -> list[int]:
         return self.model.encode(text) if text else []
@@ -207,18 +258,26 @@ class Service:
         """The ``text_offset`` of tokens whose text begins at character ``start``."""
         return TextOffsets(lambda t: self.token_text(t[0]) if len(t) == 1 else self.model.decode(t), start)
 
-    async def score(self, prompts: list[list[int]], top_logprobs: int) -> list:
+    async def score(self, prompts: list[list[int]], top_logprobs: int, model: str | None = None) -> list:
+        """Each prompt's scores under the model a request named (the base's name or an adapter's);
+        the adapter cannot be removed meanwhile."""
+        index = self.adapter_of(model)
+        self._adapter_scoring[index] += 1  # counted before any await: a removal sees it at once
         try:
-            return await self.scorer.score(prompts, top_logprobs)
+            return await self.scorer.score(prompts, top_logprobs, None if index == 0 else model)
         except QueueFull as e:
             raise HTTPException(429, str(e), headers={"Retry-After": str(e.retry_after)}) from None
         except Exception:  # the prompts were checked: what fails here is the device, not the request
             logger.exception("scoring %d prompt(s) failed", len(prompts))
             raise HTTPException(500, "scoring the prompt failed; the server log has the details") from None
+        finally:
+            self._adapter_scoring[index] -= 1
 
     def submit(self, job: Job) -> None:
         try:
             self.worker.submit(job)
+            for index in {row.adapter for row in job.rows if row.adapter}:  # a removal waits for it
+                self._adapter_jobs.setdefault(index, set()).add(job)
         except QueueFull as e:
             raise HTTPException(429, str(e), headers={"Retry-After": str(e.retry_after)}) from None
         except NotAccepting as e:

@@ -20,6 +20,7 @@ from typing import Any
 from gptj_flax.config import KV_CACHE_DTYPES, QUANTIZATIONS, ConfigError, dtype_name
 from gptj_flax.convert.hf import HF_PREFIX
 from gptj_flax.errors import GptjFlaxError
+from gptj_flax.sampling.adapter_bank import split_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,14 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "GPTJ_FLAX_"
 # The GPT-4chan server's own settings, which its deployments set without a prefix.
 LEGACY_ENV = ("queue_size", "log_file", "api_keys_file", "pre_prompt_length")
-PATH_SETTINGS = ("checkpoint", "adapter", "api_keys_file", "log_file", "chat_template")
+# One step a call: on a 2-core CPU `bench.py serve` reached a smaller share of its bound, and later
+# first tokens, with 4 (see docs/performance.md). MAX keeps a call's token buffers, and the time a
+# waiting prompt may wait for the call in flight, small.
+DEFAULT_DECODE_STEPS = 1
+MAX_DECODE_STEPS = 64
+PATH_SETTINGS = ("checkpoint", "api_keys_file", "log_file", "chat_template")
+# Where a request's model names no adapter's projections: the training default's (config.LoraConfig).
+DEFAULT_ADAPTER_RANK, DEFAULT_ADAPTER_TARGETS = 8, ("q_proj", "v_proj")
 
 
 class ServingError(GptjFlaxError):
@@ -54,16 +62,42 @@ def _setting(default: Any, parse: Callable[[str], Any], help: str, choices: tupl
     return dataclasses.field(default=default, metadata={"parse": parse, "help": help, "choices": choices})
 
 
+def adapter_list(text: str) -> tuple[str, ...]:
+    """``--adapter`` values from one string: the environment variable's, separated by commas."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeSettings:
     """What the server runs with; each field is a flag (``--queue-size``) and a variable
     (``GPTJ_FLAX_QUEUE_SIZE``). Local paths are made absolute."""
 
     checkpoint: str | None = _setting(None, str, "Orbax run or step directory with its tokenizer (required)")
-    adapter: str | None = _setting(
+    adapter: tuple[str, ...] = _setting(
+        (),
+        str,
+        "LoRA adapters (a LoRA run or step directory, or a PEFT directory): NAME=DIR serves DIR beside the "
+        "base as model NAME, chosen per request by its model field (repeat the flag for more; the variable "
+        "takes a comma-separated list); a bare DIR, alone, is merged into the base instead, as before",
+    )
+    max_adapters: int | None = _setting(
+        None,
+        int,
+        "adapters the server can hold at once, loaded at start (--adapter NAME=DIR) or by POST /v1/adapters; "
+        "they sit on the device in one stack of this size, so adding one compiles nothing "
+        "(default: the number of named --adapter flags; 0 with none)",
+    )
+    max_adapter_rank: int | None = _setting(
+        None,
+        int,
+        f"the highest LoRA rank an adapter may have (default: the highest of the named --adapter flags', else "
+        f"{DEFAULT_ADAPTER_RANK}); smaller ones are padded to it",
+    )
+    adapter_targets: str | None = _setting(
         None,
         str,
-        "LoRA adapters merged into the checkpoint (the base): a LoRA run or step directory, or a PEFT directory",
+        "comma-separated projections adapters may adapt (q_proj, k_proj, v_proj, out_proj, fc_in, fc_out; default: "
+        f"those of the named --adapter flags, else {','.join(DEFAULT_ADAPTER_TARGETS)})",
     )
     host: str = _setting("127.0.0.1", str, "address to listen on")
     port: int = _setting(8080, int, "TCP port to listen on")
@@ -119,6 +153,13 @@ class ServeSettings:
         "decode step runs, so a first token does not wait for the step",
         PREFILL_PLACES,
     )
+    decode_steps: int = _setting(
+        DEFAULT_DECODE_STEPS,
+        int,
+        "the most decode steps one device call runs while no prompt waits to be admitted (1 to "
+        f"{MAX_DECODE_STEPS}): fewer host round trips between steps; a prompt that arrives waits for at most "
+        "the call in flight, and stop strings, max_tokens and cancelled requests end their rows as with 1",
+    )
     pre_prompt_length: int = _setting(512, int, "tokens of /complete's pre_prompt that are kept (its first ones)")
     chat_template: str | None = _setting(
         None,
@@ -171,6 +212,7 @@ class ServeSettings:
             object.__setattr__(self, name, absolute_path(getattr(self, name)))
 
         check(bool(self.checkpoint), "checkpoint", "the checkpoint directory to serve")
+        object.__setattr__(self, "adapter", self._adapters())
         check(0 <= self.port <= 65535, "port", "in 0..65535")
         check(self.queue_size >= 1, "queue_size", ">= 1")
         check(self.max_batch >= 1, "max_batch", ">= 1")
@@ -185,6 +227,7 @@ class ServeSettings:
             "prefill_chunk",
             "a power of two >= 16",
         )
+        check(1 <= self.decode_steps <= MAX_DECODE_STEPS, "decode_steps", f"in 1..{MAX_DECODE_STEPS}")
         check(self.pre_prompt_length >= 0, "pre_prompt_length", ">= 0")
         if self.dtype is not None:
             try:
@@ -199,7 +242,54 @@ class ServeSettings:
         check(self.log_backups >= 0, "log_backups", ">= 0")
         check(self.log_level in LOG_LEVELS, "log_level", f"one of {list(LOG_LEVELS)}")
         check(self.predictions_kept >= 1, "predictions_kept", ">= 1")
+        check(self.max_adapters is None or self.max_adapters >= 0, "max_adapters", ">= 0")
+        check(
+            self.max_adapters is None or self.max_adapters >= len(self.served_adapters),
+            "max_adapters",
+            f">= the {len(self.served_adapters)} adapters named by --adapter",
+        )
+        check(self.max_adapter_rank is None or self.max_adapter_rank >= 1, "max_adapter_rank", ">= 1")
+        check(
+            self.prefill == "between" or self.adapter_slots == 0,
+            "prefill",
+            "between when adapters are served (--adapter NAME=DIR, --max-adapters): they live on the decode devices",
+        )
         check(0 <= self.predictions_grace <= 3600, "predictions_grace", "seconds in 0..3600")
+
+    def _adapters(self) -> tuple[str, ...]:
+        """``--adapter`` values with their paths made absolute, checked: one bare DIR alone (merged), or
+        NAME=DIR values with distinct names."""
+        values = (self.adapter,) if isinstance(self.adapter, str) else tuple(self.adapter or ())
+        split = [split_adapter(v) for v in values]
+        bare = [path for name, path in split if name is None]
+        if bare and len(values) > 1:
+            raise SettingsError(
+                f"--adapter {bare[0]} (a bare directory) merges it into the base, which serves no other adapter: "
+                f"name it (--adapter NAME={bare[0]}) to serve it beside the others"
+            )
+        names = [name for name, _ in split if name is not None]
+        for name in names:
+            if names.count(name) > 1 or name == self.served_model_name:
+                taken = "the base model's" if name == self.served_model_name else "another --adapter's"
+                raise SettingsError(f"--adapter {name}=…: the name {name!r} is {taken}; give each adapter its own")
+        absolute = [(name, absolute_path(path) or path) for name, path in split]
+        return tuple(path if name is None else f"{name}={path}" for name, path in absolute)
+
+    @property
+    def merged_adapter(self) -> str | None:
+        """The one bare ``--adapter DIR``, merged into the base at load (None if there is none)."""
+        split = [split_adapter(v) for v in self.adapter]
+        return split[0][1] if len(split) == 1 and split[0][0] is None else None
+
+    @property
+    def served_adapters(self) -> dict[str, str]:
+        """``--adapter NAME=DIR`` values: name → directory, served beside the base."""
+        return {name: path for name, path in map(split_adapter, self.adapter) if name is not None}
+
+    @property
+    def adapter_slots(self) -> int:
+        """Adapters the server holds at most (0: it serves the base alone)."""
+        return len(self.served_adapters) if self.max_adapters is None else self.max_adapters
 
     @property
     def served_model_name(self) -> str:
@@ -227,10 +317,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; each help text names its environment variable and default."""
     for field in dataclasses.fields(ServeSettings):
         meta = field.metadata
-        default = "" if field.default is None else f"; default {field.default}"
+        default = "" if field.default in (None, ()) else f"; default {field.default}"
         legacy = f" (or {field.name.upper()}, deprecated)" if field.name in LEGACY_ENV else ""
         # A yes/no flag alone means yes (--cors); it also takes a value (--cors off), as its variable does.
-        switch = {"nargs": "?", "const": True} if meta["parse"] is boolean else {}
+        switch: dict[str, Any] = {"nargs": "?", "const": True} if meta["parse"] is boolean else {}
+        if field.name == "adapter":
+            switch = {"action": "append"}  # repeatable; its variable is parsed by adapter_list
         parser.add_argument(
             flag(field.name),
             dest=field.name,
@@ -264,8 +356,9 @@ def settings_from(args: argparse.Namespace | None = None, environ: Mapping[str, 
             values[field.name] = given
         elif (found := _from_environment(field.name, env)) is not None:
             variable, value = found
+            parse = adapter_list if field.name == "adapter" else field.metadata["parse"]
             try:
-                values[field.name] = field.metadata["parse"](value)
+                values[field.name] = parse(value)
             except ValueError:
                 raise SettingsError(
                     f"environment variable {variable}={value!r} is not a valid {field.metadata['parse'].__name__}"

@@ -37,6 +37,7 @@ class Prompt:
     seed: int
     stop: tuple[str, ...] = ()
     top_logprobs: int = 0  # alternatives reported per generated token (with the job's logprobs)
+    adapter: int = 0  # the row of the server's adapter bank it applies (0: none, the base)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +56,9 @@ class Job:
     new text per row each time some row's text grows, then a :class:`StreamEnd`.
     """
 
-    def __init__(self, rows: Sequence[Prompt], *, stream: bool = False, logprobs: bool = False):
+    def __init__(self, rows: Sequence[Prompt], *, stream: bool = False, logprobs: bool = False, model: str = ""):
         self.rows = list(rows)
+        self.model = model  # the model the request named (the base's or an adapter's name), for its answer
         self.stream, self.logprobs = stream, logprobs
         self.loop = asyncio.get_running_loop()
         self.result: asyncio.Future = self.loop.create_future()
