@@ -139,8 +139,11 @@ def test_echo_with_logprobs_scores_the_prompt_with_the_adapter_the_request_names
     http = httpx.Client(base_url=server.url, headers=AUTH, timeout=120)
     prompt_tokens = len(merged["base"].encode(PROMPT))
     scores = {name: merged[name].score(PROMPT).logprobs for name in ("base", "qv4", "peft")}
-    base = _echoed(client, "base", 0)  # the scoring program's first call compiles it
+    base = _echoed(client, "base", 0)
     assert base.logprobs.token_logprobs[1:] == pytest.approx(scores["base"], abs=1e-5)
+    # the base's prompts are scored through the prefix cache, an adapter's with the bank's program,
+    # whose first call compiles it
+    assert _echoed(client, "peft", 0).logprobs.token_logprobs[1:] == pytest.approx(scores["peft"], abs=1e-5)
     with counting_compilations() as lowered:
         for name in ("qv4", "peft", "qv4"):
             scored = _echoed(client, name, 0)
@@ -153,7 +156,7 @@ def test_echo_with_logprobs_scores_the_prompt_with_the_adapter_the_request_names
             assert both.logprobs.token_logprobs[1:prompt_tokens] == pytest.approx(scores[name], abs=1e-5)
             generated = merged[name].generate(PROMPT, NEW, temperature=0, return_logprobs=True).logprobs
             assert both.logprobs.token_logprobs[prompt_tokens:] == pytest.approx(generated, abs=1e-5)
-    assert lowered == []  # an adapter's scores take the base's program
+    assert lowered == []  # each adapter's scores take the one program
     # a prompt being scored with an adapter holds it, as a request generating with it does
     held, release, started = server.service.model, threading.Event(), threading.Event()
     score = held.score

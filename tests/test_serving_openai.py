@@ -27,7 +27,9 @@ from lm_eval import simple_evaluate
 
 import gptj_flax
 from gptj_flax.evaluation.harness import task_manager
+from gptj_flax.sampling.api import Scored
 from gptj_flax.serving import chat
+from gptj_flax.serving.scoring import PLACEHOLDER, next_token
 from tests.evaluation_helpers import CFG, TEXT_DOCS, make_tokenizer, write_tasks
 from tests.helpers import hf_model
 from tests.test_serving_support import (
@@ -206,6 +208,55 @@ def test_n_samples_and_token_id_prompts_match_generate(lm, client):
     several = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0, stop=["e"])
     assert [c.text for c in several.choices] == [c.text for c in lm.generate(ids, 6, temperature=0, stop=["e"])]
     assert several.usage.prompt_tokens == sum(map(len, ids))
+
+
+def metric(url: str, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", httpx.get(url + "/metrics", timeout=60).text, re.MULTILINE)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_one_greedy_token_after_an_echoed_prompt_comes_from_its_scoring_pass_as_the_slots_give_it(lm, client, server):
+    """lm-eval's log-likelihood request (echo, logprobs, max_tokens=1, temperature 0) is answered by
+    one scoring pass, equal to the decode slots' token and the scoring of the prompt, asked apart."""
+    prompts = [lm.encode(p) for p in PROMPTS] + [lm.encode("cat")[:1]]  # a one-token prompt too
+    counted = ("gptj_prompt_tokens_total", "gptj_generated_tokens_total")
+    before = [metric(server.url, name) for name in counted]
+    both = client.completions.create(model=NAME, prompt=prompts, max_tokens=1, echo=True, logprobs=2, temperature=0)
+    after = [metric(server.url, name) for name in counted]
+    # each prompt ran once, through scoring alone: the slots would have counted its tokens again
+    assert [b - a for a, b in zip(before, after)] == [sum(map(len, prompts)), len(prompts)]
+    generated = client.completions.create(model=NAME, prompt=prompts, max_tokens=1, logprobs=2, temperature=0)
+    scored = client.completions.create(model=NAME, prompt=prompts, max_tokens=0, echo=True, logprobs=2)
+    for one, gen, score in zip(both.choices, generated.choices, scored.choices):
+        assert one.text == score.text + gen.text and one.finish_reason == gen.finish_reason
+        assert one.logprobs.tokens == score.logprobs.tokens + gen.logprobs.tokens
+        assert one.logprobs.text_offset == score.logprobs.text_offset + gen.logprobs.text_offset
+        expected = score.logprobs.token_logprobs + gen.logprobs.token_logprobs
+        assert one.logprobs.token_logprobs[0] is None and expected[0] is None
+        assert one.logprobs.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-5)
+        for got, want in zip(one.logprobs.top_logprobs, score.logprobs.top_logprobs + gen.logprobs.top_logprobs):
+            assert got == want if want is None else got == pytest.approx(want, abs=1e-5)
+
+
+def test_the_token_after_a_scored_prompt_ends_at_the_eos_as_generation_does(lm):
+    """:func:`~gptj_flax.serving.scoring.next_token` on hand-made scores: the most likely token after
+    the prompt, an EOS left out of the text, and a one-token prompt with no scores of its own."""
+    eos, other = lm.eos_token_id, lm.encode("cat")[0]
+    after = {eos: -0.25, other: -1.5}
+    scored = Scored([other, other, PLACEHOLDER], np.array([-2.0, -9.0]), [{other: -2.0, eos: -3.0}, after])
+    own, completion = next_token(scored, 2, eos, lm.tokenizer)
+    assert (
+        own.tokens == [other, other]
+        and own.logprobs.tolist() == [-2.0]
+        and own.top_logprobs == [{other: -2.0, eos: -3.0}]
+    )
+    assert (completion.text, completion.finish_reason, completion.tokens) == ("", "eos", [eos])
+    assert (completion.logprobs, completion.top_logprobs, completion.prompt_tokens) == ([-0.25], [after], 2)
+    flipped = {other: -0.25, eos: -1.5}
+    own, completion = next_token(Scored([other, PLACEHOLDER], np.array([-9.0]), [flipped]), 0, eos, lm.tokenizer)
+    assert own is None and completion.top_logprobs is None
+    assert (completion.text, completion.finish_reason, completion.tokens) == (lm.decode([other]), "length", [other])
 
 
 # -- chat completions ---------------------------------------------------------------------------------
@@ -585,15 +636,12 @@ def test_lm_eval_choices_after_a_shared_context_prefill_fewer_tokens_with_the_pr
     assert [len(choices) for choices in plain] == [4, 4]
     np.testing.assert_allclose(cached, plain, rtol=0, atol=1e-5)
     assert prompt == cached_prompt == prefilled > 0  # every input counted; without the cache all run
-    # lm-eval asks for one generated token beside each score (max_tokens=1): those prompts go through the
-    # decode slots, whose cache pages (64 tokens on the CPU) these short prompts never fill, so they are
-    # prefilled whole either way; the scores are what the scoring cache saves.
-    assert plain_scored.prompt == plain_scored.prefilled == scored_prompt
-    print(
-        f"scored inputs {scored_prompt}: {scored_prefilled} prefilled with the cache; /metrics: {prefilled:.0f} -> {cached_prefilled:.0f}"
-    )
-    assert 2 * scored_prefilled <= scored_prompt
-    assert prefilled - cached_prefilled == scored_prompt - scored_prefilled
+    # lm-eval asks for one greedy token beside each score (max_tokens=1): the scoring pass gives it, so
+    # no prompt goes through the decode slots too, and every prompt token counted is a scored one.
+    assert plain_scored.prompt == plain_scored.prefilled == scored_prompt == prompt
+    print(f"/metrics: {prefilled:.0f} prompt tokens prefilled without the cache, {cached_prefilled:.0f} with it")
+    assert 2 * cached_prefilled <= prefilled
+    assert cached_prefilled == scored_prefilled
 
 
 def test_lm_eval_local_completions_scores_as_lm_evals_hf_model(serve_script, hf_dir, tmp_path, monkeypatch):

@@ -416,7 +416,10 @@ class Decoder:
             index=past,
         )
         positions = jnp.broadcast_to(past + jnp.arange(tokens.shape[1]), tokens.shape)
-        logits, cache = self.model.apply({"params": params}, tokens, positions, segments, cache, method=GPTJ.decode)
+        # the base model, whatever adapter bank generation uses: cached scores are the base's
+        logits, cache = GPTJ(self.config).apply(
+            {"params": params}, tokens, positions, segments, cache, method=GPTJ.decode
+        )
         if top_width > 0:
             ids, lps = top_logprobs(logits, top_width, self.valid_vocab)
         else:

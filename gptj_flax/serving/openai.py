@@ -147,6 +147,8 @@ def completion_rows(body: Body, prompts: Prompts, adapter: int = 0) -> list[Prom
 async def _results(service: Service, body: Body, request: Request, prompts: Prompts, rows: list[Prompt]) -> list:
     """Each choice's prompt score (with ``echo`` and ``logprobs``) and completion (unless
     ``max_tokens`` is 0), ``None`` where not asked for."""
+    if _one_greedy_token(service, body):
+        return await service.score_and_continue([tokens for _, tokens in prompts], body.logprobs or 0, body.model)
     scored = (
         await service.score([tokens for _, tokens in prompts], body.logprobs, body.model)
         if body.echo and body.logprobs is not None
@@ -158,6 +160,24 @@ async def _results(service: Service, body: Body, request: Request, prompts: Prom
         else [None] * len(rows)
     )
     return [(scored[index // body.n], completion) for index, completion in enumerate(completions)]
+
+
+def _one_greedy_token(service: Service, body: Body) -> bool:
+    """Whether the request is lm-eval's log-likelihood request: the echoed prompt's scores and one
+    greedy token, unpenalised and with no stop strings. The scoring pass gives that token too (the
+    distribution after the prompt), so the prompt is not also prefilled in a decode slot. Only with a
+    float KV cache, which scoring uses: an int8 one could choose another token."""
+    sampling = body.sampling
+    return (
+        body.echo
+        and body.logprobs is not None
+        and body.max_tokens == 1
+        and body.n == 1
+        and not body.stop
+        and sampling.temperature == 0
+        and sampling.repetition_penalty == 1
+        and service.settings.kv_cache is None
+    )
 
 
 def _choice(service: Service, body: Body, prompt: tuple[str, list[int]], scored, index: int, completion):

@@ -22,9 +22,14 @@ import dataclasses
 from collections.abc import Sequence
 
 from gptj_flax.sampling.adapter_bank import AdapterBank
+from gptj_flax.sampling.api import Completion, Scored
 from gptj_flax.sampling.prefix_cache import PromptCounts
+from gptj_flax.sampling.stopping import TextTracker
 from gptj_flax.serving.metrics import Metrics
 from gptj_flax.serving.worker import QueueFull
+
+# Scored after a prompt to read the distribution that follows it; its own score is dropped.
+PLACEHOLDER = 0
 
 
 class PromptScorer:
@@ -82,3 +87,31 @@ class PromptScorer:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+def next_token(scored: Scored, top_logprobs: int, eos_id: int | None, tokenizer) -> tuple[Scored | None, Completion]:
+    """Split a prompt scored with :data:`PLACEHOLDER` after it (and at least one alternative per
+    position) into the prompt's own scores (``None`` for a one-token prompt) and the one token that
+    greedy generation gives after it: the most likely one there, with its log-probability and, where
+    ``top_logprobs`` > 0, that position's alternatives, as the decode slots report them."""
+    prompt, tops = scored.tokens[:-1], scored.top_logprobs
+    assert tops, "score the prompt with at least one alternative per position"
+    after = tops[-1]
+    token, logprob = next(iter(after.items()))  # the most likely comes first
+    own = Scored(prompt, scored.logprobs[:-1], tops[:-1] if top_logprobs > 0 else None) if len(prompt) >= 2 else None
+    eos = token == eos_id
+    text = None
+    if tokenizer is not None:
+        tracker = TextTracker(tokenizer)
+        tracker.update([] if eos else [token], final=True)  # generation's text leaves the EOS out
+        text = tracker.text
+    completion = Completion(
+        text=text,
+        finish_reason="eos" if eos else "length",
+        prompt_tokens=len(prompt),
+        completion_tokens=1,
+        tokens=[token],
+        logprobs=[logprob],
+        top_logprobs=[after] if top_logprobs > 0 else None,
+    )
+    return own, completion

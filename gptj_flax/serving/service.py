@@ -22,7 +22,7 @@ from gptj_flax.serving.metrics import Metrics
 from gptj_flax.serving.offsets import TextOffsets
 from gptj_flax.serving.predictions import PredictionStore
 from gptj_flax.serving.request_log import RequestLog
-from gptj_flax.serving.scoring import PromptScorer
+from gptj_flax.serving.scoring import PLACEHOLDER, PromptScorer, next_token
 from gptj_flax.serving.settings import DEFAULT_ADAPTER_RANK, DEFAULT_ADAPTER_TARGETS, ServeSettings, ServingError
 from gptj_flax.serving.worker import READY, WARMING_UP, Job, NotAccepting, QueueFull
 
@@ -253,6 +253,15 @@ class Service:
                 "(a Jinja chat template) to serve /v1/chat/completions, or send the prompt to /v1/completions",
             )
         return chat.render(self.model.tokenizer, self.chat_template, messages)
+
+    async def score_and_continue(self, prompts: list[list[int]], top_logprobs: int, model: str | None = None) -> list:
+        """Each prompt's scores and its one greedy token, from one scoring pass (see
+        :func:`~gptj_flax.serving.scoring.next_token`): ``(Scored or None, Completion)`` per prompt."""
+        scored = await self.score([[*p, PLACEHOLDER] for p in prompts], max(top_logprobs, 1), model)
+        eos, tokenizer = self.model.eos_token_id, self.model.tokenizer
+        out = [next_token(s, top_logprobs, None if eos is None else int(eos), tokenizer) for s in scored]
+        self.metrics.generated_tokens.inc(len(out))
+        return out
 
     def text_offsets(self, start: int) -> TextOffsets:
         """The ``text_offset`` of tokens whose text begins at character ``start``."""

@@ -189,7 +189,7 @@ class ServeSettings:
         boolean,
         "do not keep the full pages of prompts in the KV cache for later prompts that start with the same "
         "tokens (the prefix cache; it serves prompts prefilled between decode steps, not --prefill beside), "
-        "nor those of scored prompts (echo with max_tokens 0) for later ones",
+        "nor those of prompts scored with echo and logprobs for later ones",
     )
     predictions_kept: int = _setting(
         1024, int, "finished /model/predict results kept for /model/get_prediction; beyond it the oldest go"
