@@ -629,6 +629,7 @@ def test_lm_eval_choices_after_a_shared_context_prefill_fewer_tokens_with_the_pr
     with RunningServer(lm, **settings, queue_size=64, no_prefix_cache=True) as uncached:
         plain, prompt, prefilled = evaluate(uncached.url)
         plain_scored = uncached.service.scorer.counts
+        assert metric(uncached.url, "gptj_scoring_cache_pages") == 0  # --no-prefix-cache: none kept
     scored_before = server.service.scorer.counts
     cached, cached_prompt, cached_prefilled = evaluate(server.url)
     scored = server.service.scorer.counts
@@ -642,6 +643,8 @@ def test_lm_eval_choices_after_a_shared_context_prefill_fewer_tokens_with_the_pr
     print(f"/metrics: {prefilled:.0f} prompt tokens prefilled without the cache, {cached_prefilled:.0f} with it")
     assert 2 * cached_prefilled <= prefilled
     assert cached_prefilled == scored_prefilled
+    # /metrics shows the scoring cache's pages: those of the contexts and choices just scored
+    assert metric(server.url, "gptj_scoring_cache_pages") == server.service.scorer.cache.pages > 0
 
 
 def test_lm_eval_local_completions_scores_as_lm_evals_hf_model(serve_script, hf_dir, tmp_path, monkeypatch):

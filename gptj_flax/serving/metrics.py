@@ -73,6 +73,11 @@ class Metrics:
         self.prefix_cache_pages = Gauge(
             "gptj_prefix_cache_pages", "KV cache pages that the prefix cache holds (in use or idle)", registry=r
         )
+        self.scoring_cache_pages = Gauge(
+            "gptj_scoring_cache_pages",
+            "Pages of scored prompts (keys, values and scores) that the scoring prefix cache holds in host memory",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -43,6 +43,7 @@ class PromptScorer:
     ):
         self.model, self.max_rows, self.metrics, self.adapters = model, max_rows, metrics, adapters
         self.cache = model.score_cache() if prefix_cache else None
+        metrics.scoring_cache_pages.set_function(lambda: 0 if self.cache is None else self.cache.pages)
         self.counts = PromptCounts()  # scored prompts' inputs, and those run through the model
         self._pending = 0  # touched on the event loop only
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gptj-scorer")
