@@ -42,6 +42,8 @@ def bench(repo_root, cwd, *args: str, quick_compile: bool = True) -> str:
 
 def figure(pattern: str, out: str) -> float:
     match = re.search(pattern, out, re.MULTILINE)
+    if not match:
+        print(out)  # whole, under "Captured stdout": the assertion's message cuts a long output short
     assert match, (pattern, out)
     return float(match.group(1).replace(",", ""))
 
