@@ -17,7 +17,7 @@ import dataclasses
 import glob
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import jax
 
@@ -79,9 +79,12 @@ def _between_activations(op_name: str) -> bool:
     return bool(spec and "b" in spec.group(1) and "b" in spec.group(2))
 
 
-def op_events(fn: Callable[[], object]) -> tuple[collections.Counter, collections.Counter]:
+def op_events(
+    fn: Callable[[], object], instructions: Collection[str] = ()
+) -> tuple[collections.Counter, collections.Counter]:
     """Run ``fn`` under the profiler; return (event name → total ms, event name → events) for the
-    events on the XLA runtime's threads."""
+    events on the XLA runtime's threads, and for those named after one of ``instructions`` on any
+    other thread (an operation is counted whichever thread ran it)."""
     # Imported here: TensorFlow's protobuf module is only needed when someone asks for a profile.
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
@@ -96,11 +99,11 @@ def op_events(fn: Callable[[], object]) -> tuple[collections.Counter, collection
             space.ParseFromString(f.read())
     for plane in space.planes:
         for line in plane.lines:
-            if not line.name.startswith("tf_XLA"):  # the runtime's worker threads, not Python's
-                continue
+            runtime = line.name.startswith("tf_XLA")  # the runtime's worker threads, not Python's
             for event in line.events:
                 name = plane.event_metadata[event.metadata_id].name
-                if not name.startswith("ThunkExecutor"):  # the whole program's span, not one op
+                # ThunkExecutor spans a whole program, not one op
+                if (runtime and not name.startswith("ThunkExecutor")) or name in instructions:
                     totals[name] += event.duration_ps / 1e9
                     events[name] += 1
     return totals, events
@@ -112,7 +115,7 @@ def profile(fn: Callable[[], object], hlo_text: str, calls: int) -> list[Row]:
     instructions = _instructions(hlo_text)
     ms: collections.Counter = collections.Counter()
     count: collections.Counter = collections.Counter()
-    totals, events = op_events(fn)
+    totals, events = op_events(fn, instructions.keys())
     for name, total in totals.items():
         if name == WAITING:
             key = ("(thread pool)", "waiting")
