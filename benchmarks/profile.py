@@ -85,26 +85,21 @@ def op_events(
     """Run ``fn`` under the profiler; return (event name → total ms, event name → events) for the
     events on the XLA runtime's threads, and for those named after one of ``instructions`` on any
     other thread (an operation is counted whichever thread ran it)."""
-    # Imported here: TensorFlow's protobuf module is only needed when someone asks for a profile.
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
     totals: collections.Counter = collections.Counter()
     events: collections.Counter = collections.Counter()
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             fn()
         (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        space = xplane_pb2.XSpace()
-        with open(path, "rb") as f:
-            space.ParseFromString(f.read())
-    for plane in space.planes:
+        trace = jax.profiler.ProfileData.from_file(path)
+    for plane in trace.planes:
         for line in plane.lines:
             runtime = line.name.startswith("tf_XLA")  # the runtime's worker threads, not Python's
             for event in line.events:
-                name = plane.event_metadata[event.metadata_id].name
+                name = event.name
                 # ThunkExecutor spans a whole program, not one op
                 if (runtime and not name.startswith("ThunkExecutor")) or name in instructions:
-                    totals[name] += event.duration_ps / 1e9
+                    totals[name] += event.duration_ns / 1e6
                     events[name] += 1
     return totals, events
 
