@@ -597,11 +597,7 @@ def serve_script(hf_dir, repo_root):
 
 def prompt_counts(url: str) -> tuple[float, float]:
     """The server's prompt tokens and prefilled prompt tokens so far, from /metrics."""
-    text = httpx.get(url + "/metrics", timeout=60).text
-    return tuple(  # type: ignore[return-value]
-        float(re.search(rf"^{name}_total (\S+)$", text, re.MULTILINE).group(1))
-        for name in ("gptj_prompt_tokens", "gptj_prompt_tokens_prefilled")
-    )
+    return metric(url, "gptj_prompt_tokens_total"), metric(url, "gptj_prompt_tokens_prefilled_total")
 
 
 def test_lm_eval_choices_after_a_shared_context_prefill_fewer_tokens_with_the_prefix_cache(

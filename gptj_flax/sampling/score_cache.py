@@ -96,13 +96,18 @@ class ScoreCache:
         out = self.decoder.score_after(self._past(cached, start), seq[start:], start, width)
         self.counts.prompt += len(seq) - 1
         self.counts.prefilled += len(seq) - 1 - start
-        logprobs = np.concatenate([*(p.logprobs for p in cached), out.logprobs])[1:] if cached else out.logprobs
-        ids = np.concatenate([*(p.top_ids[:, :width] for p in cached), out.top_ids])[1:] if cached else out.top_ids
-        lps = (
-            np.concatenate([*(p.top_logprobs[:, :width] for p in cached), out.top_logprobs])[1:]
-            if cached
-            else out.top_logprobs
-        )
+
+        def joined(field: str) -> np.ndarray:
+            """The cached pages' rows then the run's, from the prompt's second token on (a page's rows
+            start at its first token; the run's at the token after ``start``)."""
+            new = getattr(out, field)
+            if not cached:
+                return new
+            return np.concatenate(
+                [*(getattr(p, field)[:, :width] if new.ndim > 1 else getattr(p, field) for p in cached), new]
+            )[1:]
+
+        logprobs, ids, lps = joined("logprobs"), joined("top_ids"), joined("top_logprobs")
         self._keep(keys, len(cached), start, out, np.concatenate([[0.0], logprobs]), ids, lps)
         return logprobs, ids[:, :k], lps[:, :k]
 
