@@ -313,9 +313,9 @@ class PagedKVCache:
 
     Row ``r``'s sequence lies in the pages a page table names (``table[r, i]`` holds its slots
     ``i·page … (i+1)·page − 1``; the table is the caller's, passed to each step), and ``index[r]`` is
-    its length. Each layer's pool is a tuple of buffers (pool blocks) of pages: a step that only
-    needs the first pages passes just those blocks to its matmuls, whole buffers read and written in
-    place (slicing a window out of one large buffer makes XLA:CPU copy it at every step).
+    its length. Each layer's pool is a tuple of buffers (pool blocks) of pages: a step reads only the
+    first blocks, those that hold its rows' pages, each a whole buffer read and written in place
+    (slicing a window out of one large buffer makes XLA:CPU copy it at every step).
 
     Fields, per layer, shaped as :class:`KVCache`'s are with the page in the batch axis:
       k: pool blocks of keys [pages, heads, head_dim, page].
@@ -365,29 +365,13 @@ class PagedKVCache:
         return self.k[0][0].shape[-1]
 
     @property
+    def blocks(self) -> tuple[int, ...]:
+        """The pool blocks' sizes, in pages."""
+        return tuple(block.shape[0] for block in self.k[0])
+
+    @property
     def pages(self) -> int:
-        return sum(block.shape[0] for block in self.k[0])
-
-    def view(self, blocks: int) -> PagedKVCache:
-        """The first ``blocks`` pool blocks of every layer."""
-
-        def cut(pools):
-            return tuple(pool[:blocks] for pool in pools)
-
-        return self.replace(k=cut(self.k), v=cut(self.v), k_scale=cut(self.k_scale), v_scale=cut(self.v_scale))
-
-    def merge(self, view: PagedKVCache) -> PagedKVCache:
-        """This cache with the blocks of ``view`` (as :meth:`view` cut them, updated) put back."""
-
-        def put(pools, parts):
-            return tuple((*part, *pool[len(part) :]) for pool, part in zip(pools, parts, strict=True))
-
-        return view.replace(
-            k=put(self.k, view.k),
-            v=put(self.v, view.v),
-            k_scale=put(self.k_scale, view.k_scale),
-            v_scale=put(self.v_scale, view.v_scale),
-        )
+        return sum(self.blocks)
 
     def layer(self, i: int, layout: PageLayout) -> PagedLayerKV:
         scales = (self.k_scale[i], self.v_scale[i]) if self.k_scale else (None, None)
@@ -399,22 +383,24 @@ class PagedKVCache:
 
 
 class PageLayout(NamedTuple):
-    """What one decode step over a paged cache's first pages needs to know of its page table,
-    worked out once for all layers (:func:`page_layout`)."""
+    """What one decode step over a paged cache needs to know of its page table, worked out once
+    for all layers (:func:`page_layout`)."""
 
     write_page: Array  # int32 [B]: the page each row writes its new token into (out of range: none)
     write_slot: Array  # int32 [B]: the slot in that page
     owner: Array  # int32 [P]: the row each page belongs to (-1: none)
     visible: Array  # bool [P, page]: the slots of each page its row attends to, the new token's included
+    reads: Array  # int32 []: the pool blocks a step reads, the first ones, which hold every active row's pages
 
 
-def page_layout(table: Array, index: Array, active: Array, pages: int, page: int) -> PageLayout:
-    """The :class:`PageLayout` of rows ``table`` [B, per_row] (page ids; ids ≥ ``pages`` name no page
-    in view) of lengths ``index`` [B] for a step over the first ``pages`` pages of ``page`` slots.
+def page_layout(table: Array, index: Array, active: Array, blocks: tuple[int, ...], page: int) -> PageLayout:
+    """The :class:`PageLayout` of rows ``table`` [B, per_row] (page ids; ids past the pool name no
+    page) of lengths ``index`` [B] for a step over a pool of ``blocks`` (sizes) of ``page`` slots.
 
     Inactive rows write nothing and see nothing.
     """
     rows, per_row = table.shape
+    pages = sum(blocks)
     nowhere = jnp.int32(pages)
     which = jnp.minimum(index // page, per_row - 1)
     target = jnp.take_along_axis(table, which[:, None], axis=1)[:, 0]
@@ -431,7 +417,9 @@ def page_layout(table: Array, index: Array, active: Array, pages: int, page: int
     mine = jnp.maximum(owner, 0)
     slot = position[:, None] * page + jnp.arange(page)[None, :]
     visible = (owner >= 0)[:, None] & active[mine][:, None] & (slot <= index[mine][:, None])
-    return PageLayout(write_page, index % page, owner, visible)
+    highest = jnp.max(jnp.where(active[:, None] & (table < pages), table, -1))  # -1: no active row holds a page
+    reads = 1 + jnp.sum(highest >= np.cumsum(blocks)[:-1]).astype(jnp.int32)
+    return PageLayout(write_page, index % page, owner, visible, reads)
 
 
 class PagedLayerKV(NamedTuple):
@@ -562,10 +550,13 @@ def _paged_decode_attention(
     """One new token per row over a :class:`PagedKVCache` layer: each row writes its new key and
     value into its page, then attends to its pages.
 
-    Every page in view is scored against its row's query (gathered by ``owner``), the softmax runs
-    over each row's pages, and the pages' weighted values are summed per row (a product with the
-    one-hot [pages, rows]); the gather and the sums are small beside the pages themselves. The
-    writes come first: a scatter into a page is done in place before the matmuls read it.
+    The writes come first: a scatter into a page is done in place before the matmuls read it. Then
+    the pool blocks that hold the rows' pages (the layout's ``reads``, a value of the step, not of
+    its program) are read one after another, each under a ``lax.cond``: one compiled step serves
+    every occupancy of the pool, and a block no row holds a page in is never read. Each block's
+    pages are scored against their rows' queries (gathered by ``owner``), and the softmax over each
+    row's pages is carried from block to block as a running maximum, total and weighted sum of
+    values; the sums per row are products with the one-hot [pages, rows], small beside the pages.
     """
     layout, rows = kv.layout, q.shape[0]
     q = q[:, 0] / np.sqrt(cfg.head_dim).astype(q.dtype)  # [B, heads, head_dim], scaled once
@@ -583,37 +574,54 @@ def _paged_decode_attention(
     k_pool = write_pool(kv.k, layout.write_page, layout.write_slot, new_k, 3)
     v_pool = write_pool(kv.v, layout.write_page, layout.write_slot, new_v, 2)
 
-    mine = jnp.maximum(layout.owner, 0)
-    queries = q[mine]  # [P, heads, head_dim]
-    parts, start = [], 0
-    for block, scale in zip(k_pool, k_scales, strict=True):
-        n = block.shape[0]
-        s = jnp.einsum(
-            "phd,phdc->phc", queries[start : start + n], block.astype(q.dtype), preferred_element_type=jnp.float32
-        )
-        parts.append(s if scale is None else s * scale)
-        start += n
-    scores = jnp.concatenate(parts)  # [P, heads, page]
-    visible = layout.visible[:, None, :]
-    belongs = layout.owner[:, None] == jnp.arange(rows)[None, :]  # [P, B]
-    page_max = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1)  # [P, heads]
-    row_max = jnp.max(jnp.where(belongs[:, :, None], page_max[:, None, :], -jnp.inf), axis=0)  # [B, heads]
-    weights = jnp.where(visible, jnp.exp(scores - row_max[mine][:, :, None]), 0.0)
-    total = jnp.einsum("ph,pb->bh", weights.sum(axis=-1), belongs.astype(jnp.float32))
-    probs = weights / jnp.where(total > 0, total, 1.0)[mine][:, :, None]  # a row without pages sees nothing
-
-    outs, start = [], 0
-    for block, scale in zip(v_pool, v_scales, strict=True):
-        n = block.shape[0]
-        p = probs[start : start + n]
-        if scale is not None:
-            p = p * scale  # each value's scale folded into its probability
-        outs.append(jnp.einsum("phc,phcd->phd", p.astype(cfg.compute_dtype), block.astype(cfg.compute_dtype)))
-        start += n
-    out = jnp.einsum(
-        "phd,pb->bhd", jnp.concatenate(outs), belongs.astype(cfg.compute_dtype), preferred_element_type=jnp.float32
+    heads, head_dim = q.shape[1:]
+    running = (
+        jnp.full((rows, heads), -jnp.inf, jnp.float32),  # each row's highest score so far
+        jnp.zeros((rows, heads), jnp.float32),  # its sum of exp(score - highest)
+        jnp.zeros((rows, heads, head_dim), jnp.float32),  # its sum of exp(score - highest) * value
     )
+    start = 0
+    for i, block in enumerate(zip(k_pool, v_pool, k_scales, v_scales, strict=True)):
+        n = block[0].shape[0]
+        pages = slice(start, start + n)
+        part = (q, layout.owner[pages], layout.visible[pages], *block)
+        if i == 0:  # the first block is always read
+            running = _attend_block(cfg, running, *part)
+        else:
+            running = lax.cond(
+                i < layout.reads, lambda r, *p: _attend_block(cfg, r, *p), lambda r, *p: r, running, *part
+            )
+        start += n
+    _, total, weighted = running
+    out = weighted / jnp.where(total > 0, total, 1.0)[..., None]  # a row without pages sees nothing
     return out.astype(cfg.compute_dtype)[:, None], kv._replace(k=k_pool, v=v_pool, **scales)
+
+
+def _attend_block(cfg: ModelConfig, running, q, owner, visible, k, v, k_scale, v_scale):
+    """:func:`_paged_decode_attention`'s running softmax (highest, total, weighted [B, heads(, head_dim)])
+    taken on over one pool block's pages: keys ``k`` [n, heads, head_dim, page] and values ``v``
+    [n, heads, page, head_dim] (an int8 block's scales besides) of rows ``owner`` [n], whose queries
+    ``q`` [B, heads, head_dim] see the slots ``visible`` [n, page]."""
+    highest, total, weighted = running
+    rows = q.shape[0]
+    mine = jnp.maximum(owner, 0)
+    scores = jnp.einsum("phd,phdc->phc", q[mine], k.astype(q.dtype), preferred_element_type=jnp.float32)
+    if k_scale is not None:
+        scores = scores * k_scale
+    seen = visible[:, None, :]
+    belongs = owner[:, None] == jnp.arange(rows)[None, :]  # [n, B]
+    page_max = jnp.max(jnp.where(seen, scores, -jnp.inf), axis=-1)  # [n, heads]
+    block_max = jnp.max(jnp.where(belongs[:, :, None], page_max[:, None, :], -jnp.inf), axis=0)  # [B, heads]
+    new = jnp.maximum(highest, block_max)
+    base = jnp.where(jnp.isfinite(new), new, 0.0)  # a row that has seen nothing yet subtracts nothing
+    weights = jnp.where(seen, jnp.exp(scores - base[mine][:, :, None]), 0.0)  # [n, heads, page]
+    kept = jnp.exp(highest - base)  # what the sums so far are worth now (0 while they are empty)
+    total = total * kept + jnp.einsum("ph,pb->bh", weights.sum(axis=-1), belongs.astype(jnp.float32))
+    if v_scale is not None:
+        weights = weights * v_scale  # each value's scale folded into its weight
+    values = jnp.einsum("phc,phcd->phd", weights.astype(cfg.compute_dtype), v.astype(cfg.compute_dtype))
+    per_row = jnp.einsum("phd,pb->bhd", values, belongs.astype(values.dtype), preferred_element_type=jnp.float32)
+    return new, total, weighted * kept[..., None] + per_row
 
 
 # --------------------------------------------------------------------------------------------
@@ -1026,9 +1034,8 @@ class GPTJ(nn.Module):
     ) -> tuple[Array, PagedKVCache]:
         """One decode step of independent sequences, one per row of ``cache.index`` (a decode slot):
         row ``r`` takes ``tokens[r]`` [B, 1], writes it at slot ``cache.index[r]`` of the pages that
-        ``table[r]`` names, and attends to the slots of its sequence. ``cache`` is a
-        :meth:`PagedKVCache.view` that holds every page the rows have; rows where ``active`` [B] is
-        False write and read nothing.
+        ``table[r]`` names, and attends to the slots of its sequence, reading only the pool blocks
+        that hold the active rows' pages; rows where ``active`` [B] is False write and read nothing.
 
         Returns ``(logits [B, 1, V], updated cache)``; each active row's index moves on by one.
         """
@@ -1039,7 +1046,7 @@ class GPTJ(nn.Module):
         rows = tokens.shape[0]
         if rows > cache.index.shape[0]:
             raise ValueError(f"{rows} tokens for a cache of {cache.index.shape[0]} rows")
-        layout = page_layout(table, cache.index[:rows], active, cache.pages, cache.page)
+        layout = page_layout(table, cache.index[:rows], active, cache.blocks, cache.page)
         h = self._embed(tokens)
         layers = []
         for i in range(cfg.n_layers):

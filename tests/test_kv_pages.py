@@ -61,11 +61,13 @@ def test_the_page_table_hands_out_the_lowest_free_pages_and_takes_them_back():
 
 
 def test_the_page_layout_says_which_row_owns_each_page_and_what_it_sees():
-    page, pages = 4, 10
+    page, blocks = 4, (4, 4, 2)
+    pages = sum(blocks)
     table = jnp.array([[3, 7, pages], [1, pages, pages], [8, 0, 5]], jnp.int32)
     index = jnp.array([5, 2, 11], jnp.int32)  # the slot each row writes now
     active = jnp.array([True, True, False])
-    layout = page_layout(table, index, active, pages, page)
+    layout = page_layout(table, index, active, blocks, page)
+    assert int(layout.reads) == 2  # pages 0 … 7 hold the active rows' pages; the idle row's 8 is not read
     assert np.asarray(layout.write_page).tolist() == [7, 1, pages]  # the idle row writes nowhere
     assert np.asarray(layout.write_slot).tolist()[:2] == [1, 2]
     owner = np.full(pages, -1)
@@ -77,15 +79,20 @@ def test_the_page_layout_says_which_row_owns_each_page_and_what_it_sees():
     np.testing.assert_array_equal(layout.visible, visible)  # the idle row sees nothing
 
 
-def to_pages(cache: KVCache, table: np.ndarray, page: int, blocks: tuple[int, ...]) -> PagedKVCache:
+def to_pages(
+    cache: KVCache, table: np.ndarray, page: int, blocks: tuple[int, ...], unread: int | None = None
+) -> PagedKVCache:
     """``cache``'s rows cut into pages of ``page`` slots placed where ``table`` [rows, per_row] says,
-    in a pool of ``blocks`` (other pages random: nothing may read them)."""
+    in a pool of ``blocks`` (other pages random: nothing may read them; NaN from block ``unread`` on,
+    where a step must not even read them)."""
     rng = np.random.default_rng(7)
     starts = np.cumsum((0, *blocks))
 
     def pool(x, axis: int):
         rows, columns = x.shape[0], x.shape[axis]
         pages = np.asarray(rng.standard_normal((sum(blocks), *x.shape[1:axis], page, *x.shape[axis + 1 :])), x.dtype)
+        if unread is not None and np.issubdtype(x.dtype, np.floating):
+            pages[starts[unread] :] = np.nan
         x = np.asarray(x)
         for r in range(rows):
             for i, p in enumerate(table[r]):
@@ -116,7 +123,8 @@ def from_pages(pool, table: np.ndarray, axis: int, columns: int) -> np.ndarray:
 def test_decode_slot_steps_over_a_paged_cache_equal_the_plain_caches_steps(kv_cache, page, blocks):
     """Prefill into a plain cache, then STEPS one-token steps: GPTJ.decode over the plain cache, and
     GPTJ.decode_slots over a copy in pages scattered through the pool (in no order, and viewing
-    only the blocks that hold them): equal logits and, gathered back, an equal cache."""
+    only the blocks that hold them): equal logits and, gathered back, an equal cache. The blocks
+    past those hold NaN, which any read of them would spread into the logits."""
     config = dataclasses.replace(CFG, kv_cache=kv_cache)
     model = GPTJ(config)
     params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
@@ -133,14 +141,13 @@ def test_decode_slot_steps_over_a_paged_cache_equal_the_plain_caches_steps(kv_ca
     used = batch * per_row
     assert used <= sum(blocks)
     table = np.random.default_rng(3).permutation(used).reshape(batch, per_row).astype(np.int32)
-    paged = to_pages(plain, table, page, blocks)
-    view = int(np.searchsorted(np.cumsum(blocks), used)) + 1  # the blocks that hold every page in use
-    assert view < len(blocks) or len(blocks) == 1
+    held = int(np.searchsorted(np.cumsum(blocks), used)) + 1  # the blocks that hold every page in use
+    assert held < len(blocks)
+    paged = to_pages(plain, table, page, blocks, unread=held)
     for step in range(STEPS):
         token, position = tokens[:, PROMPT + step : PROMPT + step + 1], jnp.full((batch, 1), PROMPT + step)
         want, plain = plain_step(token, position, plain)
-        got, part = slot_step(token, position, paged.view(view), jnp.asarray(table))
-        paged = paged.merge(part)
+        got, paged = slot_step(token, position, paged, jnp.asarray(table))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     end = PROMPT + STEPS
     for layer in range(CFG.n_layers):
@@ -201,7 +208,7 @@ def test_the_slots_decode_step_never_copies_a_pool_block():
     decoder = lm.decoder
     with partitioning.sharding_scope(decoder.mesh, decoder.rules):
         args = (decoder.params, slots.state, np.zeros(8, bool), np.int32(1), slots.table.ids)
-        hlo = slots.programs.decode.lower(*args, blocks=1, rows=8).compile().as_text()
+        hlo = slots.programs.decode.lower(*args, rows=8).compile().as_text()
     shapes = {
         f"f32[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves((slots.state.cache.k, slots.state.cache.v))
     }
@@ -221,8 +228,11 @@ def test_sequences_take_pages_as_they_grow_and_give_them_back_when_they_end():
     for _ in range(7):  # 17 and 10 slots: a third page and a second
         slots.decode([], 1)
     assert slots.table.held[:2].tolist() == [3, 2]
-    assert slots.table.end() == 5 and slots.blocks_for(5) == 2  # pages 0 … 4: the first two blocks
-    assert slots.blocks_for(4) == 1 and slots.blocks_for(17) == 4  # blocks 1 … 4 hold 32 pages
+    assert slots.table.end() == 5  # pages 0 … 4: a step reads the first two blocks
+    for ids, reads in ((slots.table.ids, 2), ([[3, 64, 64]], 1), ([[16, 64]], 4), ([[31, 32]], 5)):
+        ids = jnp.asarray(ids, jnp.int32)
+        layout = page_layout(ids, jnp.zeros(len(ids), jnp.int32), jnp.ones(len(ids), bool), slots.blocks, 8)
+        assert int(layout.reads) == reads, (ids, reads)
     slots.decode([1], 1)  # released: its pages go back at once
     assert slots.table.held[1] == 0 and slots.table.in_use == 3
     slots.free([0])

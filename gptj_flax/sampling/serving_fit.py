@@ -276,7 +276,7 @@ def lowered_programs(compiled: SlotPrograms, mesh: Mesh) -> dict[str, jax.stages
     lowered = {}
     with partitioning.sharding_scope(mesh, shape.rules):
         step = (params, state, release, scalar, table)
-        lowered["decode"] = compiled.decode.lower(*step, blocks=len(shape.blocks), rows=shape.slots)
+        lowered["decode"] = compiled.decode.lower(*step, rows=shape.slots)
         lowered["admit"] = compiled.admit.lower(params, state, short, table)
         if _chunked(shape):
             columns, cache = bucket(shape.length), _prompt_cache(shape, mesh)

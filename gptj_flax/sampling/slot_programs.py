@@ -33,9 +33,7 @@ from gptj_flax.sampling.samplers import SamplingParams, next_tokens, top_logprob
 Array = jax.Array
 
 # Pages in the first pool block (see model.pool_blocks): a step reads whole blocks, so smaller ones
-# read fewer idle pages, while each block costs a few operations per layer, and a decode program is
-# compiled for each count of blocks (XLA:CPU maps each compiled kernel into memory, and a process
-# may hold only so many maps).
+# read fewer idle pages, while each block costs a conditional and a few operations per layer.
 FIRST_BLOCK = 4
 
 
@@ -257,14 +255,12 @@ def _advance(shape: SlotShape, params, s: SlotState, cache: PagedKVCache, table)
     return s, cache, (token, jnp.where(active, logprob, 0.0), top_ids, top_values)
 
 
-def decode(
-    shape: SlotShape, params, state: SlotState, release, steps, table, *, blocks: int, rows: int
-) -> tuple[SlotState, Tokens]:
+def decode(shape: SlotShape, params, state: SlotState, release, steps, table, *, rows: int) -> tuple[SlotState, Tokens]:
     """Stop the rows in ``release`` [S], then run up to ``steps`` decode steps of the first ``rows``
-    slots (every busy one), over the first ``blocks`` pool blocks (every page that ``table`` names
-    for them). Returns the state and those rows' tokens."""
+    slots (every busy one). Each step reads the pool blocks that hold those rows' pages, however
+    many: one program serves every occupancy of the pool. Returns the state and those rows' tokens."""
     state = state.replace(finish=jnp.where(release & (state.finish == RUNNING), STOPPED, state.finish))
-    cache = state.cache.view(blocks)  # whole buffers, each read and written in place
+    cache = state.cache  # whole buffers, each read and written in place
     s = jax.tree.map(lambda x: x[:rows], state.replace(cache=None))
     k, t = shape.steps, shape.top_logprobs
     out = Tokens(
@@ -295,7 +291,7 @@ def decode(
     whole = jax.tree.map(
         lambda full, part: lax.dynamic_update_slice_in_dim(full, part, 0, axis=0), state.replace(cache=None), s
     )
-    return whole.replace(cache=state.cache.merge(cache)), out.replace(finish=s.finish, num_generated=s.num_generated)
+    return whole.replace(cache=cache), out.replace(finish=s.finish, num_generated=s.num_generated)
 
 
 def _prompt_cache(shape: SlotShape, params, rows: NewRows) -> tuple[KVCache, Array]:
@@ -534,7 +530,7 @@ class SlotPrograms:
     def __init__(self, shape: SlotShape):
         self.shape = shape
         self.empty_state = _jit(empty_state, shape, out_shardings=state_specs(shape))
-        self.decode = _jit(decode, shape, static=("blocks", "rows"), donate=("state",))
+        self.decode = _jit(decode, shape, static=("rows",), donate=("state",))
         self.admit = _jit(admit, shape, donate=("state",))
         self.prefill = _jit(prefill, shape)
         self.new_cache = _jit(new_cache, shape, static=("columns",))

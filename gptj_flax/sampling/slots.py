@@ -244,7 +244,6 @@ class Slots:
         self.programs: SlotPrograms = decoder.slot_programs[shape]
         self.slots, self.length, self.chunk, self.steps = shape.slots, shape.length, shape.chunk, shape.steps
         self.page, self.blocks = shape.page, shape.blocks
-        self._block_ends = np.cumsum(self.blocks)  # pages held by the first 1, 2 … blocks
         self._rows = partitioning.named_sharding(decoder.mesh, ("batch",), decoder.rules)
         self.reset()
 
@@ -458,11 +457,6 @@ class Slots:
         return Pending(first, 1)
 
     # -- decode steps ------------------------------------------------------------------------
-    def blocks_for(self, pages: int) -> int:
-        """The pool blocks a step reads when the first ``pages`` pages hold every sequence's: the
-        fewest that hold them (at least one)."""
-        return max(1, int(np.searchsorted(self._block_ends, pages)) + 1)
-
     def busy_rows(self, highest: int) -> int:
         """The rows a decode step runs when ``highest`` is the highest busy slot: a power of two (and
         a multiple of the data-parallel size) above it."""
@@ -486,13 +480,13 @@ class Slots:
         self.free(release)
         for slot in np.flatnonzero(self.table.held):
             self.table.grow(slot, steps)
-        return self._run(release, steps, self.blocks_for(self.table.end()), self.busy_rows(highest))
+        return self._run(release, steps, self.busy_rows(highest))
 
     def wait(self) -> None:
         """Block until every call dispatched so far has finished."""
         self.state.finish.block_until_ready()
 
-    def _run(self, release: list[int], steps: int, blocks: int, rows: int) -> Pending:
+    def _run(self, release: list[int], steps: int, rows: int) -> Pending:
         stop = np.zeros(self.slots, bool)
         stop[release] = True
         with self._on(self.decoder):
@@ -502,7 +496,6 @@ class Slots:
                 to_device(stop, self._rows),
                 np.int32(steps),
                 self.table.ids.copy(),
-                blocks=blocks,
                 rows=rows,
             )
         return Pending(out, rows)
@@ -553,9 +546,8 @@ class Slots:
                     self.place(self.dispatch_first(prefill), [None])
             self.wait()
         for rows in sorted({self.busy_rows(s) for s in range(self.slots)}):
-            for blocks in range(1, len(self.blocks) + 1):
-                yield
-                self._run([], 1, blocks, rows).result()
+            yield
+            self._run([], 1, rows).result()
 
     def _compile_cached(self, requests: list[Request], nowhere: list[int]) -> Iterator[None]:
         """Compiles :meth:`dispatch_admit`'s programs for prompts with cached pages: one for each
