@@ -182,9 +182,7 @@ def _engine_lowered(slots, params) -> dict:
             "chunk": programs.chunk.lower(
                 params, new_cache, prefill.tokens, np.int32(slots.length), np.int32(0), np.int32(0)
             ),
-            "insert": programs.insert.lower(
-                slots.state, prefill.cache, prefill.logits, slots._long_prompt(prefill, 0), table
-            ),
+            "insert": programs.insert.lower(slots.state, prefill.cache, slots._long_prompt(prefill, 0), table),
         }
 
 

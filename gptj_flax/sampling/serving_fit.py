@@ -282,11 +282,7 @@ def lowered_programs(compiled: SlotPrograms, mesh: Mesh) -> dict[str, jax.stages
             columns, cache = bucket(shape.length), _prompt_cache(shape, mesh)
             prompt = _host((1, columns), np.int32)
             lowered["chunk"] = compiled.chunk.lower(params, cache, prompt, scalar, scalar, scalar)
-            # the chunk's last logits stay on the devices, replicated as its cache is
-            logits = programs.abstract(
-                jax.eval_shape(compiled.chunk, params, cache, prompt, scalar, scalar, scalar)[1], cache.index.sharding
-            )
-            lowered["insert"] = compiled.insert.lower(state, cache, logits, _new_rows(1, columns), table)
+            lowered["insert"] = compiled.insert.lower(state, cache, _new_rows(1, columns), table)
     return lowered
 
 

@@ -301,10 +301,11 @@ def _prompt_cache(shape: SlotShape, params, rows: NewRows) -> tuple[KVCache, Arr
     return _prefill_window(shape, params, empty, tokens, rows.lengths, 0, tokens.shape[1], rows.adapter)
 
 
-def admit(shape: SlotShape, params, state: SlotState, rows: NewRows, table) -> tuple[SlotState, Tokens]:
-    """Prefill short prompts at once, insert them into their slots and choose their first tokens."""
+def admit(shape: SlotShape, params, state: SlotState, rows: NewRows, table) -> tuple[SlotState, Array]:
+    """Prefill short prompts at once and insert them into their slots: the state, and the prompts'
+    last logits, from which :func:`first` chooses their first tokens."""
     cache, logits = _prompt_cache(shape, params, rows)
-    return insert(shape, state, cache, logits, rows, table)
+    return insert(shape, state, cache, rows, table), logits
 
 
 def prefill(shape: SlotShape, params, rows: NewRows) -> tuple[KVCache, Tokens, Array]:
@@ -411,36 +412,68 @@ def admit_cached(
     cache, logits = _prefill_window(
         shape, params, cache, rows.tokens, rows.lengths, columns - window, window, rows.adapter
     )
-    return insert(shape, state, cache, logits, rows, table)
+    return insert(shape, state, cache, rows, table), logits
 
 
-def insert(
-    shape: SlotShape, state: SlotState, cache: KVCache, logits, rows: NewRows, table
-) -> tuple[SlotState, Tokens]:
-    """Move prefilled prompts (their cache and last logits) into their slots and choose their first tokens."""
-    first, seen = first_tokens(shape, logits, rows)
-    return place(shape, state, cache, rows, first, seen, table), first
+def insert(shape: SlotShape, state: SlotState, cache: KVCache, rows: NewRows, table) -> SlotState:
+    """Move prefilled prompts (their cache, settings and the ids they hold) into their slots:
+    :func:`first` then chooses their first tokens."""
+    return _place_prompts(shape, state, cache, rows, _prompt_ids(shape, rows), table)
+
+
+def first(shape: SlotShape, state: SlotState, logits, slot) -> tuple[SlotState, Tokens]:
+    """Choose the first tokens of the prompts just inserted into ``slot`` [b], from their last logits
+    [b, V], with the settings the slots hold for them. A program of its own, compiled once per count
+    of rows, rather than a part of every prefill's: sampling costs as much to compile as a prefill
+    of the model (a row whose slot is out of range reads another's settings and changes nothing)."""
+    row = jax.tree.map(lambda x: x[jnp.clip(slot, 0, shape.slots - 1)], state.replace(cache=None))
+    tokens, seen = _first(
+        shape, logits, row.sampling, row.seen, row.seeds, row.want_top, row.max_new_tokens, row.eos_id
+    )
+
+    def put_rows(big, new):
+        return big.at[slot].set(new.astype(big.dtype), mode="drop")
+
+    state = state.replace(
+        last=put_rows(state.last, tokens.tokens[:, 0]),
+        num_generated=put_rows(state.num_generated, tokens.num_generated),
+        finish=put_rows(state.finish, tokens.finish),
+        seen=put_rows(state.seen, seen),
+    )
+    return state, tokens
 
 
 def first_tokens(shape: SlotShape, logits, rows: NewRows) -> tuple[Tokens, Array]:
-    """The first tokens of prefilled prompts, and the ids each row has seen."""
+    """The first tokens of prefilled prompts, and the ids each row has seen (on a prefill decoder,
+    for :func:`place`)."""
+    r = rows
+    return _first(shape, logits, r.sampling, _prompt_ids(shape, r), r.seeds, r.want_top, r.max_new_tokens, r.eos_id)
+
+
+def _prompt_ids(shape: SlotShape, rows: NewRows) -> Array:
+    """The ids each prompt holds [b, V], for the repetition penalty."""
     b, columns = rows.tokens.shape
     real = jnp.arange(columns)[None, :] >= (columns - rows.lengths)[:, None]
-    seen = jnp.zeros((b, shape.config.vocab_size), bool).at[jnp.arange(b)[:, None], rows.tokens].max(real)
+    return jnp.zeros((b, shape.config.vocab_size), bool).at[jnp.arange(b)[:, None], rows.tokens].max(real)
+
+
+def _first(shape: SlotShape, logits, sampling, seen, seeds, want_top, max_new_tokens, eos_id) -> tuple[Tokens, Array]:
+    """Each row's first token from its last logits, given the ids it has seen; and those ids with it."""
+    b = logits.shape[0]
     token, logprob, top_ids, top_values = _choose(
-        shape, logits, rows.sampling, seen, rows.seeds, jnp.zeros((b,), jnp.int32), rows.want_top
+        shape, logits, sampling, seen, seeds, jnp.zeros((b,), jnp.int32), want_top
     )
     seen = seen.at[jnp.arange(b), token].set(True)
-    running = jnp.where(rows.max_new_tokens <= 1, LENGTH, RUNNING)
-    first = Tokens(
+    running = jnp.where(max_new_tokens <= 1, LENGTH, RUNNING)
+    tokens = Tokens(
         tokens=token[:, None],
         logprobs=logprob[:, None],
         top_ids=top_ids[:, None],
         top_logprobs=top_values[:, None],
-        finish=jnp.where(token == rows.eos_id, EOS, running).astype(jnp.int32),
+        finish=jnp.where(token == eos_id, EOS, running).astype(jnp.int32),
         num_generated=jnp.ones((b,), jnp.int32),
     )
-    return first, seen
+    return tokens, seen
 
 
 def _paged(new: Array, source: Array, pages: int, page: int, axis: int) -> Array:
@@ -458,9 +491,24 @@ def _paged(new: Array, source: Array, pages: int, page: int, axis: int) -> Array
 
 
 def place(shape: SlotShape, state: SlotState, cache: KVCache, rows: NewRows, first: Tokens, seen, table) -> SlotState:
-    """Write prefilled prompts (real tokens first) and their first tokens into their slots, the
-    prompts' keys and values into the pages ``table`` names for those slots. Rows whose slot is out
-    of range (batch padding, or a row not to be placed) change nothing."""
+    """Write prompts prefilled on a prefill decoder (real tokens first) and their first tokens into
+    their slots, as :func:`insert` and :func:`first` do on the slots' own devices."""
+    state = _place_prompts(shape, state, cache, rows, seen, table)
+
+    def put_rows(big, new):
+        return big.at[rows.slot].set(new.astype(big.dtype), mode="drop")
+
+    return state.replace(
+        last=put_rows(state.last, first.tokens[:, 0]),
+        num_generated=put_rows(state.num_generated, first.num_generated),
+        finish=put_rows(state.finish, first.finish),
+    )
+
+
+def _place_prompts(shape: SlotShape, state: SlotState, cache: KVCache, rows: NewRows, seen, table) -> SlotState:
+    """Write prefilled prompts (real tokens first) into their slots with their settings and ``seen``
+    ids, the prompts' keys and values into the pages ``table`` names for those slots. Rows whose
+    slot is out of range (batch padding, or a row not to be placed) change nothing."""
     columns = rows.tokens.shape[1]
     kept = min(columns, shape.length)  # a prompt never needs more columns than a row has
     pages = -(-kept // shape.page)
@@ -488,10 +536,7 @@ def place(shape: SlotShape, state: SlotState, cache: KVCache, rows: NewRows, fir
         v_scale=put(old.v_scale, cache.v_scale, 2),
     )
     row_values = {
-        "last": first.tokens[:, 0],
-        "num_generated": first.num_generated,
         "max_new_tokens": rows.max_new_tokens,
-        "finish": first.finish,
         "eos_id": rows.eos_id,
         "seeds": rows.seeds,
         "seen": seen,
@@ -536,6 +581,7 @@ class SlotPrograms:
         self.new_cache = _jit(new_cache, shape, static=("columns",))
         self.chunk = _jit(chunk, shape, donate=("cache",))
         self.insert = _jit(insert, shape, donate=("state",))
+        self.first = _jit(first, shape, donate=("state",))
         self.first_tokens = _jit(first_tokens, shape)
         self.place = _jit(place, shape, donate=("state",))
         self.cached_prompt = _jit(cached_prompt, shape, static=("columns",))
@@ -544,5 +590,5 @@ class SlotPrograms:
     def compilations(self) -> int:
         """Programs compiled so far, for checking that nothing recompiles as requests come and go."""
         programs = (self.empty_state, self.decode, self.admit, self.prefill, self.new_cache, self.chunk)
-        more = (self.insert, self.first_tokens, self.place, self.cached_prompt, self.admit_cached)
+        more = (self.insert, self.first, self.first_tokens, self.place, self.cached_prompt, self.admit_cached)
         return sum(f._cache_size() for f in (*programs, *more))

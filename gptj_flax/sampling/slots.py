@@ -368,13 +368,19 @@ class Slots:
         self._count(lengths, [min(n, window) for n in lengths])
         with self._on(self.decoder):
             if window == rows.tokens.shape[1]:
-                self.state, first = self.programs.admit(self._weights(self.decoder), self.state, rows, table)
+                self.state, logits = self.programs.admit(self._weights(self.decoder), self.state, rows, table)
             else:
                 sources, cached = self._sources(hits, len(rows.tokens))
-                self.state, first = self.programs.admit_cached(
+                self.state, logits = self.programs.admit_cached(
                     self._weights(self.decoder), self.state, rows, table, sources, cached, window=window
                 )
-        return Pending(first, len(requests))
+        return self._first(logits, rows, len(requests))
+
+    def _first(self, logits, rows: NewRows, n: int) -> Pending:
+        """Choose the first tokens of ``rows``, just inserted, from their last ``logits``."""
+        with self._on(self.decoder):
+            self.state, first = self.programs.first(self.state, logits, rows.slot)
+        return Pending(first, n)
 
     def dispatch_prefill(self, requests: list[Request]) -> Prefilled:
         """Prefill short prompts together on the prefill decoder and choose their first tokens
@@ -453,8 +459,8 @@ class Slots:
         rows = self._long_prompt(prefill, slot)
         table = self._start([prefill.request], [slot])
         with self._on(self.decoder):
-            self.state, first = self.programs.insert(self.state, prefill.cache, prefill.logits, rows, table)
-        return Pending(first, 1)
+            self.state = self.programs.insert(self.state, prefill.cache, rows, table)
+        return self._first(prefill.logits, rows, 1)
 
     # -- decode steps ------------------------------------------------------------------------
     def busy_rows(self, highest: int) -> int:
@@ -558,10 +564,10 @@ class Slots:
         for window in sorted({w for w in (max(bucket(1), columns // 4), columns // 2) if bucket(1) <= w < columns}):
             yield
             with self._on(self.decoder):
-                self.state, first = self.programs.admit_cached(
+                self.state, logits = self.programs.admit_cached(
                     self._weights(self.decoder), self.state, rows, self.table.ids.copy(), sources, cached, window=window
                 )
-            Pending(first, len(requests)).result()
+            self._first(logits, rows, len(requests)).result()
 
     def compilations(self) -> int:
         """Programs compiled so far (for this decoder and shape, and the adapter bank's), for
