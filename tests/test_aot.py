@@ -178,7 +178,7 @@ def _engine_lowered(slots, params) -> dict:
         step = (params, slots.state, release, np.int32(1), table)
         return {
             "decode": programs.decode.lower(*step, rows=slots.slots),
-            "admit": programs.admit.lower(params, slots.state, slots._prompts(short, [0, 1, 2, 3]), table),
+            "admit": programs.admit.lower(params, slots._prompts(short, [0, 1, 2, 3])),
             "chunk": programs.chunk.lower(
                 params, new_cache, prefill.tokens, np.int32(slots.length), np.int32(0), np.int32(0)
             ),

@@ -277,7 +277,7 @@ def lowered_programs(compiled: SlotPrograms, mesh: Mesh) -> dict[str, jax.stages
     with partitioning.sharding_scope(mesh, shape.rules):
         step = (params, state, release, scalar, table)
         lowered["decode"] = compiled.decode.lower(*step, rows=shape.slots)
-        lowered["admit"] = compiled.admit.lower(params, state, short, table)
+        lowered["admit"] = compiled.admit.lower(params, short)
         if _chunked(shape):
             columns, cache = bucket(shape.length), _prompt_cache(shape, mesh)
             prompt = _host((1, columns), np.int32)

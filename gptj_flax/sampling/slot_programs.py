@@ -140,6 +140,17 @@ class NewRows:
 
 
 @flax.struct.dataclass
+class Pages:
+    """Prefilled prompts' keys and values cut into pages, real tokens first: each buffer of their
+    cache (:class:`~gptj_flax.model.KVCache`) as [b·pages, …], its columns a page's, for the pool."""
+
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
+    k_scale: tuple[Array, ...]
+    v_scale: tuple[Array, ...]
+
+
+@flax.struct.dataclass
 class Tokens:
     """Tokens chosen for some rows over ``steps`` steps; on the host after ``to_host``."""
 
@@ -301,11 +312,11 @@ def _prompt_cache(shape: SlotShape, params, rows: NewRows) -> tuple[KVCache, Arr
     return _prefill_window(shape, params, empty, tokens, rows.lengths, 0, tokens.shape[1], rows.adapter)
 
 
-def admit(shape: SlotShape, params, state: SlotState, rows: NewRows, table) -> tuple[SlotState, Array]:
-    """Prefill short prompts at once and insert them into their slots: the state, and the prompts'
-    last logits, from which :func:`first` chooses their first tokens."""
+def admit(shape: SlotShape, params, rows: NewRows) -> tuple[Pages, Array, Array]:
+    """Prefill short prompts at once: their keys and values cut into pages, the ids each holds and
+    their last logits, for :func:`insert_pages` and :func:`first`."""
     cache, logits = _prompt_cache(shape, params, rows)
-    return insert(shape, state, cache, rows, table), logits
+    return _cut(shape, cache, rows), _prompt_ids(shape, rows), logits
 
 
 def prefill(shape: SlotShape, params, rows: NewRows) -> tuple[KVCache, Tokens, Array]:
@@ -402,31 +413,40 @@ def cached_prompt(shape: SlotShape, pool: PagedKVCache, sources, length, cached,
 
 
 def admit_cached(
-    shape: SlotShape, params, state: SlotState, rows: NewRows, table, sources, cached, *, window: int
-) -> tuple[SlotState, Tokens]:
+    shape: SlotShape, params, pool: PagedKVCache, rows: NewRows, sources, cached, *, window: int
+) -> tuple[Pages, Array, Array]:
     """:func:`admit` of prompts whose first ``cached`` [b] tokens are in the pool pages ``sources``
     [b, n] names: those are copied, and only the last ``window`` columns (which hold every token
     past them) are prefilled."""
     b, columns = rows.tokens.shape
-    cache = _gather_prefix(shape, state.cache, KVCache.empty(shape.config, b, columns), sources, rows.lengths, cached)
+    cache = _gather_prefix(shape, pool, KVCache.empty(shape.config, b, columns), sources, rows.lengths, cached)
     cache, logits = _prefill_window(
         shape, params, cache, rows.tokens, rows.lengths, columns - window, window, rows.adapter
     )
-    return insert(shape, state, cache, rows, table), logits
+    return _cut(shape, cache, rows), _prompt_ids(shape, rows), logits
+
+
+def insert_pages(shape: SlotShape, state: SlotState, pages: Pages, rows: NewRows, seen, table) -> SlotState:
+    """Write prompts cut into ``pages`` into their slots, with their settings and ``seen`` ids;
+    :func:`first` then chooses their first tokens. A program of its own, compiled once per count of
+    rows and of pages, rather than a part of every prefill's (``rows.tokens`` may be None: the
+    prompts themselves are not needed)."""
+    return _write(shape, state, pages, rows, seen, table)
 
 
 def insert(shape: SlotShape, state: SlotState, cache: KVCache, rows: NewRows, table) -> SlotState:
-    """Move prefilled prompts (their cache, settings and the ids they hold) into their slots:
-    :func:`first` then chooses their first tokens."""
-    return _place_prompts(shape, state, cache, rows, _prompt_ids(shape, rows), table)
+    """Move a prefilled prompt's cache into its slot, as :func:`insert_pages` does (for prompts
+    prefilled chunk by chunk, whose cache holds every column of the slot)."""
+    return _write(shape, state, _cut(shape, cache, rows), rows, _prompt_ids(shape, rows), table)
 
 
 def first(shape: SlotShape, state: SlotState, logits, slot) -> tuple[SlotState, Tokens]:
     """Choose the first tokens of the prompts just inserted into ``slot`` [b], from their last logits
     [b, V], with the settings the slots hold for them. A program of its own, compiled once per count
     of rows, rather than a part of every prefill's: sampling costs as much to compile as a prefill
-    of the model (a row whose slot is out of range reads another's settings and changes nothing)."""
-    row = jax.tree.map(lambda x: x[jnp.clip(slot, 0, shape.slots - 1)], state.replace(cache=None))
+    of the model (a row whose slot is out of range reads another's settings and changes nothing).
+    ``state`` comes without its cache, which this program has no need to pass through."""
+    row = jax.tree.map(lambda x: x[jnp.clip(slot, 0, shape.slots - 1)], state)
     tokens, seen = _first(
         shape, logits, row.sampling, row.seen, row.seeds, row.want_top, row.max_new_tokens, row.eos_id
     )
@@ -493,7 +513,7 @@ def _paged(new: Array, source: Array, pages: int, page: int, axis: int) -> Array
 def place(shape: SlotShape, state: SlotState, cache: KVCache, rows: NewRows, first: Tokens, seen, table) -> SlotState:
     """Write prompts prefilled on a prefill decoder (real tokens first) and their first tokens into
     their slots, as :func:`insert` and :func:`first` do on the slots' own devices."""
-    state = _place_prompts(shape, state, cache, rows, seen, table)
+    state = _write(shape, state, _cut(shape, cache, rows), rows, seen, table)
 
     def put_rows(big, new):
         return big.at[rows.slot].set(new.astype(big.dtype), mode="drop")
@@ -505,35 +525,42 @@ def place(shape: SlotShape, state: SlotState, cache: KVCache, rows: NewRows, fir
     )
 
 
-def _place_prompts(shape: SlotShape, state: SlotState, cache: KVCache, rows: NewRows, seen, table) -> SlotState:
-    """Write prefilled prompts (real tokens first) into their slots with their settings and ``seen``
-    ids, the prompts' keys and values into the pages ``table`` names for those slots. Rows whose
-    slot is out of range (batch padding, or a row not to be placed) change nothing."""
+def _cut(shape: SlotShape, cache: KVCache, rows: NewRows) -> Pages:
+    """A prompt cache (``rows``' prompts left-padded) cut into pages, real tokens first."""
     columns = rows.tokens.shape[1]
     kept = min(columns, shape.length)  # a prompt never needs more columns than a row has
     pages = -(-kept // shape.page)
     # row j's real tokens sit in its last lengths[j] columns: rotate them to the front
     source = (jnp.arange(kept)[None, :] + (columns - rows.lengths)[:, None]) % columns
+
+    def cut(buffers, axis):
+        return tuple(_paged(x, source, pages, shape.page, axis) for x in buffers)
+
+    # an int8 cache's scales, [rows, heads, columns], move with the keys and values they scale
+    return Pages(k=cut(cache.k, 3), v=cut(cache.v, 2), k_scale=cut(cache.k_scale, 2), v_scale=cut(cache.v_scale, 2))
+
+
+def _write(shape: SlotShape, state: SlotState, new: Pages, rows: NewRows, seen, table) -> SlotState:
+    """Write prompts cut into pages into their slots with their settings and ``seen`` ids, the
+    pages into those ``table`` names for those slots. Rows whose slot is out of range (batch
+    padding, or a row not to be placed) change nothing."""
+    pages = new.k[0].shape[0] // rows.slot.shape[0]
     inside = (rows.slot >= 0) & (rows.slot < shape.slots)
     targets = jnp.where(inside[:, None], table[jnp.where(inside, rows.slot, 0), :pages], shape.pages).reshape(-1)
 
-    def put(pools, new, axis):
-        return tuple(
-            write_pool(pool, targets, None, _paged(x, source, pages, shape.page, axis), 0)
-            for pool, x in zip(pools, new, strict=True)
-        )
+    def put(pools, new):
+        return tuple(write_pool(pool, targets, None, x, 0) for pool, x in zip(pools, new, strict=True))
 
     def put_rows(big, new):
         return big.at[rows.slot].set(new.astype(big.dtype), mode="drop")
 
     old = state.cache
     paged = PagedKVCache(
-        k=put(old.k, cache.k, 3),
-        v=put(old.v, cache.v, 2),
+        k=put(old.k, new.k),
+        v=put(old.v, new.v),
         index=put_rows(old.index, rows.lengths),
-        # an int8 cache's scales, [rows, heads, columns], move with the keys and values they scale
-        k_scale=put(old.k_scale, cache.k_scale, 2),
-        v_scale=put(old.v_scale, cache.v_scale, 2),
+        k_scale=put(old.k_scale, new.k_scale),
+        v_scale=put(old.v_scale, new.v_scale),
     )
     row_values = {
         "max_new_tokens": rows.max_new_tokens,
@@ -574,21 +601,35 @@ class SlotPrograms:
 
     def __init__(self, shape: SlotShape):
         self.shape = shape
-        self.empty_state = _jit(empty_state, shape, out_shardings=state_specs(shape))
-        self.decode = _jit(decode, shape, static=("rows",), donate=("state",))
-        self.admit = _jit(admit, shape, donate=("state",))
+        # Every program that hands back the state hands it back as the state's specs lay it out (the
+        # tokens replicated), so each program sees the state alike whichever ran before it: the
+        # compiler's own choice differs from program to program, and so would the programs' cache keys.
+        state, rest = state_specs(shape), state_specs(shape).replace(cache=None)
+        self.empty_state = _jit(empty_state, shape, out_shardings=state)
+        self.decode = _jit(decode, shape, static=("rows",), donate=("state",), out_shardings=(state, None))
+        self.admit = _jit(admit, shape)
         self.prefill = _jit(prefill, shape)
-        self.new_cache = _jit(new_cache, shape, static=("columns",))
-        self.chunk = _jit(chunk, shape, donate=("cache",))
-        self.insert = _jit(insert, shape, donate=("state",))
-        self.first = _jit(first, shape, donate=("state",))
+        # a long prompt's cache is replicated, whether it starts empty or with cached pages
+        self.new_cache = _jit(new_cache, shape, static=("columns",), out_shardings=PartitionSpec())
+        self.chunk = _jit(chunk, shape, donate=("cache",), out_shardings=PartitionSpec())
+        self.insert = _jit(insert, shape, donate=("state",), out_shardings=state)
+        self.insert_pages = _jit(insert_pages, shape, donate=("state",), out_shardings=state)
+        self.first = _jit(first, shape, donate=("state",), out_shardings=(rest, None))
         self.first_tokens = _jit(first_tokens, shape)
-        self.place = _jit(place, shape, donate=("state",))
-        self.cached_prompt = _jit(cached_prompt, shape, static=("columns",))
-        self.admit_cached = _jit(admit_cached, shape, static=("window",), donate=("state",))
+        self.place = _jit(place, shape, donate=("state",), out_shardings=state)
+        self.cached_prompt = _jit(cached_prompt, shape, static=("columns",), out_shardings=PartitionSpec())
+        self.admit_cached = _jit(admit_cached, shape, static=("window",))
 
     def compilations(self) -> int:
         """Programs compiled so far, for checking that nothing recompiles as requests come and go."""
         programs = (self.empty_state, self.decode, self.admit, self.prefill, self.new_cache, self.chunk)
-        more = (self.insert, self.first, self.first_tokens, self.place, self.cached_prompt, self.admit_cached)
+        more = (
+            self.insert,
+            self.insert_pages,
+            self.first,
+            self.first_tokens,
+            self.place,
+            self.cached_prompt,
+            self.admit_cached,
+        )
         return sum(f._cache_size() for f in (*programs, *more))

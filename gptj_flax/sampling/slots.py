@@ -368,18 +368,27 @@ class Slots:
         self._count(lengths, [min(n, window) for n in lengths])
         with self._on(self.decoder):
             if window == rows.tokens.shape[1]:
-                self.state, logits = self.programs.admit(self._weights(self.decoder), self.state, rows, table)
+                prefilled = self.programs.admit(self._weights(self.decoder), rows)
             else:
                 sources, cached = self._sources(hits, len(rows.tokens))
-                self.state, logits = self.programs.admit_cached(
-                    self._weights(self.decoder), self.state, rows, table, sources, cached, window=window
+                prefilled = self.programs.admit_cached(
+                    self._weights(self.decoder), self.state.cache, rows, sources, cached, window=window
                 )
-        return self._first(logits, rows, len(requests))
+        return self._insert(prefilled, rows, table, len(requests))
+
+    def _insert(self, prefilled: tuple, rows: NewRows, table: np.ndarray, n: int) -> Pending:
+        """Write short prompts, ``prefilled`` as :func:`~gptj_flax.sampling.slot_programs.admit`
+        returns them, into their slots and choose their first tokens."""
+        pages, seen, logits = prefilled
+        with self._on(self.decoder):
+            self.state = self.programs.insert_pages(self.state, pages, rows.replace(tokens=None), seen, table)
+        return self._first(logits, rows, n)
 
     def _first(self, logits, rows: NewRows, n: int) -> Pending:
         """Choose the first tokens of ``rows``, just inserted, from their last ``logits``."""
         with self._on(self.decoder):
-            self.state, first = self.programs.first(self.state, logits, rows.slot)
+            rest, first = self.programs.first(self.state.replace(cache=None), logits, rows.slot)
+        self.state = rest.replace(cache=self.state.cache)
         return Pending(first, n)
 
     def dispatch_prefill(self, requests: list[Request]) -> Prefilled:
@@ -564,10 +573,10 @@ class Slots:
         for window in sorted({w for w in (max(bucket(1), columns // 4), columns // 2) if bucket(1) <= w < columns}):
             yield
             with self._on(self.decoder):
-                self.state, logits = self.programs.admit_cached(
-                    self._weights(self.decoder), self.state, rows, self.table.ids.copy(), sources, cached, window=window
+                prefilled = self.programs.admit_cached(
+                    self._weights(self.decoder), self.state.cache, rows, sources, cached, window=window
                 )
-            self._first(logits, rows, len(requests)).result()
+            self._insert(prefilled, rows, self.table.ids.copy(), len(requests)).result()
 
     def compilations(self) -> int:
         """Programs compiled so far (for this decoder and shape, and the adapter bank's), for
