@@ -450,17 +450,7 @@ def first(shape: SlotShape, state: SlotState, logits, slot) -> tuple[SlotState, 
     tokens, seen = _first(
         shape, logits, row.sampling, row.seen, row.seeds, row.want_top, row.max_new_tokens, row.eos_id
     )
-
-    def put_rows(big, new):
-        return big.at[slot].set(new.astype(big.dtype), mode="drop")
-
-    state = state.replace(
-        last=put_rows(state.last, tokens.tokens[:, 0]),
-        num_generated=put_rows(state.num_generated, tokens.num_generated),
-        finish=put_rows(state.finish, tokens.finish),
-        seen=put_rows(state.seen, seen),
-    )
-    return state, tokens
+    return _put_first(state, slot, tokens).replace(seen=_put_rows(slot, state.seen, seen)), tokens
 
 
 def first_tokens(shape: SlotShape, logits, rows: NewRows) -> tuple[Tokens, Array]:
@@ -513,15 +503,20 @@ def _paged(new: Array, source: Array, pages: int, page: int, axis: int) -> Array
 def place(shape: SlotShape, state: SlotState, cache: KVCache, rows: NewRows, first: Tokens, seen, table) -> SlotState:
     """Write prompts prefilled on a prefill decoder (real tokens first) and their first tokens into
     their slots, as :func:`insert` and :func:`first` do on the slots' own devices."""
-    state = _write(shape, state, _cut(shape, cache, rows), rows, seen, table)
+    return _put_first(_write(shape, state, _cut(shape, cache, rows), rows, seen, table), rows.slot, first)
 
-    def put_rows(big, new):
-        return big.at[rows.slot].set(new.astype(big.dtype), mode="drop")
 
+def _put_rows(slot, big: Array, new: Array) -> Array:
+    """``new`` [b, …] written into the rows ``slot`` [b] of ``big``; a slot out of range writes nothing."""
+    return big.at[slot].set(new.astype(big.dtype), mode="drop")
+
+
+def _put_first(state: SlotState, slot, first: Tokens) -> SlotState:
+    """The sequences in ``slot`` [b] given their first tokens ``first``."""
     return state.replace(
-        last=put_rows(state.last, first.tokens[:, 0]),
-        num_generated=put_rows(state.num_generated, first.num_generated),
-        finish=put_rows(state.finish, first.finish),
+        last=_put_rows(slot, state.last, first.tokens[:, 0]),
+        num_generated=_put_rows(slot, state.num_generated, first.num_generated),
+        finish=_put_rows(slot, state.finish, first.finish),
     )
 
 
@@ -551,9 +546,7 @@ def _write(shape: SlotShape, state: SlotState, new: Pages, rows: NewRows, seen, 
     def put(pools, new):
         return tuple(write_pool(pool, targets, None, x, 0) for pool, x in zip(pools, new, strict=True))
 
-    def put_rows(big, new):
-        return big.at[rows.slot].set(new.astype(big.dtype), mode="drop")
-
+    put_rows = functools.partial(_put_rows, rows.slot)
     old = state.cache
     paged = PagedKVCache(
         k=put(old.k, new.k),
