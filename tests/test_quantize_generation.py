@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,6 @@ from gptj_flax.data.corpus import write_stdlib_corpus
 from gptj_flax.evaluation.perplexity import perplexity
 from gptj_flax.losses import token_log_probs
 from gptj_flax.sampling import LanguageModel
-from gptj_flax.training import train
 from tests.test_kv_int8 import cached_logits
 from tests.test_quantize import REPO, dequantized_reference, float_checkpoint  # noqa: F401 - a fixture
 
@@ -70,25 +71,31 @@ def trained_demo(tmp_path_factory):
     train_txt, val_txt = write_stdlib_corpus(str(root / "data"), max_bytes=300_000)
     tokenizer = data.train_bpe_tokenizer([train_txt], vocab_size=2048)
     data.save_tokenizer(tokenizer, str(root / "tokenizer"))
-    config = load_config(
-        os.path.join(REPO, "configs", "demo_cpu.json"),
-        [
-            f"train.run_dir={root / 'run'}",
-            f"train.train_set={train_txt}",
-            f"train.val_set={json.dumps({'stdlib': val_txt})}",
-            f"train.tokenizer={root / 'tokenizer'}",
-            "train.total_steps=120",
-            "train.warmup_steps=5",
-            "train.anneal_steps=115",
-            "train.batch_size=8",
-            "train.val_every=120",
-            "train.val_batches=1",
-            "train.ckpt_every=120",
-            "model.max_len=64",
-        ],
+    config_path = os.path.join(REPO, "configs", "demo_cpu.json")
+    overrides = [
+        f"train.run_dir={root / 'run'}",
+        f"train.train_set={train_txt}",
+        f"train.val_set={json.dumps({'stdlib': val_txt})}",
+        f"train.tokenizer={root / 'tokenizer'}",
+        "train.total_steps=120",
+        "train.warmup_steps=5",
+        "train.anneal_steps=115",
+        "train.batch_size=8",
+        "train.val_every=120",
+        "train.val_batches=1",
+        "train.ckpt_every=120",
+        "model.max_len=64",
+    ]
+    # A process of its own, without the tests' XLA flag: running the 120 steps is the cost here, not
+    # compiling them, and LLVM's optimisations about halve it.
+    main = "import sys; from gptj_flax.cli.train import main; sys.exit(main())"  # what gptj-train runs
+    argv = [sys.executable, "-c", main, "--config", config_path, "--mesh", "1,1,1", "--no-progress"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    done = subprocess.run(
+        argv + [word for o in overrides for word in ("--set", o)], env=env, capture_output=True, text=True, timeout=900
     )
-    train(config, progress=False)
-    return config, str(root / "run"), val_txt
+    assert done.returncode == 0, done.stderr[-3000:]
+    return load_config(config_path, overrides), str(root / "run"), val_txt
 
 
 def test_int8_validation_perplexity_is_within_2_percent_of_float32(trained_demo, tmp_path):
