@@ -87,7 +87,8 @@ def trained_demo(tmp_path_factory):
         "model.max_len=64",
     ]
     # A process of its own, without the tests' XLA flag: running the 120 steps is the cost here, not
-    # compiling them, and LLVM's optimisations about halve it.
+    # compiling them, and LLVM's optimisations about halve it. One device: the mesh plays no part in
+    # what these tests check, and the tiny model's steps run faster unsplit.
     main = "import sys; from gptj_flax.cli.train import main; sys.exit(main())"  # what gptj-train runs
     argv = [sys.executable, "-c", main, "--config", config_path, "--mesh", "1,1,1", "--no-progress"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
