@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +22,7 @@ from gptj_flax.losses import token_log_probs
 from gptj_flax.sampling import LanguageModel
 from tests.test_kv_int8 import cached_logits
 from tests.test_quantize import REPO, dequantized_reference, float_checkpoint  # noqa: F401 - a fixture
+from tests.training_helpers import start_trainer
 
 
 @pytest.mark.parametrize("mesh", [(1, 1, 1), (1, 1, 8)])
@@ -89,13 +88,12 @@ def trained_demo(tmp_path_factory):
     # A process of its own, without the tests' XLA flag: running the 120 steps is the cost here, not
     # compiling them, and LLVM's optimisations about halve it. One device: the mesh plays no part in
     # what these tests check, and the tiny model's steps run faster unsplit.
-    main = "import sys; from gptj_flax.cli.train import main; sys.exit(main())"  # what gptj-train runs
-    argv = [sys.executable, "-c", main, "--config", config_path, "--mesh", "1,1,1", "--no-progress"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    done = subprocess.run(
-        argv + [word for o in overrides for word in ("--set", o)], env=env, capture_output=True, text=True, timeout=900
+    sets = [word for o in overrides for word in ("--set", o)]
+    log = root / "train.log"
+    trainer = start_trainer(
+        config_path, log, "--mesh", "1,1,1", *sets, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert trainer.wait(timeout=900) == 0, log.read_text()[-3000:]
     return load_config(config_path, overrides), str(root / "run"), val_txt
 
 

@@ -50,9 +50,10 @@ def write_config(config: Config, path) -> str:
     return str(path)
 
 
-def start_trainer(config_path: str, log_path, *extra: str) -> subprocess.Popen:
-    """scripts/train.py on ``config_path`` in the background, stdout and stderr into ``log_path``."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def start_trainer(config_path: str, log_path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """scripts/train.py on ``config_path`` in the background, stdout and stderr into ``log_path``
+    (``env``: variables to set besides the tests' own)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     with open(log_path, "w") as log:
         return subprocess.Popen(
             [sys.executable, "scripts/train.py", "--config", config_path, "--no-progress", *extra],
