@@ -13,9 +13,10 @@ With ``--url`` it measures that server. Without it, it builds a ~25M-parameter r
 byte-level BPE trained on the standard library's sources in a temporary directory, starts
 ``serve()`` on it in a child process (``--max-batch`` decode slots, ``--decode-steps`` steps a call, and
 the compilation cache on in an empty directory, as a first ``gptj-serve`` starts: the "ready in" time
-is a cold start), measures, and stops it with SIGTERM. With ``--shared-prefix N`` every request starts with the same
-N token ids (then a few of its own), and it measures a server with the prefix cache and then one
-without, side by side. With ``--adapters 0,1,8,32`` it measures a server per count, holding that
+is a cold start; ``--compile-cache DIR`` keeps the programs in DIR for the next run), measures, and
+stops it with SIGTERM. With ``--shared-prefix N`` every request starts with the same N token ids
+(then a few of its own), and it measures a server with the prefix cache and then one without, side
+by side. With ``--adapters 0,1,8,32`` it measures a server per count, holding that
 many random rank-``ADAPTER_RANK`` LoRA adapters (``--adapter NAME=DIR``), each request naming one
 of them at random (0: the base alone), and prints each one's tokens/s and decode step time side by
 side, with the bytes on the device that an adapter takes. With a model this size one decode step costs far more than the
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -46,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import flax.linen as nn
 import httpx
@@ -56,6 +58,7 @@ import jax.numpy as jnp
 from benchmarks.common import BENCH_MODEL, REPO, load_average, machine_summary, xla_flags_with_devices
 from gptj_flax import checkpoint
 from gptj_flax.checkpoint import Checkpointer
+from gptj_flax.cli.compile_cache import unwritable
 from gptj_flax.config import Config, LoraConfig, ModelConfig, TrainConfig
 from gptj_flax.convert import lora as lora_lib
 from gptj_flax.data import train_bpe_tokenizer
@@ -127,6 +130,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("beside", "between"),
         help="--prefill of the server it starts (not with --url; default between; with beside the server "
         "process gets two CPU devices, one for the decode slots and one to prefill on)",
+    )
+    parser.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help="$GPTJ_FLAX_CACHE of the servers it starts, so that a second run loads the programs the first "
+        "compiled: 'ready in' is then a warm start (not with --url; default: an empty directory for each "
+        "server, a cold start)",
     )
 
 
@@ -378,10 +388,26 @@ def _alone_step_seconds(
     return times, len(prompt), new_tokens
 
 
+@contextlib.contextmanager
+def _server_cache(directory: str | None) -> Iterator[str]:
+    """The $GPTJ_FLAX_CACHE of a server this starts: ``--compile-cache``, else a new empty directory
+    (removed after), so that "ready in" is a cold start."""
+    if directory is not None:
+        yield os.path.abspath(directory)
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-serve-cache-") as cache:
+        yield cache
+
+
+def _cache_note(directory: str | None) -> str:
+    """What "ready in" adds when the start may have been warm."""
+    return "" if directory is None else f" (compilation cache under {directory})"
+
+
 def _start_server(checkpoint: str, settings: dict, cache: str) -> tuple[subprocess.Popen, str]:
     """``serve()`` of this checkout in a child process (no GIL shared with the clients), configured by
     environment variables as a deployment would be, with the compilation cache as gptj-serve has it,
-    in ``cache`` (an empty directory: a cold start)."""
+    under ``cache`` (an empty directory: a cold start)."""
     port = _free_port()
     prefill = settings["prefill"]
     settings = {"checkpoint": checkpoint, "port": port, **settings, "log_level": "warning"}
@@ -445,11 +471,12 @@ def _server_settings(args: argparse.Namespace) -> dict:
     """The settings of the server the benchmark starts, checked; {} with --url."""
     if args.url:
         if args.shared_prefix or any(
-            v is not None for v in (args.max_batch, args.prefill, args.decode_steps, args.max_len, args.adapters)
+            v is not None
+            for v in (args.max_batch, args.prefill, args.decode_steps, args.max_len, args.adapters, args.compile_cache)
         ):
             raise SystemExit(
-                "error: --max-batch, --prefill, --decode-steps, --max-len, --shared-prefix and --adapters set up the "
-                "servers the benchmark starts; with --url the server is yours"
+                "error: --max-batch, --prefill, --decode-steps, --max-len, --shared-prefix, --adapters and "
+                "--compile-cache set up the servers the benchmark starts; with --url the server is yours"
             )
         return {}
     own = {
@@ -462,6 +489,8 @@ def _server_settings(args: argparse.Namespace) -> dict:
         raise SystemExit(f"error: --decode-steps must be in 1..{MAX_DECODE_STEPS}, got {own['decode_steps']}")
     if not 16 <= own["max_len"] <= BENCH_MODEL.max_len:
         raise SystemExit(f"error: --max-len must be in 16..{BENCH_MODEL.max_len}, got {own['max_len']}")
+    if args.compile_cache is not None and (why := unwritable(os.path.join(args.compile_cache, "jax"))):
+        raise SystemExit(f"error: --compile-cache {args.compile_cache}: cannot hold the compilation cache ({why})")
     return own
 
 
@@ -503,12 +532,12 @@ def _own_servers(
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as directory:
         target = _write_model(directory)
         for prefix_cache in (True, False) if args.shared_prefix else (True,):
-            with tempfile.TemporaryDirectory(prefix="bench-serve-cache-") as cache:  # a cold start each time
+            with _server_cache(args.compile_cache) as cache:
                 start = time.perf_counter()
                 process, url = _start_server(directory, {**settings, "no_prefix_cache": not prefix_cache}, cache)
                 target += "; server " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
                 target += "" if prefix_cache else " --no-prefix-cache"
-                target += f", ready in {time.perf_counter() - start:.0f} s"
+                target += f", ready in {time.perf_counter() - start:.0f} s{_cache_note(args.compile_cache)}"
                 try:
                     results.append(measure(url))
                 finally:
@@ -544,9 +573,10 @@ def adapter_bytes(config: ModelConfig = BENCH_MODEL) -> int:
 
 
 def _adapter_servers(
-    settings: dict, counts: list[int], measure: Callable[..., list[Round]]
+    settings: dict, counts: list[int], measure: Callable[..., list[Round]], compile_cache: str | None
 ) -> tuple[str, list[tuple[int, list[Round]]]]:
-    """A server per count of adapters on a random model, each request naming one of them at random."""
+    """A server per count of adapters on a random model, each request naming one of them at random
+    (``compile_cache``: the servers' $GPTJ_FLAX_CACHE, None for a new empty one each)."""
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as base, tempfile.TemporaryDirectory() as adapters:
         target = _write_model(base)
@@ -557,10 +587,10 @@ def _adapter_servers(
             served = dict(settings)
             if n:
                 served.update(adapter=",".join(f"{name}={paths[name]}" for name in names), max_adapters=n)
-            with tempfile.TemporaryDirectory(prefix="bench-serve-cache-") as cache:  # a cold start each time
+            with _server_cache(compile_cache) as cache:
                 start = time.perf_counter()
                 process, url = _start_server(base, served, cache)
-                target += f"; {n} adapters: ready in {time.perf_counter() - start:.0f} s"
+                target += f"; {n} adapters: ready in {time.perf_counter() - start:.0f} s{_cache_note(compile_cache)}"
                 try:
                     results.append((n, measure(url, None, names or None)))
                 finally:
@@ -603,7 +633,7 @@ def run(args: argparse.Namespace) -> None:
         return asyncio.run(_measure(url, api_key, concurrency, args.warmup, args.seconds, lengths, prompt, models))
 
     if args.adapters is not None:
-        target, by_count = _adapter_servers(settings, _counts(args.adapters) or [], measure)
+        target, by_count = _adapter_servers(settings, _counts(args.adapters) or [], measure, args.compile_cache)
         print(f"{machine}\n{target}\n/v1/completions, streamed, each request naming one adapter at random\n")
         _print_adapters(by_count, settings["max_batch"])
         print(f"load average after: {load_average():.2f}")

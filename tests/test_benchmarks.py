@@ -183,12 +183,20 @@ def test_sample_benchmark_prints_int8_weights_and_cache_beside_float32(sample_be
     assert "(ratio: how many times faster int8 cache is than float32; its bound" in out
 
 
+@pytest.fixture(scope="module")
+def server_programs(tmp_path_factory) -> str:
+    """One ``--compile-cache`` for the servers of this module's serve runs: a server of a shape an
+    earlier run compiled loads its programs (these runs check what is printed, not the cold start)."""
+    return str(tmp_path_factory.mktemp("bench-serve-programs"))
+
+
 @pytest.mark.slow  # bench.py starts a server process and times requests against it
-def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
+def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path, server_programs):
     out = bench(
         repo_root,
         tmp_path,
         "serve",
+        *("--compile-cache", server_programs),
         "--concurrency",
         "1,2",
         "--warmup",
@@ -206,6 +214,7 @@ def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
     )
     assert "random GPT-J, 27.3M parameters" in out
     assert "server --max-batch 2 --prefill between --decode-steps 2 --max-len 32" in out
+    assert f"(compilation cache under {server_programs})" in out and os.listdir(os.path.join(server_programs, "jax"))
     rows = re.findall(rf"^\s+(\d+)\s+(\d+)\s+({NUMBER})\s+({NUMBER})\s+({SHARE})\s+({NUMBER})\s", out, re.MULTILINE)
     assert [row[0] for row in rows] == ["1", "2"], out
     assert all(int(row[1]) >= 1 and float(row[2].replace(",", "")) > 0 for row in rows), out
@@ -217,11 +226,14 @@ def test_serve_benchmark_starts_its_own_server(repo_root, tmp_path):
 
 
 @pytest.mark.slow  # bench.py starts two server processes and times requests against each
-def test_serve_benchmark_compares_a_shared_prefix_with_and_without_the_prefix_cache(repo_root, tmp_path):
+def test_serve_benchmark_compares_a_shared_prefix_with_and_without_the_prefix_cache(
+    repo_root, tmp_path, server_programs
+):
     out = bench(
         repo_root,
         tmp_path,
         "serve",
+        *("--compile-cache", server_programs),
         *("--shared-prefix", "48", "--concurrency", "1", "--max-batch", "2"),
         *("--warmup", "0.5", "--seconds", "2", "--new-tokens", "2"),
         *("--max-len", "64"),  # three cached pages and few prompt buckets: a warm-up of few programs
@@ -234,11 +246,12 @@ def test_serve_benchmark_compares_a_shared_prefix_with_and_without_the_prefix_ca
 
 
 @pytest.mark.slow  # bench.py starts two server processes, the second with adapters, and times requests
-def test_serve_benchmark_compares_servers_holding_adapters_with_the_base_alone(repo_root, tmp_path):
+def test_serve_benchmark_compares_servers_holding_adapters_with_the_base_alone(repo_root, tmp_path, server_programs):
     out = bench(
         repo_root,
         tmp_path,
         "serve",
+        *("--compile-cache", server_programs, "--decode-steps", "2"),  # the base: the first serve run's programs
         *("--adapters", "0,2", "--concurrency", "2", "--max-batch", "2", "--max-len", "32"),
         *("--warmup", "0.5", "--seconds", "2", "--new-tokens", "2,4"),
     )
@@ -290,6 +303,8 @@ def test_sample_benchmark_decodes_greedily_on_both_sides_by_default():
         (["--adapters", "0,x"], "--adapters must be adapter counts >= 0"),
         (["--adapters", "1", "--shared-prefix", "8"], "--adapters must be adapter counts >= 0"),
         (["--url", "http://127.0.0.1:9", "--adapters", "1"], "with --url the server is yours"),
+        (["--url", "http://127.0.0.1:9", "--compile-cache", "cc"], "with --url the server is yours"),
+        (["--compile-cache", "/dev/null/cc"], "--compile-cache /dev/null/cc: cannot hold the compilation cache"),
     ],
 )
 def test_serve_benchmark_refuses_bad_arguments_in_one_line(tmp_path, args, message, run_command):
