@@ -100,6 +100,12 @@ class SlotShape:
         """Pages in the pool; a page table names this one, past its end, for a page not held."""
         return sum(self.blocks)
 
+    @property
+    def short_pages(self) -> int:
+        """Pages every prompt prefilled at once is cut into, the longest one's (``chunk`` columns):
+        one page-write program then serves every prompt bucket of a count of rows."""
+        return -(-min(self.chunk, self.length) // self.page)
+
 
 @flax.struct.dataclass
 class SlotState:
@@ -429,8 +435,8 @@ def admit_cached(
 def insert_pages(shape: SlotShape, state: SlotState, pages: Pages, rows: NewRows, seen, table) -> SlotState:
     """Write prompts cut into ``pages`` into their slots, with their settings and ``seen`` ids;
     :func:`first` then chooses their first tokens. A program of its own, compiled once per count of
-    rows and of pages, rather than a part of every prefill's (``rows.tokens`` may be None: the
-    prompts themselves are not needed)."""
+    rows (every short prompt is cut into :attr:`SlotShape.short_pages` pages), rather than a part of
+    every prefill's (``rows.tokens`` may be None: the prompts themselves are not needed)."""
     return _write(shape, state, pages, rows, seen, table)
 
 
@@ -524,7 +530,9 @@ def _cut(shape: SlotShape, cache: KVCache, rows: NewRows) -> Pages:
     """A prompt cache (``rows``' prompts left-padded) cut into pages, real tokens first."""
     columns = rows.tokens.shape[1]
     kept = min(columns, shape.length)  # a prompt never needs more columns than a row has
-    pages = -(-kept // shape.page)
+    # A padding page lies past the pages its row holds, where the page table names the pool's end:
+    # writing it writes nothing.
+    pages = max(-(-kept // shape.page), shape.short_pages)
     # row j's real tokens sit in its last lengths[j] columns: rotate them to the front
     source = (jnp.arange(kept)[None, :] + (columns - rows.lengths)[:, None]) % columns
 
