@@ -489,8 +489,12 @@ def _server_settings(args: argparse.Namespace) -> dict:
         raise SystemExit(f"error: --decode-steps must be in 1..{MAX_DECODE_STEPS}, got {own['decode_steps']}")
     if not 16 <= own["max_len"] <= BENCH_MODEL.max_len:
         raise SystemExit(f"error: --max-len must be in 16..{BENCH_MODEL.max_len}, got {own['max_len']}")
-    if args.compile_cache is not None and (why := unwritable(os.path.join(args.compile_cache, "jax"))):
-        raise SystemExit(f"error: --compile-cache {args.compile_cache}: cannot hold the compilation cache ({why})")
+    if args.compile_cache is not None:
+        why = unwritable(os.path.join(args.compile_cache, "jax")) if args.compile_cache else "an empty path"
+        if why:
+            raise SystemExit(
+                f"error: --compile-cache {args.compile_cache!r}: cannot hold the compilation cache ({why})"
+            )
     return own
 
 

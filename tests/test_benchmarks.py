@@ -304,7 +304,8 @@ def test_sample_benchmark_decodes_greedily_on_both_sides_by_default():
         (["--adapters", "1", "--shared-prefix", "8"], "--adapters must be adapter counts >= 0"),
         (["--url", "http://127.0.0.1:9", "--adapters", "1"], "with --url the server is yours"),
         (["--url", "http://127.0.0.1:9", "--compile-cache", "cc"], "with --url the server is yours"),
-        (["--compile-cache", "/dev/null/cc"], "--compile-cache /dev/null/cc: cannot hold the compilation cache"),
+        (["--compile-cache", "/dev/null/cc"], "--compile-cache '/dev/null/cc': cannot hold the compilation cache"),
+        (["--compile-cache", ""], "--compile-cache '': cannot hold the compilation cache (an empty path)"),
     ],
 )
 def test_serve_benchmark_refuses_bad_arguments_in_one_line(tmp_path, args, message, run_command):
